@@ -1,0 +1,415 @@
+"""One libp2p stream carrying framed calls or messages, with credit-based flow control.
+
+Runs in the trio thread. Two tasks own the stream: a reader that never stops reading (so
+yamux's window is always refilled and the 5-second window timeout can never fire) and a writer
+that sends a data frame only when the peer has granted credit for it. A receiver that is slow
+to consume simply stops granting credit, and the sender waits without touching yamux.
+
+Credit: each side starts with `INITIAL_CREDIT` bytes it may send; the receiver grants more in
+`CREDIT` frames. Bytes of frames that arrive are granted back at once while the bytes of
+complete-but-unconsumed messages stay under the receive window; past that, grants are deferred
+until the application consumes (a handler starts, or `recv` takes a message). CREDIT and
+stream-level ERROR frames do not count, so credit can always flow.
+
+Large messages are sent as chunks, interleaved round-robin with other calls' messages, so a
+64 MB tensor does not hold up a 3 KB request on the same stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import trio
+
+from p2p.codec import (
+    FLAG_MORE,
+    HEADER,
+    HEADER_SIZE,
+    MAX_CHUNK,
+    ErrorCode,
+    Frame,
+    FrameDecoder,
+    Kind,
+    Reassembler,
+    decode_credit,
+    decode_error,
+    encode_credit,
+    encode_error,
+)
+from p2p.errors import ConnectionLost, FrameError
+
+log = logging.getLogger(__name__)
+
+INITIAL_CREDIT = 2 * MAX_CHUNK  # bytes either side may send before the first CREDIT frame
+READ_SIZE = 1024 * 1024  # bytes asked of the stream per read
+
+
+class CallSink(Protocol):
+    """Where a client call's outcome goes (implemented by the asyncio facade)."""
+
+    def resolve(self, kind: int, payload: bytes) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+class ChannelOwner(Protocol):
+    """What a channel needs from its host."""
+
+    def on_request(self, channel: Channel, call_id: int, payload: bytes) -> None: ...
+
+    def on_message(self, channel: Channel, kind: int, payload: bytes) -> None: ...
+
+    def on_closed(self, channel: Channel, error: BaseException | None) -> None: ...
+
+
+class _Outgoing:
+    __slots__ = ("call_id", "kind", "offset", "on_sent", "payload")
+
+    def __init__(
+        self, kind: int, call_id: int, payload: bytes, on_sent: Callable[[bool], None] | None
+    ) -> None:
+        self.kind = kind
+        self.call_id = call_id
+        self.payload = memoryview(payload)
+        self.offset = 0
+        self.on_sent = on_sent
+
+    def next_frame_size(self, chunk: int) -> int:
+        return HEADER_SIZE + min(chunk, len(self.payload) - self.offset)
+
+    def take(self, chunk: int) -> bytes:
+        start = self.offset
+        end = min(start + chunk, len(self.payload))
+        self.offset = end
+        flags = FLAG_MORE if end < len(self.payload) else 0
+        return HEADER.pack(end - start, self.kind, flags, self.call_id) + self.payload[start:end]
+
+    @property
+    def done(self) -> bool:
+        return self.offset >= len(self.payload)
+
+
+class Channel:
+    """A framed, flow-controlled duplex over one libp2p stream.
+
+    `mode` is "client" (we send requests and await responses), "server" (we answer requests)
+    or "stream" (both sides send messages). All methods run in the trio thread.
+    """
+
+    def __init__(
+        self,
+        stream: Any,
+        *,
+        mode: str,
+        protocol_id: str,
+        owner: ChannelOwner,
+        recv_window: int,
+        chunk_size: int,
+        max_message: int,
+        max_concurrent: int = 1,
+    ) -> None:
+        self.stream = stream
+        self.mode = mode
+        self.protocol_id = protocol_id
+        self.peer_id = str(stream.muxed_conn.peer_id)
+        self._owner = owner
+        self._window = recv_window
+        self._chunk = chunk_size
+        self._decoder = FrameDecoder(max_frame=MAX_CHUNK)
+        self._reasm = Reassembler(max_message)
+        # sending
+        self._ctrl: deque[bytes] = deque()
+        self._out: deque[_Outgoing] = deque()
+        self._send_credit = INITIAL_CREDIT
+        self._wake = trio.Event()
+        # receiving
+        self._granted = INITIAL_CREDIT  # total bytes we have allowed the peer to send
+        self._received = 0  # counted bytes the peer has sent
+        self._unconsumed = 0  # bytes of complete messages not yet consumed
+        self._deferred = 0  # credit held back until the application consumes
+        self._to_grant = 0  # credit earned but not yet sent
+        # client calls
+        self._pending: dict[int, CallSink] = {}
+        self._next_call = 1
+        # server requests
+        self._max_concurrent = max_concurrent
+        self._active = 0
+        self._waiting: deque[tuple[int, bytes]] = deque()
+        self.closed = False
+        self._cancel: trio.CancelScope | None = None
+        self._write_error: BaseException | None = None
+        self._sent_end = False
+        self._got_end = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the stream until either side closes it; never raises (but `Cancelled`)."""
+        error: BaseException | None = None
+        if self._window > INITIAL_CREDIT:
+            self._grant(self._window - INITIAL_CREDIT, force=True)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._cancel = nursery.cancel_scope
+                nursery.start_soon(self._write_loop)
+                try:
+                    await self._reader()
+                except FrameError as exc:
+                    error = exc
+                except Exception as exc:  # a broken stream must never take the host down
+                    error = exc
+                nursery.cancel_scope.cancel()
+            error = error or self._write_error
+            if isinstance(error, FrameError):
+                log.info("closing %s stream from %s: %s", self.protocol_id, self.peer_id, error)
+                with trio.move_on_after(1):
+                    await self._write_quietly(
+                        self._frame(Kind.ERROR, 0, encode_error(error.code, error.message))
+                    )
+            elif error is not None:
+                log.debug("%s stream to %s failed: %r", self.protocol_id, self.peer_id, error)
+        finally:
+            self._finish(error)
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await self._close_stream(error is not None)
+
+    async def _write_loop(self) -> None:
+        try:
+            await self._writer()
+        except Exception as exc:
+            self._write_error = exc
+            if self._cancel is not None:
+                self._cancel.cancel()
+
+    def abort(self) -> None:
+        """Stop serving at once (host shutdown)."""
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        lost = ConnectionLost(
+            f"the {self.protocol_id} stream to {self.peer_id} closed"
+            + (f": {error}" if error else "")
+        )
+        pending, self._pending = self._pending, {}
+        for sink in pending.values():
+            sink.fail(lost)
+        queued, self._out = self._out, deque()
+        for item in queued:
+            if item.on_sent is not None:
+                item.on_sent(False)
+        self._waiting.clear()
+        self._owner.on_closed(self, error)
+
+    async def _close_stream(self, reset: bool) -> None:
+        try:
+            if reset:
+                await self.stream.reset()
+            else:
+                await self.stream.close()
+        except Exception as exc:
+            log.debug("closing a %s stream: %r", self.protocol_id, exc)
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _frame(kind: int, call_id: int, payload: bytes) -> bytes:
+        return HEADER.pack(len(payload), kind, 0, call_id) + payload
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    def send(
+        self,
+        kind: int,
+        call_id: int,
+        payload: bytes,
+        on_sent: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Queue one message (split into chunks as needed).
+
+        `on_sent(True)` runs once it is written, `on_sent(False)` if the stream closes first.
+        """
+        if self.closed:
+            if on_sent is not None:
+                on_sent(False)
+            return
+        self._out.append(_Outgoing(kind, call_id, payload, on_sent))
+        self._kick()
+
+    def call(self, payload: bytes, sink: CallSink) -> int:
+        """Send a request; the response or error goes to `sink`. Returns the call id."""
+        if self.closed:
+            sink.fail(ConnectionLost(f"the {self.protocol_id} stream to {self.peer_id} closed"))
+            return 0
+        call_id = self._next_call
+        self._next_call += 1
+        self._pending[call_id] = sink
+        self.send(Kind.REQUEST, call_id, payload)
+        return call_id
+
+    def forget(self, call_id: int) -> None:
+        """The caller gave up on `call_id`; a late answer will be dropped."""
+        self._pending.pop(call_id, None)
+
+    def respond(self, call_id: int, kind: int, payload: bytes) -> None:
+        """Answer a request (RESPONSE or ERROR) and let the next waiting one start."""
+        self._active -= 1
+        self.send(kind, call_id, payload)
+        self._start_waiting()
+
+    async def _writer(self) -> None:
+        while True:
+            if self._ctrl:
+                await self._write(self._ctrl.popleft())
+                continue
+            if self._out:
+                item = self._out[0]
+                if self._send_credit >= item.next_frame_size(self._chunk):
+                    frame = item.take(self._chunk)
+                    self._send_credit -= len(frame)
+                    self._out.popleft()
+                    if item.done:
+                        await self._write(frame)
+                        if item.on_sent is not None:
+                            item.on_sent(True)
+                        if item.kind == Kind.END:
+                            self._sent_end = True
+                            if self._got_end and self._cancel is not None:
+                                self._cancel.cancel()  # both sides done: a clean close
+                    else:
+                        self._out.append(item)  # round-robin with other messages
+                        await self._write(frame)
+                    continue
+            self._wake = trio.Event()
+            await self._wake.wait()
+
+    async def _write(self, data: bytes) -> None:
+        await self.stream.write(data)
+
+    async def _write_quietly(self, data: bytes) -> None:
+        try:
+            await self.stream.write(data)
+        except Exception:
+            pass
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    def _grant(self, amount: int, *, force: bool = False) -> None:
+        self._to_grant += amount
+        if force or self._to_grant >= min(self._window // 4, 4 * 1024 * 1024):
+            self._granted += self._to_grant
+            self._ctrl.append(self._frame(Kind.CREDIT, 0, encode_credit(self._to_grant)))
+            self._to_grant = 0
+            self._kick()
+
+    def _earned(self, nbytes: int) -> None:
+        if self._unconsumed < self._window:
+            self._grant(nbytes)
+        else:
+            self._deferred += nbytes
+
+    def consumed(self, nbytes: int) -> None:
+        """The application took a message of `nbytes` off our hands."""
+        self._unconsumed -= nbytes
+        if self._deferred and self._unconsumed < self._window:
+            deferred, self._deferred = self._deferred, 0
+            self._grant(deferred, force=True)
+
+    async def _reader(self) -> None:
+        from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+
+        while True:
+            try:
+                data = await self.stream.read(READ_SIZE)
+            except StreamEOF:
+                return
+            except StreamReset as exc:
+                raise ConnectionLost(f"stream reset by {self.peer_id}") from exc
+            if not data:
+                return
+            for frame in self._decoder.feed(data):
+                if not self._on_frame(frame):
+                    return
+
+    def _on_frame(self, frame: Frame) -> bool:
+        """Handle one frame; False once the peer ended a message stream."""
+        if frame.kind == Kind.CREDIT:
+            self._send_credit += decode_credit(frame.payload)
+            self._kick()
+            return True
+        if frame.kind == Kind.ERROR and frame.call_id == 0:
+            info = decode_error(frame.payload)
+            raise ConnectionLost(f"{self.peer_id} closed the stream: {info.code}: {info.message}")
+        size = HEADER_SIZE + len(frame.payload)
+        self._received += size
+        if self._received > self._granted:
+            raise FrameError(
+                ErrorCode.PROTOCOL_ERROR,
+                f"peer sent {self._received} bytes but was granted only {self._granted}",
+            )
+        self._earned(size)
+        expected = {
+            "client": (Kind.RESPONSE, Kind.ERROR),
+            "server": (Kind.REQUEST,),
+            "stream": (Kind.MESSAGE, Kind.END, Kind.ERROR),
+        }[self.mode]
+        if frame.kind not in expected:
+            self._ctrl.append(
+                self._frame(
+                    Kind.ERROR,
+                    frame.call_id,
+                    encode_error(
+                        ErrorCode.PROTOCOL_ERROR,
+                        f"unexpected frame kind {frame.kind} on a {self.mode} stream",
+                    ),
+                )
+            )
+            self._kick()
+            return True
+        try:
+            payload = self._reasm.add(frame)
+        except FrameError as exc:
+            self._reject(frame, exc)
+            return True
+        if payload is None:
+            return True
+        if self.mode == "client":
+            sink = self._pending.pop(frame.call_id, None)
+            if sink is not None:
+                sink.resolve(frame.kind, payload)
+        elif self.mode == "server":
+            self._unconsumed += len(payload)
+            self._waiting.append((frame.call_id, payload))
+            self._start_waiting()
+        else:
+            if frame.kind == Kind.MESSAGE:
+                self._unconsumed += len(payload)
+            self._owner.on_message(self, frame.kind, payload)
+            if frame.kind == Kind.END:
+                self._got_end = True
+                return not self._sent_end  # both sides done: a clean close
+        return True
+
+    def _reject(self, frame: Frame, exc: FrameError) -> None:
+        if self.mode == "server":
+            self.send(Kind.ERROR, frame.call_id, encode_error(exc.code, exc.message))
+        elif self.mode == "client":
+            sink = self._pending.pop(frame.call_id, None)
+            if sink is not None:
+                sink.fail(exc)
+        else:
+            self._owner.on_message(self, Kind.ERROR, encode_error(exc.code, exc.message))
+
+    def _start_waiting(self) -> None:
+        while self._waiting and self._active < self._max_concurrent and not self.closed:
+            call_id, payload = self._waiting.popleft()
+            self._active += 1
+            self.consumed(len(payload))
+            self._owner.on_request(self, call_id, payload)

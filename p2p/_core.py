@@ -1,0 +1,360 @@
+"""The trio side of a host: the libp2p host, its channels, and handler dispatch.
+
+Everything here runs in the p2p trio thread except `_run_compute`, which runs in a worker
+thread and answers straight back into trio: compute requests never touch the asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from p2p._channel import Channel
+from p2p._runtime import TrioRuntime, post
+from p2p.codec import ErrorCode, Kind, ProtocolSpec, encode_error, encode_message
+from p2p.config import HostConfig
+from p2p.errors import ConnectionLost, FrameError, HostClosed, P2PError
+from p2p.identity import Identity
+
+log = logging.getLogger(__name__)
+
+# Handler kinds
+CONTROL = "control"  # coroutine on the asyncio loop
+COMPUTE = "compute"  # plain function in a worker thread
+STREAM = "stream"  # coroutine on the asyncio loop, given a message stream
+
+
+@dataclass(frozen=True)
+class HandlerEntry:
+    spec: ProtocolSpec
+    kind: str
+    fn: Callable[..., Any]
+    max_message: int
+
+
+def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, bytes]:
+    """Decode, run a compute handler, encode: (RESPONSE or ERROR, payload). Never raises."""
+    try:
+        request = entry.spec.decode_request(payload)
+    except FrameError as exc:
+        return Kind.ERROR, encode_error(exc.code, exc.message)
+    try:
+        response = entry.fn(peer_id, request)
+    except Exception as exc:
+        log.warning("%s handler raised for %s", entry.spec.protocol_id, peer_id, exc_info=True)
+        return Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
+    return encode_response(entry, response)
+
+
+def encode_response(entry: HandlerEntry, response: Any) -> tuple[int, bytes]:
+    """Check and encode a handler's answer: (RESPONSE or ERROR, payload). Never raises."""
+    allowed = entry.spec.response
+    if not isinstance(response, allowed):
+        names = (
+            ", ".join(t.__name__ for t in allowed) if isinstance(allowed, tuple) else allowed.__name__
+        )
+        return Kind.ERROR, encode_error(
+            ErrorCode.HANDLER_ERROR,
+            f"handler returned {type(response).__name__}, the protocol answers {names}",
+        )
+    try:
+        out = encode_message(response)
+    except Exception as exc:
+        return Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"cannot encode answer: {exc}")
+    if len(out) > entry.max_message:
+        return Kind.ERROR, encode_error(
+            ErrorCode.TOO_LARGE,
+            f"answer of {len(out)} bytes exceeds the limit of {entry.max_message} bytes",
+        )
+    return Kind.RESPONSE, out
+
+
+class StreamInbox:
+    """What a message stream's channel delivers to asyncio: (kind, payload or error) items."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    def put(self, kind: int, item: Any) -> None:
+        post(self.loop, self.queue.put_nowait, (kind, item))
+
+
+CLOSED = -1  # inbox item kind: the channel closed (item: the error or None)
+
+
+class HostCore:
+    """The libp2p host and everything it serves; lives in the trio thread."""
+
+    def __init__(
+        self,
+        runtime: TrioRuntime,
+        config: HostConfig,
+        identity: Identity,
+        loop: asyncio.AbstractEventLoop,
+        handlers: dict[str, HandlerEntry],
+        spawn_control: Callable[[Channel, int, HandlerEntry, bytes], None],
+        spawn_stream: Callable[[Channel, HandlerEntry, StreamInbox], None],
+    ) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.identity = identity
+        self.loop = loop
+        self.handlers = handlers
+        self._spawn_control = spawn_control
+        self._spawn_stream = spawn_stream
+        self.executor = ThreadPoolExecutor(
+            max_workers=config.compute_threads, thread_name_prefix="fusionai-compute"
+        )
+        self.addrs: list[str] = []
+        self._lp: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._stop = trio.Event()
+        self._stopped = trio.Event()
+        self._clients: dict[tuple[str, str], Channel] = {}
+        self._opening: dict[tuple[str, str], trio.Event] = {}
+        self._channels: set[Channel] = set()
+        self._inboxes: dict[Channel, StreamInbox] = {}
+        self.closing = False
+
+    # ---- lifecycle (trio) ---------------------------------------------------------------------
+
+    async def start(self) -> list[str]:
+        """Start listening; returns our multiaddrs (with /p2p/<peer id>)."""
+        nursery = self.runtime._nursery
+        assert nursery is not None
+        await nursery.start(self._serve)
+        return self.addrs
+
+    async def _serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        import multiaddr
+
+        from p2p._libp2p import make_host
+
+        self._lp = make_host(self.identity)
+        try:
+            listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
+            async with self._lp.run(listen_addrs=listen), trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for protocol_id in self.handlers:
+                    self.register(protocol_id)
+                self.addrs = [str(a) for a in self._lp.get_addrs()]
+                task_status.started()
+                await self._stop.wait()
+                for channel in list(self._channels):
+                    channel.abort()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                try:
+                    await self._lp.close()
+                except Exception:
+                    log.debug("closing the libp2p host", exc_info=True)
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        self.closing = True
+        self._stop.set()
+        await self._stopped.wait()
+
+    def register(self, protocol_id: str) -> None:
+        """Route inbound streams of `protocol_id` to its handler (trio thread)."""
+        if self._lp is None:
+            return  # registered when the host starts
+
+        async def on_stream(stream: Any) -> None:
+            await self._serve_stream(protocol_id, stream)
+
+        from libp2p.custom_types import TProtocol
+
+        self._lp.set_stream_handler(TProtocol(protocol_id), on_stream)
+
+    # ---- inbound ---------------------------------------------------------------------------
+
+    async def _serve_stream(self, protocol_id: str, stream: Any) -> None:
+        """libp2p's handler for our protocols: must never let an exception escape."""
+        channel: Channel | None = None
+        try:
+            entry = self.handlers[protocol_id]
+            channel = Channel(
+                stream,
+                mode="stream" if entry.kind == STREAM else "server",
+                protocol_id=protocol_id,
+                owner=self,
+                recv_window=self.config.recv_window,
+                chunk_size=self.config.chunk_size,
+                max_message=entry.max_message,
+                max_concurrent=self.config.max_concurrent_requests,
+            )
+            self._channels.add(channel)
+            if entry.kind == STREAM:
+                inbox = StreamInbox(self.loop)
+                self._inboxes[channel] = inbox
+                post(self.loop, self._spawn_stream, channel, entry, inbox)
+            await channel.run()
+        except Exception:
+            log.exception("serving a %s stream", protocol_id)
+        finally:
+            if channel is not None:
+                self._channels.discard(channel)
+
+    def on_request(self, channel: Channel, call_id: int, payload: bytes) -> None:
+        entry = self.handlers.get(channel.protocol_id)
+        if entry is None or self.closing:
+            channel.respond(
+                call_id, Kind.ERROR, encode_error(ErrorCode.SHUTTING_DOWN, "the peer is closing")
+            )
+        elif entry.kind == COMPUTE:
+            try:
+                self.executor.submit(self._run_compute, channel, call_id, entry, payload)
+            except RuntimeError:  # executor shut down
+                channel.respond(
+                    call_id,
+                    Kind.ERROR,
+                    encode_error(ErrorCode.SHUTTING_DOWN, "the peer is closing"),
+                )
+        else:
+            post(self.loop, self._spawn_control, channel, call_id, entry, payload)
+
+    def _run_compute(self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes) -> None:
+        kind, out = execute(entry, channel.peer_id, payload)
+        try:
+            self.runtime.call_soon(channel.respond, call_id, kind, out)
+        except HostClosed:
+            pass
+
+    def on_message(self, channel: Channel, kind: int, payload: bytes) -> None:
+        inbox = self._inboxes.get(channel)
+        if inbox is not None:
+            inbox.put(kind, payload)
+
+    def on_closed(self, channel: Channel, error: BaseException | None) -> None:
+        key = (channel.peer_id, channel.protocol_id)
+        if self._clients.get(key) is channel:
+            del self._clients[key]
+        inbox = self._inboxes.pop(channel, None)
+        if inbox is not None:
+            inbox.put(CLOSED, error)
+
+    # ---- outbound --------------------------------------------------------------------------
+
+    async def connect(self, addr: str) -> str:
+        import multiaddr
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as exc:
+            raise ValueError(
+                f"{addr!r} is not a peer multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/12D3KooW...: "
+                f"{exc}"
+            ) from None
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                await self._lp.connect(info)
+        except trio.TooSlowError:
+            raise ConnectionLost(
+                f"could not reach {addr} within {self.config.connect_timeout} s"
+            ) from None
+        except Exception as exc:
+            raise ConnectionLost(f"could not connect to {addr}: {exc}") from exc
+        return str(info.peer_id)
+
+    def connected_peers(self) -> list[str]:
+        return [str(p) for p in self._lp.get_network().connections]
+
+    async def disconnect(self, peer_id: str) -> None:
+        from libp2p.peer.id import ID
+
+        await self._lp.disconnect(ID.from_base58(peer_id))
+
+    async def open_channel(self, peer_id: str, entry: HandlerEntry, mode: str) -> Channel:
+        """Open a new stream of `entry`'s protocol to `peer_id` and serve it."""
+        from libp2p.custom_types import TProtocol
+        from libp2p.peer.id import ID
+
+        if self.closing or self._nursery is None:
+            raise HostClosed("the host is closing")
+        protocol_id = entry.spec.protocol_id
+        try:
+            pid = ID.from_base58(peer_id)
+        except Exception:
+            raise ValueError(f"{peer_id!r} is not a peer id") from None
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                stream = await self._lp.new_stream(pid, [TProtocol(protocol_id)])
+        except trio.TooSlowError:
+            raise ConnectionLost(
+                f"could not open {protocol_id} to {peer_id} within "
+                f"{self.config.connect_timeout} s"
+            ) from None
+        except Exception as exc:
+            raise ConnectionLost(f"could not open {protocol_id} to {peer_id}: {exc}") from exc
+        channel = Channel(
+            stream,
+            mode=mode,
+            protocol_id=protocol_id,
+            owner=self,
+            recv_window=self.config.recv_window,
+            chunk_size=self.config.chunk_size,
+            max_message=entry.max_message,
+        )
+        self._channels.add(channel)
+        if mode == STREAM:
+            self._inboxes[channel] = StreamInbox(self.loop)
+        self._nursery.start_soon(self._run_channel, channel)
+        return channel
+
+    async def _run_channel(self, channel: Channel) -> None:
+        try:
+            await channel.run()
+        finally:
+            self._channels.discard(channel)
+
+    def inbox(self, channel: Channel) -> StreamInbox:
+        return self._inboxes[channel]
+
+    def start_call(self, peer_id: str, entry: HandlerEntry, payload: bytes, sink: Any) -> None:
+        """Send a request on the long-lived stream to `peer_id`, opening it if needed."""
+        if self.closing or self._nursery is None:
+            sink.fail(HostClosed("the host is closing"))
+            return
+        channel = self._clients.get((peer_id, entry.spec.protocol_id))
+        if channel is not None and not channel.closed:
+            sink.call_id = channel.call(payload, sink)
+            sink.channel = channel
+        else:
+            self._nursery.start_soon(self._open_and_call, peer_id, entry, payload, sink)
+
+    async def _open_and_call(self, peer_id: str, entry: HandlerEntry, payload: bytes, sink: Any) -> None:
+        key = (peer_id, entry.spec.protocol_id)
+        try:
+            while True:
+                channel = self._clients.get(key)
+                if channel is not None and not channel.closed:
+                    break
+                opening = self._opening.get(key)
+                if opening is not None:
+                    await opening.wait()
+                    continue
+                self._opening[key] = opening = trio.Event()
+                try:
+                    channel = await self.open_channel(peer_id, entry, "client")
+                    self._clients[key] = channel
+                finally:
+                    del self._opening[key]
+                    opening.set()
+                break
+        except (P2PError, ValueError) as exc:
+            sink.fail(exc)
+            return
+        if not sink.cancelled:
+            sink.call_id = channel.call(payload, sink)
+            sink.channel = channel
+
