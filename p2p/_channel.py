@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 INITIAL_CREDIT = 2 * MAX_CHUNK  # bytes either side may send before the first CREDIT frame
 READ_SIZE = 1024 * 1024  # bytes asked of the stream per read
+DRAIN_TIMEOUT = 300.0  # seconds a half-closed server stream waits for its handlers to answer
 
 
 class CallSink(Protocol):
@@ -143,6 +144,8 @@ class Channel:
         self._write_error: BaseException | None = None
         self._sent_end = False
         self._got_end = False
+        self._writing = False
+        self._idle = trio.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -157,6 +160,9 @@ class Channel:
                 nursery.start_soon(self._write_loop)
                 try:
                     await self._reader()
+                    if self.mode == "server":
+                        with trio.move_on_after(DRAIN_TIMEOUT):
+                            await self._drain()  # the peer half-closed: still answer it
                 except FrameError as exc:
                     error = exc
                 except Exception as exc:  # a broken stream must never take the host down
@@ -175,6 +181,18 @@ class Channel:
             self._finish(error)
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await self._close_stream(error is not None)
+
+    def _busy(self) -> bool:
+        return bool(self._active or self._waiting or self._out or self._ctrl or self._writing)
+
+    def _check_idle(self) -> None:
+        if not self._busy():
+            self._idle.set()
+
+    async def _drain(self) -> None:
+        while self._busy():
+            self._idle = trio.Event()
+            await self._idle.wait()
 
     async def _write_loop(self) -> None:
         try:
@@ -291,7 +309,12 @@ class Channel:
             await self._wake.wait()
 
     async def _write(self, data: bytes) -> None:
-        await self.stream.write(data)
+        self._writing = True
+        try:
+            await self.stream.write(data)
+        finally:
+            self._writing = False
+            self._check_idle()
 
     async def _write_quietly(self, data: bytes) -> None:
         try:

@@ -146,7 +146,7 @@ def _decode(decoder: Any, payload: bytes | memoryview, protocol_id: str) -> Any:
         return decoder.decode(payload)
     except msgspec.ValidationError as exc:
         raise FrameError(ErrorCode.BAD_REQUEST, f"invalid message for {protocol_id}: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except Exception as exc:  # DecodeError, and e.g. UnicodeDecodeError for a bad tag string
         raise FrameError(ErrorCode.BAD_REQUEST, f"malformed message for {protocol_id}: {exc}") from None
 
 

@@ -1,0 +1,41 @@
+# `make demo` and `make test` work on a fresh clone: they create .venv and install first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-slow lint demo bench constraints clean
+
+# torch first, pinned: the CPU wheel is local; an unpinned torch pulls several GB of CUDA.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+demo: $(STAMP)
+	$(VENV)/bin/fusionai demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/transport.py
+
+# Re-pin every installed package after changing dependencies.
+constraints: $(STAMP)
+	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|fusionai)=='; } > constraints.new
+	mv constraints.new constraints.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
