@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p2p = sub.add_parser("p2p", help="peer identity and connectivity")
     p2p_sub = p2p.add_subparsers(dest="p2p_command", required=True, metavar="SUBCOMMAND")
-    data_dir_help = "where the identity key lives (default: $FUSIONAI_DATA_DIR or the user data dir)"
+    data_dir_help = (
+        "where the identity key lives (default: $FUSIONAI_DATA_DIR or the user data dir)"
+    )
 
     ident = p2p_sub.add_parser("id", help="print this machine's peer id (made on first use)")
     ident.add_argument("--data-dir", help=data_dir_help)

@@ -57,7 +57,9 @@ def encode_response(entry: HandlerEntry, response: Any) -> tuple[int, bytes]:
     allowed = entry.spec.response
     if not isinstance(response, allowed):
         names = (
-            ", ".join(t.__name__ for t in allowed) if isinstance(allowed, tuple) else allowed.__name__
+            ", ".join(t.__name__ for t in allowed)
+            if isinstance(allowed, tuple)
+            else allowed.__name__
         )
         return Kind.ERROR, encode_error(
             ErrorCode.HANDLER_ERROR,
@@ -138,25 +140,34 @@ class HostCore:
         from p2p._libp2p import make_host
 
         self._lp = make_host(self.identity)
+        listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
         try:
-            listen = [multiaddr.Multiaddr(a) for a in self.config.listen]
-            async with self._lp.run(listen_addrs=listen), trio.open_nursery() as nursery:
-                self._nursery = nursery
-                for protocol_id in self.handlers:
-                    self.register(protocol_id)
-                self.addrs = [str(a) for a in self._lp.get_addrs()]
-                task_status.started()
-                await self._stop.wait()
-                for channel in list(self._channels):
-                    channel.abort()
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(10):
+            async with self._lp.run(listen_addrs=listen):
                 try:
-                    await self._lp.close()
-                except Exception:
-                    log.debug("closing the libp2p host", exc_info=True)
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        for protocol_id in self.handlers:
+                            self.register(protocol_id)
+                        self.addrs = [str(a) for a in self._lp.get_addrs()]
+                        task_status.started()
+                        await self._stop.wait()
+                        for channel in list(self._channels):
+                            channel.abort()
+                        nursery.cancel_scope.cancel()
+                finally:
+                    # Close inside run(): once run() has exited, libp2p's network service is
+                    # gone and close() leaves dialled sockets open (seen as CLOSE_WAIT).
+                    await self._close_libp2p()
+        finally:
+            await self._close_libp2p()
             self._stopped.set()
+
+    async def _close_libp2p(self) -> None:
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            try:
+                await self._lp.close()  # idempotent
+            except Exception:
+                log.debug("closing the libp2p host", exc_info=True)
 
     async def stop(self) -> None:
         self.closing = True
@@ -222,7 +233,9 @@ class HostCore:
         else:
             post(self.loop, self._spawn_control, channel, call_id, entry, payload)
 
-    def _run_compute(self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes) -> None:
+    def _run_compute(
+        self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes
+    ) -> None:
         kind, out = execute(entry, channel.peer_id, payload)
         try:
             self.runtime.call_soon(channel.respond, call_id, kind, out)
@@ -291,8 +304,7 @@ class HostCore:
                 stream = await self._lp.new_stream(pid, [TProtocol(protocol_id)])
         except trio.TooSlowError:
             raise ConnectionLost(
-                f"could not open {protocol_id} to {peer_id} within "
-                f"{self.config.connect_timeout} s"
+                f"could not open {protocol_id} to {peer_id} within {self.config.connect_timeout} s"
             ) from None
         except Exception as exc:
             raise ConnectionLost(f"could not open {protocol_id} to {peer_id}: {exc}") from exc
@@ -332,7 +344,9 @@ class HostCore:
         else:
             self._nursery.start_soon(self._open_and_call, peer_id, entry, payload, sink)
 
-    async def _open_and_call(self, peer_id: str, entry: HandlerEntry, payload: bytes, sink: Any) -> None:
+    async def _open_and_call(
+        self, peer_id: str, entry: HandlerEntry, payload: bytes, sink: Any
+    ) -> None:
         key = (peer_id, entry.spec.protocol_id)
         try:
             while True:
@@ -357,4 +371,3 @@ class HostCore:
         if not sink.cancelled:
             sink.call_id = channel.call(payload, sink)
             sink.channel = channel
-

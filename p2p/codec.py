@@ -56,8 +56,9 @@ class ErrorCode(StrEnum):
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):
     """Base of every wire message: frozen, typed, tagged with its class name.
 
-    Subclasses may set an explicit tag (`class Ping(Message, tag="Ping")`). Unknown fields are
-    ignored on decode, so a newer peer may add optional fields within one protocol version.
+    Subclasses repeat `frozen=True` (so type checkers see it) and set an explicit tag:
+    `class Ping(Message, frozen=True, tag="Ping")`. Unknown fields are ignored on decode, so a
+    newer peer may add optional fields within one protocol version.
     """
 
 
@@ -145,9 +146,13 @@ def _decode(decoder: Any, payload: bytes | memoryview, protocol_id: str) -> Any:
     try:
         return decoder.decode(payload)
     except msgspec.ValidationError as exc:
-        raise FrameError(ErrorCode.BAD_REQUEST, f"invalid message for {protocol_id}: {exc}") from None
+        raise FrameError(
+            ErrorCode.BAD_REQUEST, f"invalid message for {protocol_id}: {exc}"
+        ) from None
     except Exception as exc:  # DecodeError, and e.g. UnicodeDecodeError for a bad tag string
-        raise FrameError(ErrorCode.BAD_REQUEST, f"malformed message for {protocol_id}: {exc}") from None
+        raise FrameError(
+            ErrorCode.BAD_REQUEST, f"malformed message for {protocol_id}: {exc}"
+        ) from None
 
 
 def encode_frames(

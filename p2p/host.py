@@ -213,10 +213,16 @@ class Host:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _spawn_control(self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes) -> None:
+    def _spawn_control(
+        self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes
+    ) -> None:
         self._track(self._run_control(channel, call_id, entry, payload))
 
-    async def _run_control(self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes) -> None:
+    async def _run_control(
+        self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes
+    ) -> None:
+        kind: int
+        out: bytes
         try:
             request = entry.spec.decode_request(payload)
         except FrameError as exc:
@@ -227,8 +233,16 @@ class Host:
             except asyncio.CancelledError:
                 kind, out = Kind.ERROR, encode_error(ErrorCode.SHUTTING_DOWN, "the peer is closing")
             except Exception as exc:
-                log.warning("%s handler raised for %s", entry.spec.protocol_id, channel.peer_id, exc_info=True)
-                kind, out = Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
+                log.warning(
+                    "%s handler raised for %s",
+                    entry.spec.protocol_id,
+                    channel.peer_id,
+                    exc_info=True,
+                )
+                kind, out = (
+                    Kind.ERROR,
+                    encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}"),
+                )
             else:
                 kind, out = encode_response(entry, response)
         if self._runtime is not None:
@@ -247,7 +261,12 @@ class Host:
         except (ConnectionLost, HostClosed):
             pass
         except Exception as exc:
-            log.warning("%s stream handler raised for %s", entry.spec.protocol_id, stream.peer_id, exc_info=True)
+            log.warning(
+                "%s stream handler raised for %s",
+                entry.spec.protocol_id,
+                stream.peer_id,
+                exc_info=True,
+            )
             await stream._send_frame(
                 Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
             )

@@ -65,13 +65,15 @@ class Tensor(msgspec.Struct, frozen=True, array_like=True):
     @classmethod
     def from_numpy(cls, array: np.ndarray[Any, Any]) -> Tensor:
         """Wrap a numpy array (copied only if it is not C-contiguous little-endian)."""
-        if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        if array.dtype.byteorder == ">" or (
+            array.dtype.byteorder == "=" and sys.byteorder == "big"
+        ):
             array = array.astype(array.dtype.newbyteorder("<"))
         name = _NAMES.get(array.dtype)
         if name is None:
             raise ValueError(f"unsupported dtype {array.dtype}; supported: {sorted(DTYPES)}")
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        return cls(name, tuple(int(d) for d in array.shape), memoryview(flat))
+        return cls(name, tuple(int(d) for d in array.shape), flat.data)
 
     def to_numpy(self, *, copy: bool = False) -> np.ndarray[Any, Any]:
         """The array; shares the buffer (read-only if the buffer is) unless `copy`."""

@@ -1,7 +1,7 @@
 """Helpers for tests and benchmarks: small protocols, handlers, and a peer in its own process.
 
-    python -m p2p.testing   # serve the test protocols; prints {"peer_id", "addrs"} as JSON,
-                            # then serves until its standard input closes
+python -m p2p.testing   # serve the test protocols; prints {"peer_id", "addrs"} as JSON,
+                        # then serves until its standard input closes
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from p2p.tensor import Tensor
 LOCAL = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
 
 
-class Echo(Message, tag="Echo"):
+class Echo(Message, frozen=True, tag="Echo"):
     data: bytes = b""
     n: int = 0
     thread: str = ""
 
 
-class TensorMsg(Message, tag="TensorMsg"):
+class TensorMsg(Message, frozen=True, tag="TensorMsg"):
     tensor: Tensor
 
 
-class Chunk(Message, tag="Chunk"):
+class Chunk(Message, frozen=True, tag="Chunk"):
     seq: int
     data: bytes = b""
 
@@ -109,7 +109,9 @@ def dial_with_security(addr: str, security: str, timeout: float = 10.0) -> str:
     kp = create_new_key_pair()
     options = {
         "noise": {
-            TProtocol(NOISE_ID): NoiseTransport(kp, noise_privkey=create_x25519_key_pair().private_key)
+            TProtocol(NOISE_ID): NoiseTransport(
+                kp, noise_privkey=create_x25519_key_pair().private_key
+            )
         },
         "plaintext": {TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(kp)},
         "secio": {TProtocol(secio.ID): secio.Transport(kp)},
@@ -122,7 +124,8 @@ def dial_with_security(addr: str, security: str, timeout: float = 10.0) -> str:
                 with trio.fail_after(timeout):
                     await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
                 return "connected"
-        except Exception as exc:
+        except Exception as error:
+            exc: BaseException = error
             while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 exc = exc.exceptions[0]
             chain = [exc, *([exc.__cause__] if exc.__cause__ else [])]
@@ -134,7 +137,9 @@ def dial_with_security(addr: str, security: str, timeout: float = 10.0) -> str:
     return result
 
 
-async def send_raw(host: Host, peer_id: str, protocol_id: str, data: bytes, timeout: float = 10.0) -> bytes:
+async def send_raw(
+    host: Host, peer_id: str, protocol_id: str, data: bytes, timeout: float = 10.0
+) -> bytes:
     """Open a raw stream of `protocol_id` from `host` to `peer_id`, write `data`, close our
     side, and return every byte the peer sends back before closing (or before `timeout`)."""
     import trio

@@ -9,12 +9,12 @@ from __future__ import annotations
 from p2p.codec import Message, ProtocolSpec
 
 
-class Ping(Message, tag="Ping"):
+class Ping(Message, frozen=True, tag="Ping"):
     nonce: int
     payload: bytes = b""
 
 
-class Pong(Message, tag="Pong"):
+class Pong(Message, frozen=True, tag="Pong"):
     nonce: int
     payload: bytes = b""
 

@@ -70,12 +70,13 @@ def test_protocol_ids_are_checked() -> None:
         ProtocolSpec("/echo/1.0.0", Echo, Echo)
 
 
-class Holder(Message, tag="Holder"):
+class Holder(Message, frozen=True, tag="Holder"):
     t: Tensor
 
 
 @pytest.mark.parametrize(
-    "dtype", ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
+    "dtype",
+    ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"],
 )
 def test_tensors_round_trip_bit_exact_for_every_dtype(dtype: str) -> None:
     from p2p.tensor import DTYPES

@@ -104,7 +104,9 @@ def live() -> Iterator[LiveHosts]:
 
 @pytest.mark.timeout(300)
 @given(data=frames, protocol=st.sampled_from([ECHO_CONTROL, ECHO_COMPUTE]))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 def test_live_host_answers_garbage_with_typed_errors_and_keeps_serving(
     live: LiveHosts, data: bytes, protocol: object
 ) -> None:
@@ -136,13 +138,18 @@ def _errors(answer: bytes) -> list[tuple[int, str]]:
         # a frame kind a server never accepts
         (b"".join(encode_frames(Kind.RESPONSE, 6, b"x", 1024)), [(6, "protocol_error")]),
         # a header announcing a frame beyond the wire limit: the stream is closed with a reason
-        (b"".join(encode_frames(Kind.REQUEST, 7, b"", 1024))[:1] + b"\xff" * 13, [(0, "too_large")]),
+        (
+            b"".join(encode_frames(Kind.REQUEST, 7, b"", 1024))[:1] + b"\xff" * 13,
+            [(0, "too_large")],
+        ),
         # a credit frame of the wrong size
         (b"".join(encode_frames(Kind.CREDIT, 0, b"abc", 1024)), [(0, "protocol_error")]),
     ],
     ids=["bad-payload", "wrong-kind", "huge-length", "bad-credit"],
 )
-def test_live_host_names_what_was_wrong(live: LiveHosts, data: bytes, expected: list[tuple[int, str]]) -> None:
+def test_live_host_names_what_was_wrong(
+    live: LiveHosts, data: bytes, expected: list[tuple[int, str]]
+) -> None:
     answer = live.run(send_raw(live.client, live.peer, ECHO_COMPUTE.protocol_id, data))
     assert _errors(answer) == expected
     assert live.run(live.client.request(live.peer, ECHO_COMPUTE, Echo(n=2))).n == 4

@@ -83,7 +83,9 @@ async def test_handler_error_reaches_caller_and_next_request_works(
     assert answer.n in (6, 7)
 
 
-async def test_handler_returning_the_wrong_type_is_a_remote_error(pair: tuple[Host, Host, str]) -> None:
+async def test_handler_returning_the_wrong_type_is_a_remote_error(
+    pair: tuple[Host, Host, str],
+) -> None:
     server, client, peer = pair
     wrong = ProtocolSpec("/fusionai/test-wrong/1", Echo, Echo)
     server.add_compute_handler(wrong, lambda p, m: Chunk(seq=1))
@@ -91,7 +93,9 @@ async def test_handler_returning_the_wrong_type_is_a_remote_error(pair: tuple[Ho
         await client.request(peer, wrong, Echo())
 
 
-async def test_unknown_message_type_is_rejected_with_a_typed_error(pair: tuple[Host, Host, str]) -> None:
+async def test_unknown_message_type_is_rejected_with_a_typed_error(
+    pair: tuple[Host, Host, str],
+) -> None:
     _, client, peer = pair
     # The client's spec claims the protocol takes Chunk; the server's takes only Echo.
     lying = ProtocolSpec(ECHO_COMPUTE.protocol_id, Chunk, Echo)
@@ -181,7 +185,9 @@ async def test_two_processes_exchange_typed_requests(remote_peer: dict[str, obje
         assert compute.n == 3 and compute.thread.startswith("fusionai-compute")
         with pytest.raises(RemoteError):
             await client.request(peer, ECHO_COMPUTE, Echo(n=-1))
-        answers = await asyncio.gather(*(client.request(peer, ECHO_COMPUTE, Echo(n=i)) for i in range(200)))
+        answers = await asyncio.gather(
+            *(client.request(peer, ECHO_COMPUTE, Echo(n=i)) for i in range(200))
+        )
         assert [a.n for a in answers] == [i + 2 for i in range(200)]
         array = np.arange(16 * 1024 * 1024, dtype=np.int32)
         back = await client.request(peer, TENSOR, TensorMsg(tensor=Tensor.from_numpy(array)))

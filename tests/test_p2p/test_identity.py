@@ -30,7 +30,11 @@ def test_data_dir_env_var_chooses_the_directory(tmp_path: Path) -> None:
     env = {**os.environ, "FUSIONAI_DATA_DIR": str(tmp_path / "from-env")}
     out = subprocess.run(
         [sys.executable, "-m", "cli.main", "p2p", "id", "--json"],
-        env=env, capture_output=True, text=True, timeout=60, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     assert str(tmp_path / "from-env" / KEY_FILE) in out
     assert (tmp_path / "from-env" / KEY_FILE).exists()
@@ -40,7 +44,9 @@ def test_a_second_process_on_the_same_data_dir_gets_a_clear_error(tmp_path: Path
     with Identity.load_or_create(tmp_path):
         other = subprocess.run(
             [sys.executable, "-m", "cli.main", "p2p", "id", "--data-dir", str(tmp_path)],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert other.returncode == 1
     assert "another FusionAI process is using the identity" in other.stderr
@@ -48,7 +54,9 @@ def test_a_second_process_on_the_same_data_dir_gets_a_clear_error(tmp_path: Path
     # Once released, the next process gets in.
     again = subprocess.run(
         [sys.executable, "-m", "cli.main", "p2p", "id", "--data-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert again.returncode == 0, again.stderr
 

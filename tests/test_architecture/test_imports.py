@@ -1,0 +1,98 @@
+"""The one-way dependency rule of DESIGN.md, checked by walking every module's imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ["p2p", "proto", "ir", "dag", "broker", "provider", "client", "sim", "cli"]
+
+# What each package may import from the project (DESIGN.md, "Dependencies point one way").
+ALLOWED: dict[str, set[str]] = {
+    "p2p": set(),
+    "proto": {"p2p"},
+    "ir": set(),
+    "dag": set(),
+    "broker": {"p2p", "proto", "ir", "dag", "client"},
+    "provider": {"p2p", "proto", "ir", "dag"},
+    "client": {"p2p", "proto", "ir"},
+    "sim": {"broker", "dag"},
+    "cli": set(PACKAGES) - {"cli"},
+}
+TRIO_ONLY_IN = {"p2p"}
+TRIO_MODULES = {"trio", "libp2p", "multiaddr", "trio_asyncio", "outcome"}
+FORBIDDEN = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_imports_only_what_the_design_allows(package: str) -> None:
+    assert _modules(package), f"{package}/ has no modules"
+    for path in _modules(package):
+        imported = _imports(path)
+        project = imported & set(PACKAGES) - {package}
+        assert project <= ALLOWED[package], (
+            f"{path.relative_to(ROOT)} imports {sorted(project - ALLOWED[package])}, "
+            f"which {package}/ must not use"
+        )
+        if package not in TRIO_ONLY_IN:
+            assert not imported & TRIO_MODULES, (
+                f"{path.relative_to(ROOT)} imports {sorted(imported & TRIO_MODULES)}: "
+                f"only p2p/ may touch trio and libp2p"
+            )
+        assert not imported & FORBIDDEN, (
+            f"{path.relative_to(ROOT)} imports {sorted(imported & FORBIDDEN)}: "
+            f"nothing that crosses a process boundary is pickled"
+        )
+
+
+def test_the_allowed_graph_has_no_cycles() -> None:
+    seen: dict[str, int] = {}
+
+    def visit(node: str, stack: tuple[str, ...]) -> None:
+        assert node not in stack, f"cycle: {' -> '.join((*stack, node))}"
+        if seen.get(node):
+            return
+        for dep in ALLOWED[node]:
+            visit(dep, (*stack, node))
+        seen[node] = 1
+
+    for package in PACKAGES:
+        visit(package, ())
+
+
+def test_every_package_says_what_it_owns() -> None:
+    for package in PACKAGES:
+        doc = ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text()))
+        assert doc and len(doc) > 40, f"{package}/__init__.py needs a docstring saying what it owns"
+
+
+def test_importing_the_packages_does_not_load_libp2p() -> None:
+    code = (
+        "import sys, p2p, proto.ping, cli.main\n"
+        "loaded = sorted(m for m in ('libp2p', 'trio') if m in sys.modules)\n"
+        "print(','.join(loaded))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "libp2p" not in out.stdout
