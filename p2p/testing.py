@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import threading
+from typing import Any
 
 from p2p.codec import Message, ProtocolSpec
 from p2p.config import HostConfig
@@ -79,6 +80,7 @@ def serve_test_protocols(host: Host) -> None:
 async def _serve_until_stdin_closes() -> None:
     async with Host(LOCAL) as host:
         serve_test_protocols(host)
+        serve_raw_echo(host)
         print(json.dumps({"peer_id": host.peer_id, "addrs": host.addrs}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
@@ -172,3 +174,74 @@ async def send_raw(
         return bytes(got)
 
     return await runtime.run(exchange)
+
+
+RAW_ECHO = "/fusionai/test-raw-echo/1"  # plain libp2p: 4-byte length, payload, echoed back
+
+
+def serve_raw_echo(host: Host) -> None:
+    """Serve RAW_ECHO on `host` with a plain py-libp2p handler (no framing, no facade)."""
+    import struct
+
+    from libp2p.custom_types import TProtocol
+
+    runtime, core = host._running()
+
+    async def echo(stream: Any) -> None:
+        buf = bytearray()
+        try:
+            while True:
+                chunk = await stream.read(1 << 20)
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 4:
+                    (size,) = struct.unpack_from("!I", buf)
+                    if len(buf) < 4 + size:
+                        break
+                    await stream.write(bytes(buf[: 4 + size]))
+                    del buf[: 4 + size]
+        except Exception:
+            return
+
+    runtime.run_blocking(core._lp.set_stream_handler, TProtocol(RAW_ECHO), echo)
+
+
+def raw_rtt_samples(addr: str, size: int, count: int) -> list[float]:
+    """Round trips (seconds) of `size`-byte messages to RAW_ECHO at `addr`, measured inside
+    trio with a plain py-libp2p host configured like ours (Noise, yamux) on one long-lived
+    stream: the baseline our facade is compared with. Blocking; runs its own trio loop."""
+    import struct
+    import time
+
+    import multiaddr
+    import trio
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from p2p._libp2p import make_host
+    from p2p.identity import Identity
+
+    async def measure() -> list[float]:
+        host = make_host(Identity.ephemeral())
+        async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            try:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+                await host.connect(info)
+                stream = await host.new_stream(info.peer_id, [TProtocol(RAW_ECHO)])
+                message = struct.pack("!I", size) + b"\x01" * size
+                samples = []
+                for _ in range(count):
+                    start = time.perf_counter()
+                    await stream.write(message)
+                    got = 0
+                    while got < len(message):
+                        got += len(await stream.read(1 << 20))
+                    samples.append(time.perf_counter() - start)
+                await stream.reset()
+                return samples
+            finally:
+                await host.close()
+
+    result: list[float] = trio.run(measure)
+    return result
