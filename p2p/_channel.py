@@ -163,8 +163,6 @@ class Channel:
                     if self.mode == "server":
                         with trio.move_on_after(DRAIN_TIMEOUT):
                             await self._drain()  # the peer half-closed: still answer it
-                except FrameError as exc:
-                    error = exc
                 except Exception as exc:  # a broken stream must never take the host down
                     error = exc
                 nursery.cancel_scope.cancel()

@@ -1,9 +1,10 @@
 """The wire codec: typed messages, protocol specs, and the frame format of our streams.
 
-Messages are frozen `msgspec` structs encoded as msgpack, tagged with their type name, so a
-decoder for a protocol accepts exactly that protocol's types. A protocol id carries the major
-version (`/fusionai/<name>/<version>`); an incompatible change to a message means a new
-protocol version, which libp2p's protocol negotiation then selects. Nothing is pickled.
+Messages are frozen `msgspec` structs encoded as msgpack. Each carries a `type` field naming
+its type and version (`"Ping/1"`), so a decoder for a protocol accepts exactly that protocol's
+types at the versions it knows, and a peer speaking another revision gets a clear error rather
+than a misread. A protocol id carries its version too (`/fusionai/<name>/<version>`), which
+libp2p's protocol negotiation selects. Nothing is pickled.
 
 Frames (one stream carries many calls):
 
@@ -32,6 +33,7 @@ HEADER_SIZE = HEADER.size
 FLAG_MORE = 0x01
 MAX_CHUNK = 1024 * 1024  # largest frame payload any peer may send; bytes
 _PROTOCOL_RE = re.compile(r"^/fusionai/[a-z0-9][a-z0-9_.-]*/[0-9]+(\.[0-9]+)*$")
+_TAG_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.]*/[0-9]+$")
 
 
 class Kind(IntEnum):
@@ -56,9 +58,9 @@ class ErrorCode(StrEnum):
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):
     """Base of every wire message: frozen, typed, tagged with its class name.
 
-    Subclasses repeat `frozen=True` (so type checkers see it) and set an explicit tag:
-    `class Ping(Message, frozen=True, tag="Ping")`. Unknown fields are ignored on decode, so a
-    newer peer may add optional fields within one protocol version.
+    Subclasses repeat `frozen=True` (so type checkers see it) and set a versioned tag:
+    `class Ping(Message, frozen=True, tag="Ping/1")`; an incompatible change bumps the number.
+    Unknown fields are ignored on decode, so a newer peer may add optional fields without one.
     """
 
 
@@ -94,6 +96,13 @@ def decode_credit(payload: bytes) -> int:
 
 
 def _union(types: type[Message] | tuple[type[Message], ...]) -> Any:
+    for t in types if isinstance(types, tuple) else (types,):
+        tag = t.__struct_config__.tag
+        if not isinstance(tag, str) or not _TAG_RE.match(tag):
+            raise ValueError(
+                f"{t.__name__} needs a versioned tag, e.g. "
+                f'`class {t.__name__}(Message, frozen=True, tag="{t.__name__}/1")`'
+            )
     if isinstance(types, tuple):
         if not types:
             raise ValueError("a protocol needs at least one message type each way")

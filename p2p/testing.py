@@ -20,17 +20,17 @@ from p2p.tensor import Tensor
 LOCAL = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
 
 
-class Echo(Message, frozen=True, tag="Echo"):
+class Echo(Message, frozen=True, tag="Echo/1"):
     data: bytes = b""
     n: int = 0
     thread: str = ""
 
 
-class TensorMsg(Message, frozen=True, tag="TensorMsg"):
+class TensorMsg(Message, frozen=True, tag="TensorMsg/1"):
     tensor: Tensor
 
 
-class Chunk(Message, frozen=True, tag="Chunk"):
+class Chunk(Message, frozen=True, tag="Chunk/1"):
     seq: int
     data: bytes = b""
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from p2p.codec import Message, ProtocolSpec
 
 
-class Ping(Message, frozen=True, tag="Ping"):
+class Ping(Message, frozen=True, tag="Ping/1"):
     nonce: int
     payload: bytes = b""
 
 
-class Pong(Message, frozen=True, tag="Pong"):
+class Pong(Message, frozen=True, tag="Pong/1"):
     nonce: int
     payload: bytes = b""
 

@@ -57,7 +57,7 @@ def test_messages_are_typed_frozen_and_reject_wrong_types() -> None:
         msg.n = 4  # type: ignore[misc]
     assert ECHO_CONTROL.decode_request(encode_message(msg)) == msg
     with pytest.raises(FrameError, match="invalid message") as info:
-        ECHO_CONTROL.decode_request(msgspec.msgpack.encode({"type": "Echo", "n": "three"}))
+        ECHO_CONTROL.decode_request(msgspec.msgpack.encode({"type": "Echo/1", "n": "three"}))
     assert info.value.code == "bad_request"
     with pytest.raises(FrameError, match="invalid message"):
         ECHO_CONTROL.decode_request(msgspec.msgpack.encode({"type": "Evil", "n": 1}))
@@ -70,7 +70,26 @@ def test_protocol_ids_are_checked() -> None:
         ProtocolSpec("/echo/1.0.0", Echo, Echo)
 
 
-class Holder(Message, frozen=True, tag="Holder"):
+class Unversioned(Message, frozen=True):
+    x: int = 0
+
+
+class EchoV2(Message, frozen=True, tag="Echo/2"):
+    data: bytes = b""
+
+
+def test_message_types_must_carry_a_versioned_tag() -> None:
+    with pytest.raises(ValueError, match='tag="Unversioned/1"'):
+        ProtocolSpec("/fusionai/test-unversioned/1", Unversioned, Echo)
+
+
+def test_a_message_of_another_version_is_a_clear_error() -> None:
+    with pytest.raises(FrameError, match=r"Echo/2.*\$\.type") as info:
+        ECHO_CONTROL.decode_request(encode_message(EchoV2(data=b"x")))
+    assert info.value.code == "bad_request"
+
+
+class Holder(Message, frozen=True, tag="Holder/1"):
     t: Tensor
 
 
@@ -116,7 +135,7 @@ def test_non_contiguous_and_big_endian_arrays_are_normalised() -> None:
 )
 def test_invalid_tensors_are_rejected_on_decode(fields: list[object], match: str) -> None:
     spec = ProtocolSpec("/fusionai/test-holder/1", Holder, Holder)
-    wire = msgspec.msgpack.encode({"type": "Holder", "t": fields})
+    wire = msgspec.msgpack.encode({"type": "Holder/1", "t": fields})
     with pytest.raises(FrameError, match=match):
         spec.decode_request(wire)
 
