@@ -85,10 +85,6 @@ async def _serve_until_stdin_closes() -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-if __name__ == "__main__":
-    asyncio.run(_serve_until_stdin_closes())
-
-
 # ---- probes that speak to a host the way a hostile or broken peer would ------------------------
 
 
@@ -245,3 +241,7 @@ def raw_rtt_samples(addr: str, size: int, count: int) -> list[float]:
 
     result: list[float] = trio.run(measure)
     return result
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve_until_stdin_closes())
