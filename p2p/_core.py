@@ -120,7 +120,7 @@ class HostCore:
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._clients: dict[tuple[str, str], Channel] = {}
-        self._opening: dict[tuple[str, str], trio.Event] = {}
+        self._opening: dict[tuple[str, str], list[tuple[bytes, Any]]] = {}
         self._channels: set[Channel] = set()
         self._inboxes: dict[Channel, StreamInbox] = {}
         self.closing = False
@@ -333,41 +333,41 @@ class HostCore:
         return self._inboxes[channel]
 
     def start_call(self, peer_id: str, entry: HandlerEntry, payload: bytes, sink: Any) -> None:
-        """Send a request on the long-lived stream to `peer_id`, opening it if needed."""
+        """Send a request on the long-lived stream to `peer_id`, opening it if needed.
+
+        Calls made while the stream is being opened queue up and go out in the order they
+        were made.
+        """
         if self.closing or self._nursery is None:
             sink.fail(HostClosed("the host is closing"))
             return
-        channel = self._clients.get((peer_id, entry.spec.protocol_id))
+        key = (peer_id, entry.spec.protocol_id)
+        channel = self._clients.get(key)
         if channel is not None and not channel.closed:
             sink.call_id = channel.call(payload, sink)
             sink.channel = channel
-        else:
-            self._nursery.start_soon(self._open_and_call, peer_id, entry, payload, sink)
+            return
+        queued = self._opening.get(key)
+        if queued is not None:
+            queued.append((payload, sink))
+            return
+        self._opening[key] = [(payload, sink)]
+        self._nursery.start_soon(self._open_and_send, peer_id, entry)
 
-    async def _open_and_call(
-        self, peer_id: str, entry: HandlerEntry, payload: bytes, sink: Any
-    ) -> None:
+    async def _open_and_send(self, peer_id: str, entry: HandlerEntry) -> None:
         key = (peer_id, entry.spec.protocol_id)
         try:
-            while True:
-                channel = self._clients.get(key)
-                if channel is not None and not channel.closed:
-                    break
-                opening = self._opening.get(key)
-                if opening is not None:
-                    await opening.wait()
-                    continue
-                self._opening[key] = opening = trio.Event()
-                try:
-                    channel = await self.open_channel(peer_id, entry, "client")
-                    self._clients[key] = channel
-                finally:
-                    del self._opening[key]
-                    opening.set()
-                break
+            channel = await self.open_channel(peer_id, entry, "client")
         except (P2PError, ValueError) as exc:
-            sink.fail(exc)
+            for _, sink in self._opening.pop(key):
+                sink.fail(exc)
             return
-        if not sink.cancelled:
-            sink.call_id = channel.call(payload, sink)
-            sink.channel = channel
+        except BaseException:
+            for _, sink in self._opening.pop(key):
+                sink.fail(HostClosed("the host is closing"))
+            raise
+        self._clients[key] = channel
+        for payload, sink in self._opening.pop(key):
+            if not sink.cancelled:
+                sink.call_id = channel.call(payload, sink)
+                sink.channel = channel

@@ -57,9 +57,11 @@ async def test_stream_survives_a_receiver_that_stops_reading_for_8_s() -> None:
 async def test_requests_survive_a_handler_that_blocks_for_8_s() -> None:
     spec = ProtocolSpec("/fusionai/test-block/1", Echo, Echo, max_message_bytes=2 * MB)
     release = asyncio.Event()
+    first: list[int] = []
 
     async def blocking(peer_id: str, msg: Echo) -> Echo:
-        if msg.n == 0:
+        if not first:  # the first request to run blocks; the rest queue behind it
+            first.append(msg.n)
             await asyncio.sleep(PAUSE)
             release.set()
         await release.wait()

@@ -69,6 +69,22 @@ async def test_200_concurrent_requests_over_one_connection(pair: tuple[Host, Hos
     assert client.connected_peers() == [server.peer_id]
 
 
+async def test_requests_made_while_the_stream_opens_arrive_in_order() -> None:
+    order = ProtocolSpec("/fusionai/test-order/1", Echo, Echo)
+    arrived: list[int] = []
+
+    async def record(peer_id: str, msg: Echo) -> Echo:
+        arrived.append(msg.n)
+        return msg
+
+    config = HostConfig(listen=LOCAL.listen, max_concurrent_requests=1)
+    async with Host(config) as server, Host(LOCAL) as client:
+        server.add_control_handler(order, record)
+        peer = await client.connect(server.addrs[0])
+        await asyncio.gather(*(client.request(peer, order, Echo(n=i)) for i in range(50)))
+    assert arrived == list(range(50))
+
+
 @pytest.mark.parametrize("spec", [ECHO_CONTROL, ECHO_COMPUTE], ids=["control", "compute"])
 async def test_handler_error_reaches_caller_and_next_request_works(
     pair: tuple[Host, Host, str], spec: ProtocolSpec
