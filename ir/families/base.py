@@ -1,0 +1,156 @@
+"""What every family shares: stage descriptions, layer splitting, LoRA-aware linear layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ir.errors import UnsupportedModel
+from ir.manifest import AdapterInfo
+
+NEG = torch.finfo(torch.float32).min  # additive mask value for positions that may not attend
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """Which linear layers of each block get LoRA adapter inputs, and the example rank."""
+
+    targets: tuple[str, ...] = ("q", "v")  # family-specific short names of linear layers
+    rank: int = 8  # rank of the example tensors used for export (the graph accepts any rank)
+
+
+@dataclass
+class StageModule:
+    """One stage ready for export: the module, its example inputs and their names."""
+
+    name: str
+    placement: str  # "client" or "provider"
+    module: nn.Module
+    input_names: list[str]
+    output_names: list[str]
+    example_inputs: tuple[torch.Tensor, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+    layers: tuple[int, int] | None = None
+    adapters: list[AdapterInfo] = field(default_factory=list)
+    kv_bytes_per_token: int = 0
+    attention_flops_per_token_per_context: int = 0
+    activation_bytes_per_token: int = 0
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, balanced block ranges: 6 layers in 4 stages -> (0,2),(2,4),(4,5),(5,6)."""
+    if not 1 <= n_stages <= n_layers:
+        raise UnsupportedModel(
+            f"cannot split {n_layers} blocks into {n_stages} stages; use 1 to {n_layers}"
+        )
+    base, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for i in range(n_stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+class LoraSlots:
+    """Maps (block, target) to positions of adapter tensors among a stage's inputs."""
+
+    def __init__(
+        self,
+        config: AdapterConfig | None,
+        layers: range,
+        shapes: dict[str, tuple[int, int]],
+    ) -> None:
+        self.infos: list[AdapterInfo] = []
+        self._index: dict[tuple[int, str], int] = {}
+        if config is None:
+            return
+        unknown = set(config.targets) - set(shapes)
+        if unknown:
+            raise UnsupportedModel(
+                f"unknown adapter targets {sorted(unknown)}; this family has {sorted(shapes)}"
+            )
+        for layer in layers:
+            for target in config.targets:
+                in_f, out_f = shapes[target]
+                key = f"layers.{layer}.{target}"
+                self._index[(layer, target)] = len(self.infos)
+                self.infos.append(
+                    AdapterInfo(
+                        target=key,
+                        a_input=f"lora_A.{key}",
+                        b_input=f"lora_B.{key}",
+                        in_features=in_f,
+                        out_features=out_f,
+                    )
+                )
+        self.rank = config.rank
+
+    @property
+    def input_names(self) -> list[str]:
+        return [n for info in self.infos for n in (info.a_input, info.b_input)]
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        out: list[torch.Tensor] = []
+        for info in self.infos:
+            out.append(torch.randn(self.rank, info.in_features) * 0.01)
+            out.append(torch.zeros(info.out_features, self.rank))
+        return tuple(out)
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        axes: dict[str, dict[int, str]] = {}
+        for info in self.infos:
+            axes[info.a_input] = {0: "lora_rank"}
+            axes[info.b_input] = {1: "lora_rank"}
+        return axes
+
+    def apply(
+        self,
+        base: Any,
+        x: torch.Tensor,
+        layer: int,
+        target: str,
+        tensors: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """`base(x)`, plus `(x A^T) B^T` if this (layer, target) has an adapter."""
+        y: torch.Tensor = base(x)
+        i = self._index.get((layer, target))
+        if i is None:
+            return y
+        a, b = tensors[2 * i], tensors[2 * i + 1]
+        return y + torch.matmul(torch.matmul(x, a.transpose(0, 1)), b.transpose(0, 1))
+
+
+def causal_mask(query_len: Any, past_len: Any, dtype: torch.dtype) -> torch.Tensor:
+    """(query_len, past_len + query_len) additive mask: query i sees keys 0..past_len + i."""
+    q_pos = torch.arange(query_len) + past_len
+    k_pos = torch.arange(past_len + query_len)
+    allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+    return torch.where(allowed, torch.zeros((), dtype=dtype), torch.full((), NEG, dtype=dtype))
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v over (batch, heads, seq, head_dim) tensors."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """(batch, seq, n_heads * head_dim) -> (batch, n_heads, seq, head_dim)."""
+    return x.reshape(x.shape[0], x.shape[1], n_heads, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) -> (batch, seq, heads * head_dim)."""
+    x = x.transpose(1, 2)
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
+
+
+def param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())

@@ -1,0 +1,92 @@
+"""The model manifest: versioned JSON describing every stage of a model package.
+
+A model package is a directory holding `manifest.json` and the files it names, each named by
+its SHA-256 (`<hex>.onnx`), so a package is content-addressed and any file can be fetched and
+verified by hash alone.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from ir.errors import ManifestError
+
+FORMAT = "fusionai.model"
+VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+Dim = int | str  # a fixed size, or a symbol such as "batch", "sequence", "past"
+
+
+class TensorInfo(msgspec.Struct, frozen=True):
+    name: str
+    dtype: str  # "float32", "float16", "int64", ...
+    shape: list[Dim]
+
+
+class AdapterInfo(msgspec.Struct, frozen=True):
+    """A LoRA adapter slot: `y = W x + (x A^T) B^T`, with A and B given as graph inputs."""
+
+    target: str  # e.g. "layers.3.q"
+    a_input: str  # graph input holding A, shape (rank, in_features)
+    b_input: str  # graph input holding B, shape (out_features, rank)
+    in_features: int
+    out_features: int
+
+
+class StageInfo(msgspec.Struct, frozen=True):
+    index: int
+    name: str  # "embed", "layers.0-2", "head", ...
+    placement: Literal["client", "provider"]
+    file: str  # "<sha256>.onnx", relative to the package directory
+    sha256: str
+    size_bytes: int
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    opset: int
+    parameter_bytes: int
+    flops_per_token: int  # multiply-adds x 2 of the weights, per token
+    attention_flops_per_token_per_context: int  # extra FLOPs per token per context token
+    activation_bytes_per_token: int  # bytes this stage sends on per token
+    kv_bytes_per_token: int  # KV-cache bytes this stage keeps per token of context
+    layers: list[int] | None = None  # [first, last + 1] of the model's blocks
+    adapters: list[AdapterInfo] = msgspec.field(default_factory=list)
+    weight_dtype: str = "float32"
+
+
+class ModelManifest(msgspec.Struct, frozen=True):
+    name: str
+    family: str  # "bert", "gpt2", "llama", "onnx"
+    config: dict[str, int | float | str]
+    stages: list[StageInfo]
+    tokenizer: str | None = None  # "<sha256>.json" (a tokenizers JSON file), if shipped
+    tokenizer_sha256: str | None = None
+    format: str = FORMAT
+    version: int = VERSION
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ModelManifest:
+        try:
+            manifest = msgspec.json.decode(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ManifestError(f"invalid manifest: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+        if manifest.format != FORMAT:
+            raise ManifestError(f"not a model manifest (format {manifest.format!r})")
+        if manifest.version > VERSION:
+            raise ManifestError(
+                f"manifest version {manifest.version} is newer than this FusionAI supports "
+                f"({VERSION}); upgrade fusionai"
+            )
+        if [s.index for s in manifest.stages] != list(range(len(manifest.stages))):
+            raise ManifestError("stage indices must be 0, 1, 2, ... in order")
+        return manifest
+
+    def provider_stages(self) -> list[StageInfo]:
+        return [s for s in self.stages if s.placement == "provider"]

@@ -1,0 +1,121 @@
+"""Run a package's stages in order on one machine: encoders and greedy decoding.
+
+This is the reference path (tests, benchmarks, `fusionai ir` checks); across the swarm the
+same stages run on different providers, chained by the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ir.errors import ExecutorError
+from ir.executors.base import Executor
+from ir.manifest import ModelManifest, StageInfo
+
+Array = np.ndarray[Any, Any]
+
+
+def zero_adapters(stage: StageInfo, rank: int = 1, dtype: str = "float32") -> dict[str, Array]:
+    """Adapter inputs that leave the stage equal to its base model."""
+    feeds: dict[str, Array] = {}
+    for a in stage.adapters:
+        feeds[a.a_input] = np.zeros((rank, a.in_features), dtype=dtype)
+        feeds[a.b_input] = np.zeros((a.out_features, rank), dtype=dtype)
+    return feeds
+
+
+class LocalPipeline:
+    """A package's stages, each with an executor, run in order."""
+
+    def __init__(
+        self,
+        manifest: ModelManifest,
+        executors: Sequence[Executor],
+        adapters: Mapping[int, Mapping[str, Array]] | None = None,
+    ) -> None:
+        if len(executors) != len(manifest.stages):
+            raise ExecutorError(f"{len(manifest.stages)} stages need as many executors")
+        self.manifest = manifest
+        self.executors = list(executors)
+        self.adapters = {
+            s.index: dict(adapters[s.index])
+            if adapters and s.index in adapters
+            else zero_adapters(s)
+            for s in manifest.stages
+            if s.adapters
+        }
+
+    def _middle(self) -> list[tuple[StageInfo, Executor]]:
+        return [(s, e) for s, e in zip(self.manifest.stages, self.executors, strict=True)][1:-1]
+
+    def encode(self, input_ids: Array, attention_mask: Array) -> Array:
+        """Sentence embeddings from an encoder package (client embed, blocks, client pooling)."""
+        hidden = self.executors[0].run({"input_ids": input_ids})["hidden_states"]
+        for stage, executor in self._middle():
+            feeds = {"hidden_states": hidden, "attention_mask": attention_mask}
+            feeds.update(self.adapters.get(stage.index, {}))
+            hidden = executor.run(feeds)["hidden_states_out"]
+        return self.executors[-1].run({"hidden_states": hidden, "attention_mask": attention_mask})[
+            "embeddings"
+        ]
+
+    def new_cache(self, batch: int = 1) -> dict[int, dict[str, Array]]:
+        cfg = self.manifest.config
+        kv, head_dim = int(cfg["num_kv_heads"]), int(cfg["head_dim"])
+        cache: dict[int, dict[str, Array]] = {}
+        for stage, _ in self._middle():
+            cache[stage.index] = {
+                i.name: np.zeros((batch, kv, 0, head_dim), dtype=i.dtype)
+                for i in stage.inputs
+                if i.name.startswith("past_")
+            }
+        return cache
+
+    def step(self, input_ids: Array, past_len: int, cache: dict[int, dict[str, Array]]) -> Array:
+        """Run `input_ids` (batch, seq) after `past_len` cached tokens; returns logits and
+        updates `cache` in place."""
+        seq = input_ids.shape[1]
+        positions = np.arange(past_len, past_len + seq, dtype=np.int64)[None, :].repeat(
+            input_ids.shape[0], 0
+        )
+        embed = self.executors[0]
+        feeds: dict[str, Array] = {"input_ids": input_ids}
+        if any(i.name == "position_ids" for i in embed.inputs):
+            feeds["position_ids"] = positions
+        hidden = embed.run(feeds)["hidden_states"]
+        for stage, executor in self._middle():
+            feeds = {"hidden_states": hidden, **cache[stage.index]}
+            if any(i.name == "position_ids" for i in stage.inputs):
+                feeds["position_ids"] = positions
+            feeds.update(self.adapters.get(stage.index, {}))
+            out = executor.run(feeds)
+            hidden = out["hidden_states_out"]
+            cache[stage.index] = {
+                name.replace("present_", "past_"): value
+                for name, value in out.items()
+                if name.startswith("present_")
+            }
+        logits: Array = self.executors[-1].run(
+            {"hidden_states": hidden.astype(np.float32, copy=False)}
+        )["logits"]
+        return logits
+
+    def generate_greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, *, use_cache: bool = True
+    ) -> list[int]:
+        """Greedy decoding. With the cache each step feeds one token; without, the whole text."""
+        tokens = list(prompt)
+        cache = self.new_cache()
+        fed = 0
+        for _ in range(max_new_tokens):
+            if use_cache:
+                ids = np.array([tokens[fed:]], dtype=np.int64)
+                logits = self.step(ids, fed, cache)
+                fed = len(tokens)
+            else:
+                logits = self.step(np.array([tokens], dtype=np.int64), 0, self.new_cache())
+            tokens.append(int(np.argmax(logits[0, -1])))
+        return tokens[len(prompt) :]

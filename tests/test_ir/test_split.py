@@ -1,0 +1,82 @@
+"""Real models split into ONNX stages give the unsplit model's results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ir.executors import OrtExecutor
+from ir.package import load_package
+from ir.pipeline import LocalPipeline
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def ort_pipeline(directory: Any) -> LocalPipeline:
+    package = load_package(directory)
+    executors = [
+        OrtExecutor(package.models[i], threads=1) for i in range(len(package.manifest.stages))
+    ]
+    return LocalPipeline(package.manifest, executors)
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 6])
+def test_minilm_split_embeddings_equal_the_unsplit_model_on_ort(
+    minilm: Any, minilm_batch: Any, build: Any, n_stages: int
+) -> None:
+    model, _, path = minilm
+    ids, mask, ref = minilm_batch
+    manifest, directory = build(model, n_stages, tokenizer_file=path / "tokenizer.json")
+    assert len(manifest.provider_stages()) == n_stages
+    assert [s.placement for s in manifest.stages] == ["client", *["provider"] * n_stages, "client"]
+    got = ort_pipeline(directory).encode(ids, mask)
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def _hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_decoder_greedy_generation_with_kv_cache_equals_torch(
+    request: pytest.FixtureRequest, build: Any, family: str, n_stages: int
+) -> None:
+    model = request.getfixturevalue(family)
+    prompt = [5, 17, 42, 7, 99, 3]
+    reference = _hf_greedy(model, prompt, 20)
+    assert len(set(reference)) > 3, "the reference output is degenerate; the test would be weak"
+    manifest, directory = build(model, n_stages)
+    stage = manifest.provider_stages()[0]
+    assert any(i.name.startswith("past_key.") for i in stage.inputs)
+    assert stage.kv_bytes_per_token > 0
+    pipeline = ort_pipeline(directory)
+    assert pipeline.generate_greedy(prompt, 20) == reference
+    assert pipeline.generate_greedy(prompt, 20, use_cache=False) == reference
+
+
+def test_after_the_prompt_each_step_sends_one_token_of_hidden_state(llama: Any, build: Any) -> None:
+    manifest, directory = build(llama, 2)
+    pipeline = ort_pipeline(directory)
+    cache = pipeline.new_cache()
+    pipeline.step(np.array([[5, 17, 42]], dtype=np.int64), 0, cache)
+    stage = manifest.provider_stages()[0]
+    assert cache[stage.index]["past_key.0"].shape[2] == 3
+    seen: list[tuple[int, ...]] = []
+    executor = pipeline.executors[stage.index]
+    original = executor.run
+    executor.run = lambda feeds: (seen.append(feeds["hidden_states"].shape), original(feeds))[1]  # type: ignore[method-assign]
+    pipeline.step(np.array([[9]], dtype=np.int64), 3, cache)
+    assert seen == [(1, 1, int(manifest.config["hidden_size"]))]
+    assert cache[stage.index]["past_key.0"].shape[2] == 4
