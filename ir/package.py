@@ -6,27 +6,17 @@ package = load_package(Path("pkg"))          # validates every file before retur
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from ir import costs
-from ir.errors import IRError, ManifestError
-from ir.families import AdapterConfig, StageModule, plan_stages
-from ir.manifest import MANIFEST_FILE, ModelManifest, StageInfo, TensorInfo
+from ir.errors import ManifestError
+from ir.manifest import MANIFEST_FILE, ModelManifest, TensorInfo
 from ir.validate import Limits, sha256_file, validate_onnx_file
 
-log = logging.getLogger(__name__)
-
-OPSET = 17
 _ONNX_DTYPES = {
     onnx.TensorProto.FLOAT: "float32",
     onnx.TensorProto.FLOAT16: "float16",
@@ -48,106 +38,6 @@ def tensor_infos(values: Any) -> list[TensorInfo]:
         dims: list[int | str] = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
         out.append(TensorInfo(v.name, _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), dims))
     return out
-
-
-def export_stage(stage: StageModule, path: Path, opset: int = OPSET) -> None:
-    """Export one stage to ONNX with dynamic batch/sequence/past axes (TorchScript exporter)."""
-    import torch
-
-    stage.module.eval()
-    with torch.no_grad():
-        torch.onnx.export(
-            stage.module,
-            stage.example_inputs,
-            str(path),
-            input_names=stage.input_names,
-            output_names=stage.output_names,
-            dynamic_axes=stage.dynamic_axes,
-            opset_version=opset,
-            dynamo=False,
-            do_constant_folding=True,
-        )
-
-
-def stage_info(
-    index: int, stage: StageModule, path: Path, model: onnx.ModelProto, weight_dtype: str
-) -> StageInfo:
-    sha = sha256_file(path)
-    return StageInfo(
-        index=index,
-        name=stage.name,
-        placement="client" if stage.placement == "client" else "provider",
-        file=f"{sha}.onnx",
-        sha256=sha,
-        size_bytes=path.stat().st_size,
-        inputs=tensor_infos(model.graph.input),
-        outputs=tensor_infos(model.graph.output),
-        opset=max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
-        parameter_bytes=costs.parameter_bytes(model),
-        flops_per_token=costs.weight_flops_per_token(model),
-        attention_flops_per_token_per_context=stage.attention_flops_per_token_per_context,
-        activation_bytes_per_token=stage.activation_bytes_per_token
-        // (2 if weight_dtype == "float16" else 1),
-        kv_bytes_per_token=stage.kv_bytes_per_token,
-        layers=list(stage.layers) if stage.layers else None,
-        adapters=list(stage.adapters),
-        weight_dtype=weight_dtype,
-    )
-
-
-def build_package(
-    model: Any,
-    n_stages: int,
-    out_dir: Path,
-    *,
-    name: str,
-    adapters: AdapterConfig | None = None,
-    tokenizer_file: Path | None = None,
-    fp16: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> ModelManifest:
-    """Split `model` into `n_stages` provider stages (plus client stages) and write a package.
-
-    Files are written under a temporary name and moved into place, and the manifest is written
-    last, so an interrupted build never leaves a package that looks complete.
-    """
-    family, config, stages = plan_stages(model, n_stages, adapters)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    infos: list[StageInfo] = []
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-        for index, stage in enumerate(stages):
-            started = time.perf_counter()
-            path = Path(tmp) / f"stage{index}.onnx"
-            export_stage(stage, path)
-            graph = onnx.load(str(path))
-            if fp16:
-                from ir.fp16 import convert_to_fp16
-
-                graph = convert_to_fp16(graph)
-                onnx.save(graph, str(path))
-            info = stage_info(index, stage, path, graph, "float16" if fp16 else "float32")
-            os.replace(path, out_dir / info.file)
-            infos.append(info)
-            if progress:
-                elapsed = time.perf_counter() - started
-                progress(
-                    f"stage {index} {stage.name}: {info.size_bytes / 1e6:.1f} MB in {elapsed:.1f} s"
-                )
-    tok_name = tok_sha = None
-    if tokenizer_file is not None:
-        tok_sha = sha256_file(tokenizer_file)
-        tok_name = f"{tok_sha}.json"
-        shutil.copyfile(tokenizer_file, out_dir / tok_name)
-    manifest = ModelManifest(
-        name=name,
-        family=family,
-        config=config,
-        stages=infos,
-        tokenizer=tok_name,
-        tokenizer_sha256=tok_sha,
-    )
-    write_manifest(manifest, out_dir)
-    return manifest
 
 
 def write_manifest(manifest: ModelManifest, out_dir: Path) -> None:
@@ -204,4 +94,4 @@ def load_package(
     return Package(directory, manifest, models)
 
 
-__all__ = ["IRError", "Package", "build_package", "export_stage", "load_package", "tensor_infos"]
+__all__ = ["Package", "load_package", "tensor_infos", "write_manifest"]

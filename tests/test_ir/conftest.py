@@ -87,7 +87,7 @@ def llama() -> Any:
 @pytest.fixture(scope="session")
 def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     """build(model, n_stages, **options) -> (manifest, directory), cached per arguments."""
-    from ir.package import build_package
+    from ir.export import build_package
 
     cache: dict[tuple[Any, ...], Any] = {}
 

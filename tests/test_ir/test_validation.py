@@ -11,7 +11,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ir.errors import CorruptModel, ForbiddenOperator, HashMismatch, ManifestError, UnsafeExternalData
+from ir.errors import (
+    CorruptModel,
+    ForbiddenOperator,
+    HashMismatch,
+    ManifestError,
+    UnsafeExternalData,
+)
 from ir.manifest import MANIFEST_FILE, ModelManifest
 from ir.package import load_package, write_manifest
 from ir.validate import sha256_file, validate_onnx_file
@@ -38,7 +44,9 @@ def _rehash(package: Path, index: int, path: Path) -> None:
     manifest = ModelManifest.from_json((package / MANIFEST_FILE).read_bytes())
     sha = sha256_file(path)
     stages = list(manifest.stages)
-    stages[index] = type(stages[index])(**{**_fields(stages[index]), "sha256": sha, "file": path.name})
+    stages[index] = type(stages[index])(
+        **{**_fields(stages[index]), "sha256": sha, "file": path.name}
+    )
     write_manifest(type(manifest)(**{**_fields(manifest), "stages": stages}), package)
 
 
@@ -92,7 +100,7 @@ def test_a_node_in_a_custom_domain_is_rejected(tmp_path: Path) -> None:
     )
     path = tmp_path / "custom.onnx"
     onnx.save(model, str(path))
-    with pytest.raises(ForbiddenOperator, match="com.example"):
+    with pytest.raises(ForbiddenOperator, match=r"com\.example"):
         validate_onnx_file(path, sha256=None, package_dir=tmp_path)
 
 
@@ -151,13 +159,16 @@ def test_fp16_weights_and_activations_stay_close_to_fp32(
     from ir.pipeline import LocalPipeline
 
     ids, mask, ref = minilm_batch
-    manifest32, dir32 = build(minilm[0], 3)
+    manifest32, _ = build(minilm[0], 3)
     manifest16, dir16 = build(minilm[0], 3, fp16=True)
     package = load_package(dir16)
     stage = manifest16.provider_stages()[0]
     assert stage.inputs[0].dtype == "float16" and stage.outputs[0].dtype == "float16"
     assert stage.weight_dtype == "float16"
-    assert stage.activation_bytes_per_token * 2 == manifest32.provider_stages()[0].activation_bytes_per_token
+    assert (
+        stage.activation_bytes_per_token * 2
+        == manifest32.provider_stages()[0].activation_bytes_per_token
+    )
     size32 = sum(s.size_bytes for s in manifest32.stages)
     size16 = sum(s.size_bytes for s in manifest16.stages)
     assert size16 < 0.55 * size32
