@@ -62,6 +62,16 @@ class LocalPipeline:
             "embeddings"
         ]
 
+    def run_chain(self, feeds: Mapping[str, Array]) -> dict[str, Array]:
+        """Run every stage in order, each taking what it needs from the graph inputs and
+        earlier outputs (for bring-your-own-ONNX splits); returns the last stage's outputs."""
+        pool = dict(feeds)
+        out: dict[str, Array] = {}
+        for stage, executor in zip(self.manifest.stages, self.executors, strict=True):
+            out = executor.run({i.name: pool[i.name] for i in stage.inputs})
+            pool.update(out)
+        return out
+
     def new_cache(self, batch: int = 1) -> dict[int, dict[str, Array]]:
         cfg = self.manifest.config
         kv, head_dim = int(cfg["num_kv_heads"]), int(cfg["head_dim"])

@@ -82,7 +82,7 @@ def test_zero_adapters_equal_the_base_stage(
     manifest, package = adapted
     stage = manifest.provider_stages()[0]
     assert len(stage.adapters) == 12  # 6 blocks x (q, v)
-    base_manifest, base_dir = build(minilm[0], 1)
+    _, base_dir = build(minilm[0], 1)
     base = load_package(base_dir)
     hidden = OrtExecutor(base.models[0]).run({"input_ids": ids})["hidden_states"]
     feeds = {"hidden_states": hidden, "attention_mask": mask}
