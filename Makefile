@@ -31,6 +31,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py
+	$(PY) benchmarks/ir.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)
