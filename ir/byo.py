@@ -16,11 +16,10 @@ from pathlib import Path
 import onnx
 import onnx.utils
 
-from ir import costs
 from ir.errors import UnsupportedModel
 from ir.manifest import ModelManifest, StageInfo
-from ir.package import tensor_infos, write_manifest
-from ir.validate import check_graph, sha256_file
+from ir.package import describe_stage, write_manifest
+from ir.validate import check_graph
 
 
 def _needed_inputs(
@@ -76,27 +75,9 @@ def split_onnx(
             inputs = _needed_inputs(graph, outputs, set(previous) | set(graph_inputs))
             path = Path(tmp) / f"stage{index}.onnx"
             onnx.utils.extract_model(str(source), str(path), inputs, outputs, check_model=True)
-            part = onnx.load(str(path))
-            sha = sha256_file(path)
-            stages.append(
-                StageInfo(
-                    index=index,
-                    name=f"part.{index}",
-                    placement="provider",
-                    file=f"{sha}.onnx",
-                    sha256=sha,
-                    size_bytes=path.stat().st_size,
-                    inputs=tensor_infos(part.graph.input),
-                    outputs=tensor_infos(part.graph.output),
-                    opset=max(o.version for o in part.opset_import if o.domain in ("", "ai.onnx")),
-                    parameter_bytes=costs.parameter_bytes(part),
-                    flops_per_token=costs.weight_flops_per_token(part),
-                    attention_flops_per_token_per_context=0,
-                    activation_bytes_per_token=0,
-                    kv_bytes_per_token=0,
-                )
-            )
-            os.replace(path, out_dir / f"{sha}.onnx")
+            info = describe_stage(index, f"part.{index}", "provider", path, onnx.load(str(path)))
+            stages.append(info)
+            os.replace(path, out_dir / info.file)
             previous = list(outputs)
     manifest = ModelManifest(
         name=name, family="onnx", config={"source": source.name}, stages=stages

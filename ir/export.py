@@ -15,10 +15,9 @@ from typing import Any
 
 import onnx
 
-from ir import costs
 from ir.families import AdapterConfig, StageModule, plan_stages
 from ir.manifest import ModelManifest, StageInfo
-from ir.package import tensor_infos, write_manifest
+from ir.package import describe_stage, write_manifest
 from ir.validate import sha256_file
 
 OPSET = 17
@@ -46,23 +45,16 @@ def export_stage(stage: StageModule, path: Path, opset: int = OPSET) -> None:
 def stage_info(
     index: int, stage: StageModule, path: Path, model: onnx.ModelProto, weight_dtype: str
 ) -> StageInfo:
-    sha = sha256_file(path)
-    return StageInfo(
-        index=index,
-        name=stage.name,
-        placement="client" if stage.placement == "client" else "provider",
-        file=f"{sha}.onnx",
-        sha256=sha,
-        size_bytes=path.stat().st_size,
-        inputs=tensor_infos(model.graph.input),
-        outputs=tensor_infos(model.graph.output),
-        opset=max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
-        parameter_bytes=costs.parameter_bytes(model),
-        flops_per_token=costs.weight_flops_per_token(model),
+    wire_bytes = 2 if weight_dtype == "float16" else 4
+    return describe_stage(
+        index,
+        stage.name,
+        stage.placement,
+        path,
+        model,
         attention_flops_per_token_per_context=stage.attention_flops_per_token_per_context,
-        activation_bytes_per_token=stage.activation_bytes_per_token
-        // (2 if weight_dtype == "float16" else 1),
-        kv_bytes_per_token=stage.kv_bytes_per_token,
+        activation_bytes_per_token=stage.activation_bytes_per_token * wire_bytes // 4,
+        kv_bytes_per_token=stage.kv_bytes_per_token * wire_bytes // 4,
         layers=list(stage.layers) if stage.layers else None,
         adapters=list(stage.adapters),
         weight_dtype=weight_dtype,

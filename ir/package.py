@@ -13,8 +13,9 @@ from typing import Any
 
 import onnx
 
+from ir import costs
 from ir.errors import ManifestError
-from ir.manifest import MANIFEST_FILE, ModelManifest, TensorInfo
+from ir.manifest import MANIFEST_FILE, ModelManifest, StageInfo, TensorInfo
 from ir.validate import Limits, sha256_file, validate_onnx_file
 
 _ONNX_DTYPES = {
@@ -38,6 +39,33 @@ def tensor_infos(values: Any) -> list[TensorInfo]:
         dims: list[int | str] = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
         out.append(TensorInfo(v.name, _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), dims))
     return out
+
+
+def describe_stage(
+    index: int, name: str, placement: str, path: Path, model: onnx.ModelProto, **figures: Any
+) -> StageInfo:
+    """A stage's manifest entry: identity and interface from the file and graph, weight and
+    FLOP figures read off the graph, the rest (`figures`) from what built it."""
+    sha = sha256_file(path)
+    return StageInfo(
+        index=index,
+        name=name,
+        placement="client" if placement == "client" else "provider",
+        file=f"{sha}.onnx",
+        sha256=sha,
+        size_bytes=path.stat().st_size,
+        inputs=tensor_infos(model.graph.input),
+        outputs=tensor_infos(model.graph.output),
+        opset=max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+        parameter_bytes=costs.parameter_bytes(model),
+        flops_per_token=costs.weight_flops_per_token(model),
+        attention_flops_per_token_per_context=figures.pop(
+            "attention_flops_per_token_per_context", 0
+        ),
+        activation_bytes_per_token=figures.pop("activation_bytes_per_token", 0),
+        kv_bytes_per_token=figures.pop("kv_bytes_per_token", 0),
+        **figures,
+    )
 
 
 def write_manifest(manifest: ModelManifest, out_dir: Path) -> None:
@@ -94,4 +122,4 @@ def load_package(
     return Package(directory, manifest, models)
 
 
-__all__ = ["Package", "load_package", "tensor_infos", "write_manifest"]
+__all__ = ["Package", "describe_stage", "load_package", "tensor_infos", "write_manifest"]

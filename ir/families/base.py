@@ -41,6 +41,32 @@ class StageModule:
     activation_bytes_per_token: int = 0
 
 
+class NormHead(nn.Module):
+    """A decoder's client-side head: final norm, then the output projection to logits."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.norm(hidden))
+        return out
+
+
+def head_stage(norm: nn.Module, lm_head: nn.Module, hidden_size: int) -> StageModule:
+    """The client-side `head` stage of a decoder: hidden states in, logits out."""
+    seq = {0: "batch", 1: "sequence"}
+    return StageModule(
+        name="head",
+        placement="client",
+        module=NormHead(norm, lm_head),
+        input_names=["hidden_states"],
+        output_names=["logits"],
+        example_inputs=(torch.randn(1, 4, hidden_size),),
+        dynamic_axes={"hidden_states": seq, "logits": seq},
+    )
+
+
 def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Contiguous, balanced block ranges: 6 layers in 4 stages -> (0,2),(2,4),(4,5),(5,6)."""
     if not 1 <= n_stages <= n_layers:

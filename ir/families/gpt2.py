@@ -19,6 +19,7 @@ from ir.families.base import (
     StageModule,
     attention,
     causal_mask,
+    head_stage,
     heads,
     merge_heads,
     split_layers,
@@ -81,16 +82,6 @@ class Blocks(nn.Module):
             mlp = block.mlp
             hidden = hidden + mlp.c_proj(mlp.act(mlp.c_fc(block.ln_2(hidden))))
         return (hidden, *presents)
-
-
-class Head(nn.Module):
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.norm, self.lm_head = model.transformer.ln_f, model.lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.norm(hidden))
-        return out
 
 
 def kv_names(layers: range) -> tuple[list[str], list[str]]:
@@ -161,7 +152,6 @@ def plan(model: Any, n_stages: int, adapters: AdapterConfig | None) -> list[Stag
     c = model.config
     ids = torch.tensor([[5, 17, 3, 9]])
     positions = torch.arange(3, 7).unsqueeze(0)
-    hidden = torch.randn(1, 4, c.n_embd)
     seq = {0: BATCH, 1: SEQ}
     embed = StageModule(
         name="embed",
@@ -185,13 +175,5 @@ def plan(model: Any, n_stages: int, adapters: AdapterConfig | None) -> list[Stag
         blocks=Blocks,
         extra_inputs=[],
     )
-    head = StageModule(
-        name="head",
-        placement="client",
-        module=Head(model),
-        input_names=["hidden_states"],
-        output_names=["logits"],
-        example_inputs=(hidden,),
-        dynamic_axes={"hidden_states": seq, "logits": seq},
-    )
+    head = head_stage(model.transformer.ln_f, model.lm_head, c.n_embd)
     return [embed, *middle, head]

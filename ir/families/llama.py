@@ -17,6 +17,7 @@ from ir.families.base import (
     StageModule,
     attention,
     causal_mask,
+    head_stage,
     heads,
     merge_heads,
 )
@@ -106,22 +107,11 @@ class Blocks(nn.Module):
         return (hidden, *presents)
 
 
-class Head(nn.Module):
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.norm, self.lm_head = model.model.norm, model.lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.lm_head(self.norm(hidden))
-        return out
-
-
 def plan(model: Any, n_stages: int, adapters: AdapterConfig | None) -> list[StageModule]:
     c = model.config
     head_dim = model.model.layers[0].self_attn.head_dim
     seq = {0: BATCH, 1: SEQ}
     ids = torch.tensor([[5, 17, 3, 9]])
-    hidden = torch.randn(1, 4, c.hidden_size)
     embed = StageModule(
         name="embed",
         placement="client",
@@ -150,13 +140,5 @@ def plan(model: Any, n_stages: int, adapters: AdapterConfig | None) -> list[Stag
         blocks=Blocks,
         extra_inputs=[("position_ids", torch.arange(3, 7).unsqueeze(0), seq)],
     )
-    head = StageModule(
-        name="head",
-        placement="client",
-        module=Head(model),
-        input_names=["hidden_states"],
-        output_names=["logits"],
-        example_inputs=(hidden,),
-        dynamic_axes={"hidden_states": seq, "logits": seq},
-    )
+    head = head_stage(model.model.norm, model.lm_head, c.hidden_size)
     return [embed, *middle, head]
