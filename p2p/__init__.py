@@ -20,12 +20,13 @@ from p2p.errors import (
     RemoteError,
     RequestTimeout,
 )
-from p2p.host import Host, Stream
+from p2p.host import EndOfStream, Host, Stream
 from p2p.identity import Identity, default_data_dir, verify
 from p2p.tensor import Tensor
 
 __all__ = [
     "ConnectionLost",
+    "EndOfStream",
     "FrameError",
     "Host",
     "HostClosed",
