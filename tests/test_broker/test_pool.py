@@ -1,0 +1,121 @@
+"""Pool membership: a scripted sequence of events gives the expected states and actions."""
+
+from __future__ import annotations
+
+from broker.pool import (
+    AskToRejoin,
+    ClockTicked,
+    DrainStarted,
+    HeartbeatReceived,
+    PoolConfig,
+    PoolState,
+    PromoteBackup,
+    ProviderJoined,
+    ProviderLeft,
+    ProviderLost,
+    Replan,
+    StageAssigned,
+    StageReady,
+    StageTimeObserved,
+    Status,
+    Welcome,
+    apply,
+    promotion_order,
+)
+from dag.cost import HardwareProfile
+
+FAST = HardwareProfile("rtx4090", {"float16": 165e12}, 24e9, 1.0e12, 12.5e6)
+SLOW = HardwareProfile("rtx3060", {"float16": 25e12}, 12e9, 0.36e12, 12.5e6)
+
+
+def run(state: PoolState, *events: object) -> tuple[PoolState, list[object]]:
+    actions: list[object] = []
+    for event in events:
+        state, more = apply(state, event)  # type: ignore[arg-type]
+        actions += more
+    return state, actions
+
+
+def statuses(state: PoolState) -> dict[str, str]:
+    return {p: str(v.status) for p, v in sorted(state.providers.items())}
+
+
+def test_scripted_joins_flapping_missed_heartbeats_and_a_leave() -> None:
+    state = PoolState(config=PoolConfig(heartbeat_interval=5, missed_heartbeats=3, flap_window=600, flap_threshold=2))
+    # Three providers join: all start in the backup pool and are welcomed.
+    state, actions = run(
+        state,
+        ProviderJoined("a", FAST, at=0),
+        ProviderJoined("b", FAST, at=1),
+        ProviderJoined("c", SLOW, at=2),
+    )
+    assert actions == [Welcome("a"), Welcome("b"), Welcome("c")]
+    assert statuses(state) == {"a": "backup", "b": "backup", "c": "backup"}
+
+    # Placement: a serves stage s0; b and c keep s0 warm; b finishes loading it.
+    state, actions = run(
+        state,
+        StageAssigned("a", "s0", active=True, at=3),
+        StageAssigned("b", "s0", active=False, at=3),
+        StageAssigned("c", "s0", active=False, at=3),
+        StageReady("a", "s0", at=4),
+        StageReady("b", "s0", at=5),
+        StageReady("c", "s0", at=5),
+    )
+    assert actions == [] and statuses(state)["a"] == "active"
+
+    # c flaps: it dies twice within the window (missed heartbeats, then a restart).
+    state, actions = run(state, HeartbeatReceived("a", 10), HeartbeatReceived("b", 10), ClockTicked(at=21))
+    assert actions == [ProviderLost("c", None, graceful=False)]
+    state, actions = run(state, ProviderJoined("c", SLOW, at=22), ProviderJoined("c", SLOW, at=23))
+    assert actions == [Welcome("c"), ProviderLost("c", None, graceful=False), Welcome("c")]
+    assert state.providers["c"].flapping(state.now, state.config)
+    assert not state.providers["b"].flapping(state.now, state.config)
+    state, _ = run(state, StageReady("c", "s0", at=24))
+    # b is warm and steady; c is warm but flapping: b comes first.
+    assert [p.peer_id for p in promotion_order(state, "s0")] == ["b", "c"]
+
+    # a leaves gracefully: drain, then leave; the warm backup b is promoted at once.
+    state, actions = run(
+        state,
+        HeartbeatReceived("b", 25),
+        HeartbeatReceived("c", 25),
+        DrainStarted("a", at=26),
+        ProviderLeft("a", at=27),
+    )
+    assert actions == [ProviderLost("a", "s0", graceful=True), PromoteBackup("b", "s0", replacing="a")]
+    assert statuses(state) == {"a": "dead", "b": "active", "c": "backup"}
+
+    # b stops sending heartbeats: after 3 missed intervals it is dead; c (flapping, but the
+    # only warm backup) takes over.
+    state, actions = run(state, HeartbeatReceived("c", 40), ClockTicked(at=41))
+    assert actions == [ProviderLost("b", "s0", graceful=False), PromoteBackup("c", "s0", replacing="b")]
+    assert statuses(state) == {"a": "dead", "b": "dead", "c": "active"}
+
+    # A heartbeat from a dead provider asks it to join again.
+    state, actions = run(state, HeartbeatReceived("a", 42))
+    assert actions == [AskToRejoin("a")]
+
+    # c dies with no backup left: the placement must re-plan.
+    state, actions = run(state, ClockTicked(at=60))
+    assert actions[0] == ProviderLost("c", "s0", graceful=False)
+    assert isinstance(actions[1], Replan) and "no backup has it loaded" in actions[1].reason
+    assert state.by_status(Status.ACTIVE) == []
+
+
+def test_a_draining_provider_that_overstays_is_dead() -> None:
+    state = PoolState(config=PoolConfig(drain_timeout=30))
+    state, _ = run(state, ProviderJoined("a", FAST, 0), StageAssigned("a", "s1", True, 1), DrainStarted("a", 2))
+    state, actions = run(state, HeartbeatReceived("a", 10), ClockTicked(20))
+    assert actions == [] and state.providers["a"].status is Status.DRAINING
+    state, actions = run(state, ClockTicked(33))
+    assert actions[0] == ProviderLost("a", "s1", graceful=False)
+
+
+def test_observed_stage_times_correct_the_profile() -> None:
+    state, _ = run(PoolState(), ProviderJoined("a", FAST, 0))
+    state, _ = run(state, *(StageTimeObserved("a", predicted=1.0, observed=2.0, at=t) for t in range(1, 6)))
+    correction = state.providers["a"].correction
+    assert correction.samples == 5 and abs(correction.factor - 2.0) < 1e-9
+    slowed = correction.apply(FAST)
+    assert slowed.slowdown == correction.factor
