@@ -1,0 +1,270 @@
+"""Placement: contiguous block ranges of a model on providers, maximizing throughput.
+
+Pure: profiles and the model in, a `Placement` out. A stage's time per microbatch is its
+blocks' compute plus its uplink's send time (`dag.cost.stage_time`); a pipeline's throughput is
+bounded by its slowest stage. Memory bounds how many blocks a provider can hold (weights plus
+KV cache, within `memory_fraction` of its memory).
+
+- One pipeline: blocks go one at a time to the provider whose stage would then be fastest.
+  Stage times `x + n*t` grow with `n`, so this greedy reaches the optimal bottleneck (the
+  L-th smallest candidate time), checked against an exact MILP in the tests.
+- Several replicas: for a target bottleneck T each provider can take k(T) blocks; providers
+  are grouped into as many pipelines as can each cover the model ("largest first, then
+  smallest to fill"), and T is searched to maximize replicas / T. Each group is then
+  re-placed with the one-pipeline greedy. The best single pipeline over everyone is a
+  candidate too, so the result is never worse than any single-pipeline split.
+- Providers left over are spares; each stage gets the best spare that can hold it as its
+  backup (it pre-loads that stage).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dag.cost import HardwareProfile, Workload, layer_memory, layer_time, send_time
+from dag.model import ModelSpec
+
+
+class PlacementError(ValueError):
+    """The model cannot be placed on these providers; the message says why."""
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    work: Workload = field(default_factory=Workload)
+    memory_fraction: float = 0.9  # share of a provider's memory stages may use
+    max_replicas: int | None = None  # None: as many as improve throughput
+    backup_fraction: float = 0.1  # share of providers kept out of pipelines as backups, if possible
+    search_points: int = 64  # target bottlenecks tried in the replica search
+
+
+@dataclass(frozen=True)
+class Stage:
+    provider: str
+    first: int  # first block
+    end: int  # one past the last block
+    time: float  # seconds per microbatch
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.first
+
+
+@dataclass(frozen=True)
+class Replica:
+    stages: tuple[Stage, ...]
+
+    @property
+    def bottleneck(self) -> float:
+        return max(s.time for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Placement:
+    replicas: tuple[Replica, ...]
+    backups: dict[tuple[int, int], str]  # (replica, stage index) -> backup provider
+    spares: tuple[str, ...]  # providers in no pipeline and backing up nothing
+    tokens: int  # tokens per microbatch (for throughput)
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second over all replicas."""
+        return sum(self.tokens / r.bottleneck for r in self.replicas)
+
+    def providers(self) -> set[str]:
+        return {s.provider for r in self.replicas for s in r.stages}
+
+
+@dataclass(frozen=True)
+class _Costs:
+    ids: list[str]
+    t: np.ndarray  # seconds per block on each provider
+    x: np.ndarray  # send seconds per microbatch
+    cap: np.ndarray  # blocks each provider can hold
+
+
+def provider_costs(
+    model: ModelSpec, providers: Mapping[str, HardwareProfile], config: PlacementConfig
+) -> _Costs:
+    per_layer = layer_memory(model, config.work)
+    ids = list(providers)
+    t = np.array([layer_time(model, providers[p], config.work) for p in ids], dtype=float)
+    hidden = model.hidden_bytes_per_token * config.work.tokens
+    x = np.array([send_time(hidden, providers[p]) for p in ids], dtype=float)
+    cap = np.array(
+        [
+            min(
+                model.n_layers, int(providers[p].memory_bytes * config.memory_fraction // per_layer)
+            )
+            for p in ids
+        ],
+        dtype=np.int64,
+    )
+    return _Costs(ids, t, x, cap)
+
+
+def _one_pipeline(
+    costs: _Costs, members: Sequence[int], n_layers: int
+) -> list[tuple[int, int]] | None:
+    """Optimal (provider index, blocks) for one pipeline over `members`; None if it can't fit."""
+    heap = [(costs.x[i] + costs.t[i], i) for i in members if costs.cap[i] > 0]
+    heapq.heapify(heap)
+    count: dict[int, int] = {}
+    for _ in range(n_layers):
+        if not heap:
+            return None
+        _, i = heapq.heappop(heap)
+        count[i] = count.get(i, 0) + 1
+        if count[i] < costs.cap[i]:
+            heapq.heappush(heap, (costs.x[i] + (count[i] + 1) * costs.t[i], i))
+    return sorted(count.items(), key=lambda item: (costs.t[item[0]], costs.ids[item[0]]))
+
+
+def _replica(costs: _Costs, counts: list[tuple[int, int]]) -> Replica:
+    stages, first = [], 0
+    for i, n in counts:
+        stages.append(Stage(costs.ids[i], first, first + n, float(costs.x[i] + n * costs.t[i])))
+        first += n
+    return Replica(tuple(stages))
+
+
+def _cover(k: np.ndarray, n_layers: int) -> list[list[int]]:
+    """Group providers (capacities k) into as many groups as reach `n_layers` each: the largest
+    remaining first, then the smallest that complete it."""
+    order = [int(i) for i in np.argsort(-k, kind="stable") if k[i] > 0]
+    groups: list[list[int]] = []
+    lo, hi = 0, len(order) - 1
+    while lo <= hi:
+        group, total = [order[lo]], int(k[order[lo]])
+        lo += 1
+        while total < n_layers and lo <= hi:
+            group.append(order[hi])
+            total += int(k[order[hi]])
+            hi -= 1
+        if total < n_layers:
+            break
+        groups.append(group)
+    return groups
+
+
+def _capacity(costs: _Costs, bottleneck: float) -> np.ndarray:
+    fits = np.floor((bottleneck - costs.x) / costs.t + 1e-9)
+    return np.minimum(costs.cap, np.maximum(fits, 0)).astype(np.int64)
+
+
+def _shortfall(
+    model: ModelSpec, providers: Mapping[str, HardwareProfile], config: PlacementConfig
+) -> str:
+    need = model.n_layers * layer_memory(model, config.work)
+    have = sum(p.memory_bytes for p in providers.values()) * config.memory_fraction
+    return (
+        f"{model.name} needs {need / 1e9:.1f} GB for its {model.n_layers} blocks (weights and KV "
+        f"cache for {config.work.kv_tokens} tokens) but the {len(providers)} providers offer "
+        f"{have / 1e9:.1f} GB usable: short by {max(0.0, need - have) / 1e9:.1f} GB"
+    )
+
+
+def place(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> Placement:
+    """The best placement found; raises `PlacementError` saying why when nothing fits."""
+    config = config or PlacementConfig()
+    if not providers:
+        raise PlacementError(f"no providers to place {model.name} on")
+    costs = provider_costs(model, providers, config)
+    everyone = list(range(len(costs.ids)))
+    single = _one_pipeline(costs, everyone, model.n_layers)
+    if single is None:
+        raise PlacementError(_shortfall(model, providers, config))
+    best_groups = [[i for i, _ in single]]
+    best_value = 1.0 / _replica(costs, single).bottleneck
+    reserve = int(config.backup_fraction * len(everyone))
+    low = _replica(costs, single).bottleneck
+    high = low * model.n_layers
+    points = np.geomspace(low, high, config.search_points)
+    for refine in range(2):
+        values = []
+        for bottleneck in points:
+            groups = _cover(_capacity(costs, float(bottleneck)), model.n_layers)
+            if config.max_replicas is not None:
+                groups = groups[: config.max_replicas]
+            while len(groups) > 1 and len(everyone) - sum(map(len, groups)) < reserve:
+                groups.pop()  # keep some providers out as backups
+            value = len(groups) / float(bottleneck) if groups else 0.0
+            values.append(value)
+            if value > best_value * (1 + 1e-12) and len(groups) > 1:
+                best_value, best_groups = value, groups
+        if refine == 0:
+            j = int(np.argmax(values))
+            points = np.linspace(
+                points[max(0, j - 1)], points[min(len(points) - 1, j + 1)], config.search_points
+            )
+    replicas = []
+    for group in best_groups:
+        counts = _one_pipeline(costs, group, model.n_layers)
+        if counts is not None:
+            replicas.append(_replica(costs, counts))
+    single_replica = _replica(costs, single)
+    if sum(1 / r.bottleneck for r in replicas) < 1 / single_replica.bottleneck:
+        replicas = [single_replica]
+    return _with_backups(tuple(replicas), costs, config.work.tokens)
+
+
+def _with_backups(replicas: tuple[Replica, ...], costs: _Costs, tokens: int) -> Placement:
+    used = {s.provider for r in replicas for s in r.stages}
+    spares = [i for i, p in enumerate(costs.ids) if p not in used]
+    backups: dict[tuple[int, int], str] = {}
+    slots = sorted(
+        ((r, s) for r, rep in enumerate(replicas) for s in range(len(rep.stages))),
+        key=lambda rs: -replicas[rs[0]].stages[rs[1]].time,
+    )
+    for r, s in slots:
+        stage = replicas[r].stages[s]
+        fitting = [i for i in spares if costs.cap[i] >= stage.layers]
+        if not fitting:
+            continue
+        chosen = min(fitting, key=lambda i: (costs.x[i] + stage.layers * costs.t[i], costs.ids[i]))
+        backups[(r, s)] = costs.ids[chosen]
+        spares.remove(chosen)
+    return Placement(replicas, backups, tuple(costs.ids[i] for i in spares), tokens)
+
+
+# ---- baselines, for tests and benchmarks ----------------------------------------------------
+
+
+def equal_split(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> Placement | None:
+    """One pipeline over every provider in join order, blocks split evenly (None: won't fit)."""
+    config = config or PlacementConfig()
+    costs = provider_costs(model, providers, config)
+    n = min(len(costs.ids), model.n_layers)
+    base, extra = divmod(model.n_layers, n)
+    counts = [(i, base + (1 if i < extra else 0)) for i in range(n)]
+    if any(c > costs.cap[i] for i, c in counts):
+        return None
+    return Placement((_replica(costs, counts),), {}, (), config.work.tokens)
+
+
+def round_robin_throughput(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> float | None:
+    """Block b on provider b mod N: every block is a hop. Tokens/s, or None if it won't fit."""
+    config = config or PlacementConfig()
+    costs = provider_costs(model, providers, config)
+    n = len(costs.ids)
+    counts = np.bincount(np.arange(model.n_layers) % n, minlength=n)
+    if np.any(counts > costs.cap):
+        return None
+    busy = counts * (costs.t + costs.x)
+    return config.work.tokens / float(busy.max())

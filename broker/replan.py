@@ -1,0 +1,178 @@
+"""Re-planning when providers come and go: move as little as possible.
+
+When a provider leaves, only its blocks move: to its stage's warm backup if it has one, else
+to the best spare that can hold them, else to its neighbours in the same pipeline if they have
+memory; only when none of that works is the replica dissolved (its providers become spares).
+Healthy stages are never reshuffled here. A full re-placement is a separate decision, taken
+when it would pay: `should_rebalance` (as Petals does, at a bottleneck gain of about 1/0.75).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from broker.placement import Placement, PlacementConfig, Replica, Stage
+from dag.cost import HardwareProfile, layer_memory, layer_time, send_time
+from dag.model import ModelSpec
+
+REBALANCE_THRESHOLD = 0.75  # rebalance when current throughput < this x the candidate's
+
+
+@dataclass(frozen=True)
+class Move:
+    replica: int
+    first: int
+    end: int
+    source: str  # the provider that held the blocks
+    target: str  # the provider that holds them now
+
+
+@dataclass(frozen=True)
+class Repair:
+    placement: Placement
+    moves: tuple[Move, ...]
+    dissolved: int  # replicas that could not be repaired
+
+
+class _Cost:
+    def __init__(
+        self, model: ModelSpec, providers: Mapping[str, HardwareProfile], config: PlacementConfig
+    ) -> None:
+        self.model, self.providers, self.config = model, providers, config
+        self.per_layer = layer_memory(model, config.work)
+        self.hidden = model.hidden_bytes_per_token * config.work.tokens
+
+    def cap(self, peer: str) -> int:
+        return int(
+            self.providers[peer].memory_bytes * self.config.memory_fraction // self.per_layer
+        )
+
+    def stage(self, peer: str, first: int, end: int) -> Stage:
+        p = self.providers[peer]
+        time = (end - first) * layer_time(self.model, p, self.config.work) + send_time(
+            self.hidden, p
+        )
+        return Stage(peer, first, end, time)
+
+
+def _best_spare(cost: _Cost, spares: list[str], layers: int) -> str | None:
+    fitting = [p for p in spares if p in cost.providers and cost.cap(p) >= layers]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (cost.stage(p, 0, layers).time, p))
+
+
+def on_leave(
+    placement: Placement,
+    gone: str,
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> Repair:
+    """The placement after `gone` left; `providers` are the profiles of those still here."""
+    cost = _Cost(model, providers, config or PlacementConfig())
+    replicas = list(placement.replicas)
+    backups = {k: v for k, v in placement.backups.items() if v != gone}
+    spares = [p for p in placement.spares if p != gone]
+    moves: list[Move] = []
+    dissolved = 0
+    where = next(
+        (
+            (r, s)
+            for r, rep in enumerate(replicas)
+            for s, st in enumerate(rep.stages)
+            if st.provider == gone
+        ),
+        None,
+    )
+    if where is not None:
+        r, s = where
+        old = replicas[r].stages[s]
+        target = backups.pop((r, s), None) or _best_spare(cost, spares, old.layers)
+        if target is not None:
+            if target in spares:
+                spares.remove(target)
+            stages = list(replicas[r].stages)
+            stages[s] = cost.stage(target, old.first, old.end)
+            replicas[r] = Replica(tuple(stages))
+            moves.append(Move(r, old.first, old.end, gone, target))
+        else:
+            merged = _merge_into_neighbours(cost, replicas[r], s)
+            if merged is not None:
+                replicas[r], extra = merged
+                moves += [replace(m, replica=r) for m in extra]
+            else:
+                dissolved = 1
+                for st in replicas[r].stages:
+                    if st.provider != gone:
+                        spares.append(st.provider)
+                spares += [v for (rr, _), v in backups.items() if rr == r]
+                replicas.pop(r)
+                backups = {(rr - (rr > r), ss): v for (rr, ss), v in backups.items() if rr != r}
+    # Stages without a backup get one from the spares (pre-loading moves no served blocks).
+    for rr, rep in enumerate(replicas):
+        for ss, st in enumerate(rep.stages):
+            if (rr, ss) not in backups:
+                spare = _best_spare(cost, spares, st.layers)
+                if spare is not None:
+                    backups[(rr, ss)] = spare
+                    spares.remove(spare)
+    new = Placement(tuple(replicas), backups, tuple(spares), placement.tokens)
+    return Repair(new, tuple(moves), dissolved)
+
+
+def _merge_into_neighbours(
+    cost: _Cost, replica: Replica, s: int
+) -> tuple[Replica, list[Move]] | None:
+    """Give stage `s`'s blocks to the stages before and after it, within their memory."""
+    stages = list(replica.stages)
+    old = stages[s]
+    before = stages[s - 1] if s > 0 else None
+    after = stages[s + 1] if s + 1 < len(stages) else None
+    room_before = cost.cap(before.provider) - before.layers if before else 0
+    room_after = cost.cap(after.provider) - after.layers if after else 0
+    if room_before + room_after < old.layers:
+        return None
+    to_before = min(room_before, old.layers)
+    if before is not None and after is not None:  # split in proportion to speed
+        t_b = layer_time(cost.model, cost.providers[before.provider], cost.config.work)
+        t_a = layer_time(cost.model, cost.providers[after.provider], cost.config.work)
+        share = round(old.layers * t_a / (t_a + t_b))
+        to_before = max(old.layers - room_after, min(room_before, share))
+    to_after = old.layers - to_before
+    moves: list[Move] = []
+    new_stages = stages[:s] + stages[s + 1 :]
+    if before is not None and to_before:
+        new_stages[s - 1] = cost.stage(before.provider, before.first, before.end + to_before)
+        moves.append(Move(0, old.first, old.first + to_before, old.provider, before.provider))
+    if after is not None and to_after:
+        # With stage s removed, the stage after it now sits at index s.
+        new_stages[s] = cost.stage(after.provider, after.first - to_after, after.end)
+        moves.append(Move(0, old.end - to_after, old.end, old.provider, after.provider))
+    return Replica(tuple(new_stages)), moves
+
+
+def on_join(
+    placement: Placement,
+    peer: str,
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> Placement:
+    """A new provider becomes a backup for a stage that has none, else a spare."""
+    cost = _Cost(model, providers, config or PlacementConfig())
+    backups = dict(placement.backups)
+    for r, rep in enumerate(placement.replicas):
+        for s, st in enumerate(rep.stages):
+            if (r, s) not in backups and cost.cap(peer) >= st.layers:
+                backups[(r, s)] = peer
+                return replace(placement, backups=backups)
+    return replace(placement, spares=(*placement.spares, peer))
+
+
+def should_rebalance(
+    current: Placement, candidate: Placement, threshold: float = REBALANCE_THRESHOLD
+) -> bool:
+    """Re-place from scratch only if that raises throughput by more than 1 / threshold."""
+    return current.throughput < threshold * candidate.throughput
