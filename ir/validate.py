@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 import onnx.checker
 import onnx.defs
-from onnx import TensorProto
+from onnx import TensorProto, external_data_helper
 
 from ir.errors import CorruptModel, ForbiddenOperator, HashMismatch, TooLarge, UnsafeExternalData
 
@@ -63,16 +63,16 @@ def validate_onnx_file(
         raise CorruptModel(f"{path.name} is not a readable ONNX file: {exc}") from None
     check_graph(model, name=path.name, limits=limits)
     _check_external_data(model, path.name, package_dir, limits)
-    if any(_is_external(t) for t in model.graph.initializer):
+    try:  # on the path, so models whose weights are external (over 2 GB) are checked too
+        onnx.checker.check_model(str(path))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptModel(f"{path.name} fails the ONNX checker: {first}") from None
+    if any(_is_external(t) for t in external_data_helper._get_all_tensors(model)):
         try:
             onnx.load_external_data_for_model(model, str(package_dir))
         except Exception as exc:
             raise CorruptModel(f"{path.name}: cannot read its external data: {exc}") from None
-    try:
-        onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptModel(f"{path.name} fails the ONNX checker: {first}") from None
     return model
 
 
@@ -119,7 +119,7 @@ def _check_external_data(
 ) -> None:
     root = package_dir.resolve()
     total = 0
-    for tensor in model.graph.initializer:
+    for tensor in external_data_helper._get_all_tensors(model):  # Constants and subgraphs too
         if not _is_external(tensor):
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}

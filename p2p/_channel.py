@@ -7,12 +7,17 @@ to consume simply stops granting credit, and the sender waits without touching y
 
 Credit: each side starts with `INITIAL_CREDIT` bytes it may send; the receiver grants more in
 `CREDIT` frames. Bytes of frames that arrive are granted back at once while the bytes of
-complete-but-unconsumed messages stay under the receive window; past that, grants are deferred
-until the application consumes (a handler starts, or `recv` takes a message). CREDIT and
-stream-level ERROR frames do not count, so credit can always flow.
+unconsumed messages stay under the receive window and those of a message still arriving stay
+within the protocol's message limit; past that, grants wait until the application consumes (a
+request's handler answers, or `recv` takes a message). Memory held for a peer is thus bounded
+by about two windows plus one message, whatever the peer does. CREDIT and stream-level ERROR
+frames do not count, so credit can always flow.
 
-Large messages are sent as chunks, interleaved round-robin with other calls' messages, so a
-64 MB tensor does not hold up a 3 KB request on the same stream.
+Sending: on request/response streams, single-frame messages go out between the frames of at
+most one large message at a time, so a 64 MB tensor does not hold up a 3 KB request and a
+receiver never holds more than one part-received message from an honest sender. Message
+streams send strictly in order. A server stops starting new requests while answers wait
+unsent, so a peer that never reads cannot make us queue answers without bound.
 """
 
 from __future__ import annotations
@@ -121,9 +126,13 @@ class Channel:
         self._chunk = chunk_size
         self._decoder = FrameDecoder(max_frame=MAX_CHUNK)
         self._reasm = Reassembler(max_message)
+        self._max_message = max_message
         # sending
         self._ctrl: deque[bytes] = deque()
-        self._out: deque[_Outgoing] = deque()
+        self._small: deque[_Outgoing] = deque()  # single-frame messages
+        self._large: deque[_Outgoing] = deque()  # multi-frame messages, one at a time
+        self._out_bytes = 0  # payload bytes queued and not yet written
+        self._last_large = False
         self._send_credit = INITIAL_CREDIT
         self._wake = trio.Event()
         # receiving
@@ -137,7 +146,7 @@ class Channel:
         self._next_call = 1
         # server requests
         self._max_concurrent = max_concurrent
-        self._active = 0
+        self._active: dict[int, int] = {}  # call id -> request bytes, while its handler runs
         self._waiting: deque[tuple[int, bytes]] = deque()
         self.closed = False
         self._cancel: trio.CancelScope | None = None
@@ -181,7 +190,14 @@ class Channel:
                 await self._close_stream(error is not None)
 
     def _busy(self) -> bool:
-        return bool(self._active or self._waiting or self._out or self._ctrl or self._writing)
+        return bool(
+            self._active
+            or self._waiting
+            or self._small
+            or self._large
+            or self._ctrl
+            or self._writing
+        )
 
     def _check_idle(self) -> None:
         if not self._busy():
@@ -216,7 +232,9 @@ class Channel:
         pending, self._pending = self._pending, {}
         for sink in pending.values():
             sink.fail(lost)
-        queued, self._out = self._out, deque()
+        queued = [*self._small, *self._large]
+        self._small.clear()
+        self._large.clear()
         for item in queued:
             if item.on_sent is not None:
                 item.on_sent(False)
@@ -256,7 +274,12 @@ class Channel:
             if on_sent is not None:
                 on_sent(False)
             return
-        self._out.append(_Outgoing(kind, call_id, payload, on_sent))
+        item = _Outgoing(kind, call_id, payload, on_sent)
+        if self.mode != "stream" and len(payload) <= self._chunk:
+            self._small.append(item)
+        else:
+            self._large.append(item)  # message streams: everything in order, here
+        self._out_bytes += len(payload)
         self._kick()
 
     def call(self, payload: bytes, sink: CallSink) -> int:
@@ -276,32 +299,46 @@ class Channel:
 
     def respond(self, call_id: int, kind: int, payload: bytes) -> None:
         """Answer a request (RESPONSE or ERROR) and let the next waiting one start."""
-        self._active -= 1
+        size = self._active.pop(call_id, None)
+        if size is None:
+            return  # not a request we are running (the stream was reset meanwhile)
         self.send(kind, call_id, payload)
+        self.consumed(size)
         self._start_waiting()
+
+    def _next_outgoing(self) -> tuple[deque[_Outgoing], _Outgoing] | None:
+        """Alternate between small messages and frames of the large message in progress."""
+        if self._small and (not self._large or self._last_large):
+            return self._small, self._small[0]
+        if self._large:
+            return self._large, self._large[0]
+        return None
 
     async def _writer(self) -> None:
         while True:
             if self._ctrl:
                 await self._write(self._ctrl.popleft())
                 continue
-            if self._out:
-                item = self._out[0]
+            picked = self._next_outgoing()
+            if picked is not None:
+                queue, item = picked
                 if self._send_credit >= item.next_frame_size(self._chunk):
                     frame = item.take(self._chunk)
                     self._send_credit -= len(frame)
-                    self._out.popleft()
+                    self._out_bytes -= len(frame) - HEADER_SIZE
+                    self._last_large = queue is self._large
                     if item.done:
-                        await self._write(frame)
+                        queue.popleft()
+                    await self._write(frame)
+                    if item.done:
                         if item.on_sent is not None:
                             item.on_sent(True)
                         if item.kind == Kind.END:
                             self._sent_end = True
                             if self._got_end and self._cancel is not None:
                                 self._cancel.cancel()  # both sides done: a clean close
-                    else:
-                        self._out.append(item)  # round-robin with other messages
-                        await self._write(frame)
+                        if self.mode == "server":
+                            self._start_waiting()  # room again for answers
                     continue
             self._wake = trio.Event()
             await self._wake.wait()
@@ -330,8 +367,11 @@ class Channel:
             self._to_grant = 0
             self._kick()
 
+    def _room(self) -> bool:
+        return self._unconsumed < self._window and self._reasm.buffered <= self._max_message
+
     def _earned(self, nbytes: int) -> None:
-        if self._unconsumed < self._window:
+        if self._room():
             self._grant(nbytes)
         else:
             self._deferred += nbytes
@@ -339,7 +379,7 @@ class Channel:
     def consumed(self, nbytes: int) -> None:
         """The application took a message of `nbytes` off our hands."""
         self._unconsumed -= nbytes
-        if self._deferred and self._unconsumed < self._window:
+        if self._deferred and self._room():
             deferred, self._deferred = self._deferred, 0
             self._grant(deferred, force=True)
 
@@ -382,17 +422,11 @@ class Channel:
             "stream": (Kind.MESSAGE, Kind.END, Kind.ERROR),
         }[self.mode]
         if frame.kind not in expected:
-            self._ctrl.append(
-                self._frame(
-                    Kind.ERROR,
-                    frame.call_id,
-                    encode_error(
-                        ErrorCode.PROTOCOL_ERROR,
-                        f"unexpected frame kind {frame.kind} on a {self.mode} stream",
-                    ),
-                )
+            self._answer_error(
+                frame.call_id,
+                ErrorCode.PROTOCOL_ERROR,
+                f"unexpected frame kind {frame.kind} on a {self.mode} stream",
             )
-            self._kick()
             return True
         try:
             payload = self._reasm.add(frame)
@@ -418,9 +452,16 @@ class Channel:
                 return not self._sent_end  # both sides done: a clean close
         return True
 
+    def _answer_error(self, call_id: int, code: str, message: str) -> None:
+        """Answer a bad frame with an ERROR, through the credited queue; a peer that keeps
+        sending bad frames without reading the answers is cut off."""
+        if self._out_bytes > self._window + self._max_message:
+            raise FrameError(ErrorCode.PROTOCOL_ERROR, "the peer sends but does not read")
+        self.send(Kind.ERROR, call_id, encode_error(code, message))
+
     def _reject(self, frame: Frame, exc: FrameError) -> None:
         if self.mode == "server":
-            self.send(Kind.ERROR, frame.call_id, encode_error(exc.code, exc.message))
+            self._answer_error(frame.call_id, exc.code, exc.message)
         elif self.mode == "client":
             sink = self._pending.pop(frame.call_id, None)
             if sink is not None:
@@ -429,8 +470,19 @@ class Channel:
             self._owner.on_message(self, Kind.ERROR, encode_error(exc.code, exc.message))
 
     def _start_waiting(self) -> None:
-        while self._waiting and self._active < self._max_concurrent and not self.closed:
+        """Start waiting requests while handler slots are free and answers are not piling up
+        unsent. A request's bytes stay counted as unconsumed until its answer is queued."""
+        while (
+            self._waiting
+            and len(self._active) < self._max_concurrent
+            and self._out_bytes <= self._window
+            and not self.closed
+        ):
             call_id, payload = self._waiting.popleft()
-            self._active += 1
-            self.consumed(len(payload))
+            if call_id in self._active:
+                self.consumed(len(payload))
+                error = encode_error(ErrorCode.PROTOCOL_ERROR, "call id already running")
+                self.send(Kind.ERROR, call_id, error)
+                continue
+            self._active[call_id] = len(payload)
             self._owner.on_request(self, call_id, payload)

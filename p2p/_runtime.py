@@ -67,9 +67,13 @@ class TrioRuntime:
         return self._token
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run the synchronous `fn(*args)` in the trio thread, soon. Thread-safe."""
+        """Run the synchronous `fn(*args)` in the trio thread, soon. Thread-safe.
+
+        An exception from `fn` is logged, never raised into trio: it would end the thread
+        that every host of this process runs on.
+        """
         try:
-            self.token.run_sync_soon(fn, *args)
+            self.token.run_sync_soon(_guarded, fn, args)
         except trio.RunFinishedError:
             raise HostClosed("the p2p runtime has stopped") from None
 
@@ -122,6 +126,13 @@ class TrioRuntime:
         self._thread.join(timeout=30)
         if self._thread.is_alive():  # pragma: no cover - only if a host refuses to die
             log.error("the p2p trio thread did not stop within 30 s")
+
+
+def _guarded(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a callback into the p2p thread failed")
 
 
 def post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

@@ -50,6 +50,7 @@ from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+DRAIN_TIMEOUT = 60.0  # seconds a finished stream handler keeps reading what the peer still sends
 
 ControlHandler = Callable[[str, Any], Awaitable[Message]]
 ComputeHandler = Callable[[str, Any], Message]
@@ -272,6 +273,7 @@ class Host:
             )
         finally:
             await stream.close()
+            await stream._discard_rest(DRAIN_TIMEOUT)
 
     # ---- outbound --------------------------------------------------------------------------
 
@@ -432,6 +434,24 @@ class Stream:
                 yield await self.recv()
             except EndOfStream:
                 return
+
+    async def _discard_rest(self, timeout: float) -> None:
+        """Read and drop what the peer still sends (granting it credit) until it finishes, so
+        a handler that returns early never leaves the peer's `send` waiting; after `timeout`
+        seconds the stream is reset."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    await self.recv()
+        except (ConnectionLost, RemoteError, HostClosed, FrameError):
+            return
+        except TimeoutError:
+            runtime = self._host._runtime
+            if runtime is not None:
+                try:
+                    runtime.call_soon(self._channel.abort)
+                except HostClosed:
+                    pass
 
     async def close(self) -> None:
         """Tell the peer we will send no more; the stream ends once both sides have."""

@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from p2p.codec import Message, ProtocolSpec
@@ -135,11 +136,17 @@ def dial_with_security(addr: str, security: str, timeout: float = 10.0) -> str:
     return result
 
 
+@dataclass(frozen=True)
+class RawExchange:
+    data: bytes  # every byte the peer sent back
+    reset: bool  # the peer reset the stream (cut us off) rather than closing it
+
+
 async def send_raw(
     host: Host, peer_id: str, protocol_id: str, data: bytes, timeout: float = 10.0
-) -> bytes:
+) -> RawExchange:
     """Open a raw stream of `protocol_id` from `host` to `peer_id`, write `data`, close our
-    side, and return every byte the peer sends back before closing (or before `timeout`)."""
+    side, and return what the peer sends back before closing (or before `timeout`)."""
     import trio
     from libp2p.custom_types import TProtocol
     from libp2p.network.stream.exceptions import StreamEOF, StreamReset
@@ -147,8 +154,9 @@ async def send_raw(
 
     runtime, core = host._running()
 
-    async def exchange() -> bytes:
+    async def exchange() -> RawExchange:
         got = bytearray()
+        reset = False
         with trio.move_on_after(timeout):
             stream = await core._lp.new_stream(ID.from_base58(peer_id), [TProtocol(protocol_id)])
             try:
@@ -159,15 +167,17 @@ async def send_raw(
                     if not chunk:
                         break
                     got += chunk
-            except (StreamEOF, StreamReset):
+            except StreamEOF:
                 pass
+            except StreamReset:
+                reset = True
             finally:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
                         await stream.reset()
                     except Exception:
                         pass
-        return bytes(got)
+        return RawExchange(bytes(got), reset)
 
     return await runtime.run(exchange)
 

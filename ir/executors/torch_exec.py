@@ -120,10 +120,14 @@ def _layer_norm(node: onnx.NodeProto, x: list[Any]) -> Tensor:
     )
 
 
-def _reduce(fn: Callable[..., Tensor], axes_from_input: bool) -> Op:
+def _reduce(fn: Callable[..., Tensor]) -> Op:
+    """Reductions take `axes` as an attribute (before opset 18; ReduceSum before 13) or as
+    their second input."""
+
     def op(node: onnx.NodeProto, x: list[Any]) -> Tensor:
         a = _attrs(node)
-        axes = _ints(x[1]) if axes_from_input and len(x) > 1 else list(a.get("axes", []))
+        has_input = len(x) > 1 and x[1] is not None
+        axes = _ints(x[1]) if has_input else list(a.get("axes", []))
         keep = bool(a.get("keepdims", 1))
         if not axes:
             if a.get("noop_with_empty_axes", 0):
@@ -262,11 +266,11 @@ OPS: dict[str, Op] = {
     "LayerNormalization": _layer_norm,
     "Range": _range,
     "ReduceL2": _reduce(
-        lambda t, dim, keepdim: torch.linalg.vector_norm(t, dim=dim, keepdim=keepdim), False
+        lambda t, dim, keepdim: torch.linalg.vector_norm(t, dim=dim, keepdim=keepdim)
     ),
-    "ReduceMean": _reduce(torch.mean, False),
-    "ReduceMax": _reduce(torch.amax, False),
-    "ReduceSum": _reduce(torch.sum, True),
+    "ReduceMean": _reduce(torch.mean),
+    "ReduceMax": _reduce(torch.amax),
+    "ReduceSum": _reduce(torch.sum),
     "Reshape": _reshape,
     "Shape": _shape,
     "Slice": _slice,
@@ -303,13 +307,23 @@ class OnnxModule(torch.nn.Module):
             key = f"w{i}"
             self._names[init.name] = key
             self.register_buffer(key, _tensor(init), persistent=False)
-        self.nodes = list(graph.node)
+        # Constants become buffers too, so they move to the module's device with it.
+        self.nodes = []
+        for node in graph.node:
+            if node.op_type == "Constant" and len(node.output) == 1:
+                key = f"c{len(self._names)}"
+                self._names[node.output[0]] = key
+                self.register_buffer(key, _constant(node, []), persistent=False)
+            else:
+                self.nodes.append(node)
+        self.register_buffer("_anchor", torch.zeros(0), persistent=False)
         self.input_names = [i.name for i in graph.input if i.name not in self._names]
         self.output_names = [o.name for o in graph.output]
 
     def forward(self, **inputs: Tensor) -> dict[str, Tensor]:
         env: dict[str, Any] = {name: getattr(self, key) for name, key in self._names.items()}
         env.update(inputs)
+        device = self._anchor.device
         for node in self.nodes:
             args = [env[name] if name else None for name in node.input]
             result = OPS[node.op_type](node, args)
@@ -317,7 +331,9 @@ class OnnxModule(torch.nn.Module):
                 for name, value in zip(node.output, result, strict=False):
                     env[name] = value
             else:
-                env[node.output[0]] = result
+                # Ops that make new tensors (Shape, Range, ConstantOfShape) make them on the
+                # CPU; keep every value on the module's device.
+                env[node.output[0]] = result if result.device == device else result.to(device)
         return {name: env[name] for name in self.output_names}
 
 

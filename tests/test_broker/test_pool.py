@@ -41,7 +41,11 @@ def statuses(state: PoolState) -> dict[str, str]:
 
 
 def test_scripted_joins_flapping_missed_heartbeats_and_a_leave() -> None:
-    state = PoolState(config=PoolConfig(heartbeat_interval=5, missed_heartbeats=3, flap_window=600, flap_threshold=2))
+    state = PoolState(
+        config=PoolConfig(
+            heartbeat_interval=5, missed_heartbeats=3, flap_window=600, flap_threshold=2
+        )
+    )
     # Three providers join: all start in the backup pool and are welcomed.
     state, actions = run(
         state,
@@ -65,7 +69,9 @@ def test_scripted_joins_flapping_missed_heartbeats_and_a_leave() -> None:
     assert actions == [] and statuses(state)["a"] == "active"
 
     # c flaps: it dies twice within the window (missed heartbeats, then a restart).
-    state, actions = run(state, HeartbeatReceived("a", 10), HeartbeatReceived("b", 10), ClockTicked(at=21))
+    state, actions = run(
+        state, HeartbeatReceived("a", 10), HeartbeatReceived("b", 10), ClockTicked(at=21)
+    )
     assert actions == [ProviderLost("c", None, graceful=False)]
     state, actions = run(state, ProviderJoined("c", SLOW, at=22), ProviderJoined("c", SLOW, at=23))
     assert actions == [Welcome("c"), ProviderLost("c", None, graceful=False), Welcome("c")]
@@ -83,13 +89,19 @@ def test_scripted_joins_flapping_missed_heartbeats_and_a_leave() -> None:
         DrainStarted("a", at=26),
         ProviderLeft("a", at=27),
     )
-    assert actions == [ProviderLost("a", "s0", graceful=True), PromoteBackup("b", "s0", replacing="a")]
+    assert actions == [
+        ProviderLost("a", "s0", graceful=True),
+        PromoteBackup("b", "s0", replacing="a"),
+    ]
     assert statuses(state) == {"a": "dead", "b": "active", "c": "backup"}
 
     # b stops sending heartbeats: after 3 missed intervals it is dead; c (flapping, but the
     # only warm backup) takes over.
     state, actions = run(state, HeartbeatReceived("c", 40), ClockTicked(at=41))
-    assert actions == [ProviderLost("b", "s0", graceful=False), PromoteBackup("c", "s0", replacing="b")]
+    assert actions == [
+        ProviderLost("b", "s0", graceful=False),
+        PromoteBackup("c", "s0", replacing="b"),
+    ]
     assert statuses(state) == {"a": "dead", "b": "dead", "c": "active"}
 
     # A heartbeat from a dead provider asks it to join again.
@@ -105,7 +117,9 @@ def test_scripted_joins_flapping_missed_heartbeats_and_a_leave() -> None:
 
 def test_a_draining_provider_that_overstays_is_dead() -> None:
     state = PoolState(config=PoolConfig(drain_timeout=30))
-    state, _ = run(state, ProviderJoined("a", FAST, 0), StageAssigned("a", "s1", True, 1), DrainStarted("a", 2))
+    state, _ = run(
+        state, ProviderJoined("a", FAST, 0), StageAssigned("a", "s1", True, 1), DrainStarted("a", 2)
+    )
     state, actions = run(state, HeartbeatReceived("a", 10), ClockTicked(20))
     assert actions == [] and state.providers["a"].status is Status.DRAINING
     state, actions = run(state, ClockTicked(33))
@@ -114,7 +128,9 @@ def test_a_draining_provider_that_overstays_is_dead() -> None:
 
 def test_observed_stage_times_correct_the_profile() -> None:
     state, _ = run(PoolState(), ProviderJoined("a", FAST, 0))
-    state, _ = run(state, *(StageTimeObserved("a", predicted=1.0, observed=2.0, at=t) for t in range(1, 6)))
+    state, _ = run(
+        state, *(StageTimeObserved("a", predicted=1.0, observed=2.0, at=t) for t in range(1, 6))
+    )
     correction = state.providers["a"].correction
     assert correction.samples == 5 and abs(correction.factor - 2.0) < 1e-9
     slowed = correction.apply(FAST)

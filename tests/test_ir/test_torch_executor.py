@@ -81,3 +81,27 @@ def test_an_unsupported_operator_is_named(tmp_path: Any) -> None:
     onnx.checker.check_model(model)
     with pytest.raises(ExecutorError, match=r"does not support \['Hardmax'\]"):
         TorchExecutor(model, device="cpu")
+
+
+@pytest.mark.parametrize("op", ["ReduceMean", "ReduceSum", "ReduceMax", "ReduceL2"])
+def test_reductions_take_axes_from_their_input_in_opset_18(op: str) -> None:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ir.executors import OrtExecutor
+
+    axes = numpy_helper.from_array(np.array([-1], dtype=np.int64), "axes")
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "axes"], ["y"], keepdims=1)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1])],
+        [axes],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    onnx.checker.check_model(model)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    want = OrtExecutor(model).run({"x": x})["y"]
+    got = TorchExecutor(model, device="cpu").run({"x": x})["y"]
+    assert got.shape == want.shape == (2, 1)
+    assert np.allclose(got, want)

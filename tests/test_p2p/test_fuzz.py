@@ -110,7 +110,7 @@ def live() -> Iterator[LiveHosts]:
 def test_live_host_answers_garbage_with_typed_errors_and_keeps_serving(
     live: LiveHosts, data: bytes, protocol: object
 ) -> None:
-    answer = live.run(send_raw(live.client, live.peer, protocol.protocol_id, data, timeout=10))  # type: ignore[attr-defined]
+    answer = live.run(send_raw(live.client, live.peer, protocol.protocol_id, data, timeout=10)).data  # type: ignore[attr-defined]
     # Whatever came back is well-formed frames of the kinds a server may send.
     for frame in FrameDecoder(max_frame=MAX_CHUNK).feed(answer):
         assert frame.kind in (Kind.RESPONSE, Kind.ERROR, Kind.CREDIT)
@@ -150,7 +150,7 @@ def _errors(answer: bytes) -> list[tuple[int, str]]:
 def test_live_host_names_what_was_wrong(
     live: LiveHosts, data: bytes, expected: list[tuple[int, str]]
 ) -> None:
-    answer = live.run(send_raw(live.client, live.peer, ECHO_COMPUTE.protocol_id, data))
+    answer = live.run(send_raw(live.client, live.peer, ECHO_COMPUTE.protocol_id, data)).data
     assert _errors(answer) == expected
     assert live.run(live.client.request(live.peer, ECHO_COMPUTE, Echo(n=2))).n == 4
 
@@ -159,6 +159,26 @@ def test_live_host_names_what_was_wrong(
 def test_live_host_answers_valid_raw_frames(live: LiveHosts) -> None:
     from p2p.codec import Kind as K
 
-    answer = live.run(send_raw(live.client, live.peer, ECHO_COMPUTE.protocol_id, VALID))
+    answer = live.run(send_raw(live.client, live.peer, ECHO_COMPUTE.protocol_id, VALID)).data
     responses = [f for f in FrameDecoder(max_frame=MAX_CHUNK).feed(answer) if f.kind == K.RESPONSE]
     assert sorted(f.call_id for f in responses) == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_unfinished_messages_is_cut_off_not_buffered(live: LiveHosts) -> None:
+    # Frames flagged MORE on ever new call ids, ignoring credit: the host stops granting
+    # credit once one message's worth is part-received, then closes the stream when the
+    # peer overruns its credit, instead of buffering everything.
+    from p2p.codec import FLAG_MORE, HEADER
+
+    chunk = b"\x00" * (256 * 1024)
+    # 25 MB: past the 16 MiB window granted up front, with no credit after the first 1 MiB.
+    flood = b"".join(
+        HEADER.pack(len(chunk), Kind.REQUEST, FLAG_MORE, i + 1) + chunk for i in range(100)
+    )
+    outcome = live.run(send_raw(live.client, live.peer, ECHO_COMPUTE.protocol_id, flood))
+    assert outcome.reset or (0, "protocol_error") in _errors(outcome.data)
+    assert not any(
+        f.kind == Kind.ERROR and f.call_id > 0 for f in FrameDecoder(MAX_CHUNK).feed(outcome.data)
+    )
+    assert live.run(live.client.request(live.peer, ECHO_COMPUTE, Echo(n=2))).n == 4

@@ -10,6 +10,7 @@ import pytest
 
 from p2p import (
     ConnectionLost,
+    EndOfStream,
     FrameError,
     Host,
     HostClosed,
@@ -17,6 +18,7 @@ from p2p import (
     ProtocolSpec,
     RemoteError,
     RequestTimeout,
+    Stream,
     Tensor,
 )
 from p2p.testing import (
@@ -224,3 +226,47 @@ async def test_several_hosts_share_one_trio_thread() -> None:
             peer = await host.connect(a.addrs[0])
             assert (await host.request(peer, ECHO_CONTROL, Echo(n=1))).n == 2
     assert "fusionai-p2p" not in [t.name for t in threading.enumerate()]
+
+
+async def test_concurrent_large_sends_on_one_stream_arrive_whole_and_in_order(
+    pair: tuple[Host, Host, str],
+) -> None:
+    server, client, peer = pair
+    got: list[tuple[int, bytes]] = []
+
+    async def collect(stream: Stream) -> None:
+        async for chunk in stream:
+            got.append((chunk.seq, chunk.data))
+        await stream.send(Chunk(seq=len(got)))
+
+    spec = ProtocolSpec("/fusionai/test-order-stream/1", Chunk, Chunk, max_message_bytes=4 << 20)
+    server.add_stream_handler(spec, collect)
+    sizes = [1_800_000, 260_000, 3_000_000, 10, 700_000]
+    async with await client.open_stream(peer, spec) as stream:
+        await asyncio.gather(
+            *(stream.send(Chunk(seq=i, data=bytes([i + 1]) * n)) for i, n in enumerate(sizes))
+        )
+        await stream.close()
+        assert (await stream.recv()).seq == len(sizes)
+    assert [seq for seq, _ in got] == list(range(len(sizes)))  # sends were queued in order
+    for seq, data in got:
+        assert data == bytes([seq + 1]) * sizes[seq]  # no message mixed with another
+
+
+async def test_a_stream_handler_that_returns_early_does_not_hang_the_sender() -> None:
+    spec = ProtocolSpec("/fusionai/test-early/1", Chunk, Chunk, max_message_bytes=2 << 20)
+
+    async def first_only(stream: Stream) -> None:
+        await stream.recv()  # reads one message, then returns
+
+    small_window = HostConfig(listen=LOCAL.listen, recv_window=4 << 20)
+    async with Host(small_window) as server, Host(LOCAL) as client:
+        server.add_stream_handler(spec, first_only)
+        peer = await client.connect(server.addrs[0])
+        async with await client.open_stream(peer, spec) as stream:
+            async with asyncio.timeout(30):
+                for i in range(12):  # 12 MB against a 4 MB window
+                    await stream.send(Chunk(seq=i, data=bytes(1 << 20)))
+                await stream.close()
+                with pytest.raises(EndOfStream):
+                    await stream.recv()
