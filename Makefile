@@ -32,6 +32,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/ir.py
+	$(PY) benchmarks/placement.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

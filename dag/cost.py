@@ -87,9 +87,9 @@ def send_time(nbytes: float, src: HardwareProfile | None) -> float:
 
 
 def transfer_time(nbytes: float, src: HardwareProfile | None, dst: HardwareProfile | None) -> float:
-    """Time to send `nbytes` from `src` to `dst` (None: the client, whose link is not the
-    bottleneck). Zero on the same machine."""
-    if src is dst or nbytes <= 0:
+    """Time to send `nbytes` from `src` to `dst`, two different machines (None: the client,
+    whose link is not the bottleneck). Callers skip transfers within one machine."""
+    if nbytes <= 0:
         return 0.0
     bandwidth = (
         src.net_bandwidth if src is not None else (dst.net_bandwidth if dst is not None else 0)

@@ -1,0 +1,192 @@
+"""Placement on heterogeneous swarms: feasible, complete, near optimal, and minimal on change."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.placement import (
+    Placement,
+    PlacementConfig,
+    PlacementError,
+    equal_split,
+    place,
+    round_robin_throughput,
+)
+from broker.replan import on_join, on_leave, should_rebalance
+from broker.swarms import random_swarm
+from dag.cost import HardwareProfile, Workload, layer_memory
+from dag.model import LLAMA2_13B, LLAMA2_70B, ModelSpec
+
+WORK = Workload(tokens=8, sequences=8, context=512, kv_tokens=4096)
+
+
+def check_valid(
+    model: ModelSpec,
+    swarm: dict[str, HardwareProfile],
+    config: PlacementConfig,
+    placement: Placement,
+) -> None:
+    per_layer = layer_memory(model, config.work)
+    used: set[str] = set()
+    for replica in placement.replicas:
+        covered = 0
+        for stage in replica.stages:
+            assert stage.first == covered and stage.end > stage.first  # contiguous, in order
+            covered = stage.end
+            assert (
+                stage.layers * per_layer
+                <= swarm[stage.provider].memory_bytes * config.memory_fraction
+            )
+            assert stage.provider not in used  # a provider serves one stage
+            used.add(stage.provider)
+        assert covered == model.n_layers  # every block exactly once per replica
+    for (r, s), backup in placement.backups.items():
+        assert backup not in used and backup in swarm
+        need = placement.replicas[r].stages[s].layers * per_layer
+        assert need <= swarm[backup].memory_bytes * config.memory_fraction
+    assert len(set(placement.backups.values())) == len(placement.backups)
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[ModelSpec, dict[str, HardwareProfile]]:
+    layers = draw(st.integers(2, 48))
+    hidden = draw(st.sampled_from([1024, 2048, 4096, 5120]))
+    model = ModelSpec.transformer("m", hidden=hidden, layers=layers, heads=hidden // 128)
+    swarm = random_swarm(draw(st.integers(1, 40)), draw(st.integers(0, 10**6)))
+    return model, swarm
+
+
+@given(instances())
+@settings(max_examples=150, deadline=None)
+def test_placements_fit_memory_cover_every_block_and_beat_naive_splits(
+    instance: tuple[ModelSpec, dict[str, HardwareProfile]],
+) -> None:
+    model, swarm = instance
+    config = PlacementConfig(work=WORK)
+    try:
+        placement = place(model, swarm, config)
+    except PlacementError as exc:
+        total = sum(p.memory_bytes for p in swarm.values()) * config.memory_fraction
+        assert total < model.n_layers * layer_memory(model, WORK) or "short by" in str(exc)
+        return
+    check_valid(model, swarm, config, placement)
+    baseline = equal_split(model, swarm, config)
+    if baseline is not None:
+        assert placement.throughput >= baseline.throughput * (1 - 1e-9)
+    robin = round_robin_throughput(model, swarm, config)
+    if robin is not None:
+        assert placement.throughput >= robin * (1 - 1e-9)
+
+
+def test_a_model_that_cannot_fit_says_by_how_much() -> None:
+    swarm = random_swarm(4, 1, {"rtx3060": (51e12, 12e9, 360e9)})
+    with pytest.raises(PlacementError, match=r"short by \d+\.\d GB"):
+        place(LLAMA2_70B, swarm, PlacementConfig(work=WORK))
+
+
+def test_within_5_percent_of_the_exact_optimum_on_200_small_instances() -> None:
+    pytest.importorskip("highspy")
+    from broker.exact import optimal_bottleneck
+
+    rng = random.Random(20261121)
+    gaps = []
+    for _ in range(200):
+        layers = rng.randint(2, 24)
+        model = ModelSpec.transformer(
+            "m", hidden=rng.choice([1024, 2048, 4096]), layers=layers, heads=16
+        )
+        swarm = random_swarm(rng.randint(1, 6), rng.randrange(10**9))
+        config = PlacementConfig(work=WORK, max_replicas=1)
+        try:
+            placement = place(model, swarm, config)
+        except PlacementError:
+            continue
+        best = optimal_bottleneck(model, swarm, config)
+        gaps.append(placement.replicas[0].bottleneck / best - 1)
+    assert len(gaps) >= 150  # most instances fit
+    assert max(gaps) <= 0.05, max(gaps)
+
+
+def test_after_a_leave_with_a_backup_only_the_dead_providers_blocks_move() -> None:
+    swarm = random_swarm(60, 7)
+    config = PlacementConfig(work=WORK)
+    placement = place(LLAMA2_13B, swarm, config)
+    (r, s), backup = next(iter(sorted(placement.backups.items())))
+    victim = placement.replicas[r].stages[s]
+    alive = {k: v for k, v in swarm.items() if k != victim.provider}
+    repair = on_leave(placement, victim.provider, LLAMA2_13B, alive, config)
+    assert len(repair.moves) == 1
+    move = repair.moves[0]
+    assert (move.first, move.end, move.source, move.target) == (
+        victim.first,
+        victim.end,
+        victim.provider,
+        backup,
+    )
+    before = {
+        (i, st.first, st.end, st.provider)
+        for i, rep in enumerate(placement.replicas)
+        for st in rep.stages
+    }
+    after = {
+        (i, st.first, st.end, st.provider)
+        for i, rep in enumerate(repair.placement.replicas)
+        for st in rep.stages
+    }
+    assert before - after == {(r, victim.first, victim.end, victim.provider)}
+    assert after - before == {(r, victim.first, victim.end, backup)}
+    check_valid(LLAMA2_13B, alive, config, repair.placement)
+
+
+def test_without_a_backup_the_blocks_go_to_neighbours_and_nothing_else_moves() -> None:
+    swarm = random_swarm(40, 3)
+    config = PlacementConfig(work=WORK, backup_fraction=0.0)
+    placement = place(LLAMA2_13B, swarm, config)
+    bare = Placement(placement.replicas, {}, (), placement.tokens)  # no backups, no spares
+    replica = bare.replicas[0]
+    victim = replica.stages[len(replica.stages) // 2]
+    alive = {k: v for k, v in swarm.items() if k != victim.provider}
+    repair = on_leave(bare, victim.provider, LLAMA2_13B, alive, config)
+    if repair.dissolved:
+        assert len(repair.placement.replicas) == len(bare.replicas) - 1
+        return
+    moved = {(m.first, m.end) for m in repair.moves}
+    assert sum(e - f for f, e in moved) == victim.layers
+    assert all(victim.first <= f and e <= victim.end for f, e in moved)
+    for other in bare.replicas[1:]:
+        assert other in repair.placement.replicas  # other replicas untouched
+    check_valid(LLAMA2_13B, alive, config, repair.placement)
+
+
+def test_a_joining_provider_backs_up_a_stage_that_had_none() -> None:
+    swarm = random_swarm(30, 5)
+    config = PlacementConfig(work=WORK)
+    placement = place(LLAMA2_13B, swarm, config)
+    bare = Placement(placement.replicas, {}, (), placement.tokens)
+    newcomer = HardwareProfile("rtx4090", {"float16": 330e12}, 24e9, 1008e9, 50e6)
+    joined = on_join(bare, "new", LLAMA2_13B, {**swarm, "new": newcomer}, config)
+    assert "new" in joined.backups.values()
+
+
+def test_rebalance_only_for_a_large_gain() -> None:
+    swarm = random_swarm(50, 9)
+    config = PlacementConfig(work=WORK)
+    good = place(LLAMA2_13B, swarm, config)
+    assert not should_rebalance(good, good)
+    worse = Placement(good.replicas[:1], {}, (), good.tokens)
+    assert should_rebalance(worse, good) == (worse.throughput < 0.75 * good.throughput)
+
+
+def test_heterogeneous_swarm_beats_naive_splits_by_far() -> None:
+    swarm = random_swarm(50, 11)
+    config = PlacementConfig(work=WORK)
+    placement = place(LLAMA2_13B, swarm, config)
+    baseline = equal_split(LLAMA2_13B, swarm, config)
+    robin = round_robin_throughput(LLAMA2_13B, swarm, config)
+    assert baseline is not None and robin is not None
+    assert placement.throughput > 3 * baseline.throughput
+    assert placement.throughput > 3 * robin
