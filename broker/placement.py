@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dag.cost import HardwareProfile, Workload, layer_memory, layer_time, send_time
+from dag.cost import (
+    HardwareProfile,
+    Workload,
+    blocks_that_fit,
+    layer_memory,
+    layer_time,
+    send_time,
+    stage_workspace,
+)
 from dag.model import ModelSpec
 
 
@@ -90,18 +98,12 @@ class _Costs:
 def provider_costs(
     model: ModelSpec, providers: Mapping[str, HardwareProfile], config: PlacementConfig
 ) -> _Costs:
-    per_layer = layer_memory(model, config.work)
     ids = list(providers)
     t = np.array([layer_time(model, providers[p], config.work) for p in ids], dtype=float)
     hidden = model.hidden_bytes_per_token * config.work.tokens
     x = np.array([send_time(hidden, providers[p]) for p in ids], dtype=float)
     cap = np.array(
-        [
-            min(
-                model.n_layers, int(providers[p].memory_bytes * config.memory_fraction // per_layer)
-            )
-            for p in ids
-        ],
+        [blocks_that_fit(model, providers[p], config.work, config.memory_fraction) for p in ids],
         dtype=np.int64,
     )
     return _Costs(ids, t, x, cap)
@@ -159,7 +161,7 @@ def _capacity(costs: _Costs, bottleneck: float) -> np.ndarray:
 def _shortfall(
     model: ModelSpec, providers: Mapping[str, HardwareProfile], config: PlacementConfig
 ) -> str:
-    need = model.n_layers * layer_memory(model, config.work)
+    need = model.n_layers * layer_memory(model, config.work) + stage_workspace(model, config.work)
     have = sum(p.memory_bytes for p in providers.values()) * config.memory_fraction
     return (
         f"{model.name} needs {need / 1e9:.1f} GB for its {model.n_layers} blocks (weights and KV "

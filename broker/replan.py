@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from broker.placement import Placement, PlacementConfig, Replica, Stage
-from dag.cost import HardwareProfile, layer_memory, layer_time, send_time
+from dag.cost import HardwareProfile, blocks_that_fit, layer_time, send_time
 from dag.model import ModelSpec
 
 REBALANCE_THRESHOLD = 0.75  # rebalance when current throughput < this x the candidate's
@@ -40,12 +40,11 @@ class _Cost:
         self, model: ModelSpec, providers: Mapping[str, HardwareProfile], config: PlacementConfig
     ) -> None:
         self.model, self.providers, self.config = model, providers, config
-        self.per_layer = layer_memory(model, config.work)
         self.hidden = model.hidden_bytes_per_token * config.work.tokens
 
     def cap(self, peer: str) -> int:
-        return int(
-            self.providers[peer].memory_bytes * self.config.memory_fraction // self.per_layer
+        return blocks_that_fit(
+            self.model, self.providers[peer], self.config.work, self.config.memory_fraction
         )
 
     def stage(self, peer: str, first: int, end: int) -> Stage:

@@ -157,6 +157,22 @@ def layer_memory(model: ModelSpec, work: Workload) -> float:
     return model.layer_param_bytes + work.kv_tokens * model.layer_kv_bytes_per_token
 
 
+ACTIVATION_BUFFERS = 8  # hidden-state-sized buffers a stage keeps per microbatch (in, out, scratch)
+
+
+def stage_workspace(model: ModelSpec, work: Workload) -> float:
+    """Device memory a stage needs for activations, whatever its number of blocks."""
+    return ACTIVATION_BUFFERS * model.hidden_bytes_per_token * work.tokens
+
+
+def blocks_that_fit(
+    model: ModelSpec, profile: HardwareProfile, work: Workload, fraction: float
+) -> int:
+    """How many blocks fit in `fraction` of `profile`'s memory, after the activation workspace."""
+    room = profile.memory_bytes * fraction - stage_workspace(model, work)
+    return max(0, min(model.n_layers, int(room // layer_memory(model, work))))
+
+
 def stage_time(model: ModelSpec, profile: HardwareProfile, layers: int, work: Workload) -> float:
     """A stage's busy time per microbatch: its blocks, then its uplink sending hidden states."""
     if layers <= 0:

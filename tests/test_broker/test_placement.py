@@ -18,7 +18,7 @@ from broker.placement import (
 )
 from broker.replan import on_join, on_leave, should_rebalance
 from broker.swarms import random_swarm
-from dag.cost import HardwareProfile, Workload, layer_memory
+from dag.cost import HardwareProfile, Workload, layer_memory, stage_workspace
 from dag.model import LLAMA2_13B, LLAMA2_70B, ModelSpec
 
 WORK = Workload(tokens=8, sequences=8, context=512, kv_tokens=4096)
@@ -31,6 +31,7 @@ def check_valid(
     placement: Placement,
 ) -> None:
     per_layer = layer_memory(model, config.work)
+    workspace = stage_workspace(model, config.work)
     used: set[str] = set()
     for replica in placement.replicas:
         covered = 0
@@ -46,7 +47,7 @@ def check_valid(
         assert covered == model.n_layers  # every block exactly once per replica
     for (r, s), backup in placement.backups.items():
         assert backup not in used and backup in swarm
-        need = placement.replicas[r].stages[s].layers * per_layer
+        need = placement.replicas[r].stages[s].layers * per_layer + workspace
         assert need <= swarm[backup].memory_bytes * config.memory_fraction
     assert len(set(placement.backups.values())) == len(placement.backups)
 
