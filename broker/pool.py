@@ -86,6 +86,14 @@ class ClockTicked:
 
 
 @dataclass(frozen=True)
+class HeartbeatsMissed:
+    """The service saw `peer_id`'s heartbeats stop (what `ClockTicked` finds by itself)."""
+
+    peer_id: str
+    at: float
+
+
+@dataclass(frozen=True)
 class DrainStarted:
     peer_id: str
     at: float
@@ -125,6 +133,7 @@ class StageTimeObserved:
 Event = (
     ProviderJoined
     | HeartbeatReceived
+    | HeartbeatsMissed
     | ClockTicked
     | DrainStarted
     | ProviderLeft
@@ -180,12 +189,7 @@ def _put(state: PoolState, provider: Provider, now: float | None = None) -> Pool
 def promotion_order(state: PoolState, stage: str) -> list[Provider]:
     """Backups that could take over `stage`: warm ones first, flapping ones last, then the
     fastest (by fp16 FLOP/s corrected for observed slowness)."""
-    limit = state.config.heartbeat_interval * state.config.missed_heartbeats
-    candidates = [
-        p
-        for p in state.providers.values()
-        if p.status is Status.BACKUP and state.now - p.last_seen <= limit
-    ]
+    candidates = [p for p in state.providers.values() if p.status is Status.BACKUP]
 
     def key(p: Provider) -> tuple[bool, bool, float]:
         speed = p.profile.flops_for("float16") / p.correction.factor
@@ -195,7 +199,7 @@ def promotion_order(state: PoolState, stage: str) -> list[Provider]:
 
 
 def _lose(
-    state: PoolState, provider: Provider, at: float, graceful: bool
+    state: PoolState, provider: Provider, at: float, graceful: bool, promote: bool = True
 ) -> tuple[PoolState, list[Action]]:
     was_active = provider.status is Status.ACTIVE or (
         provider.status is Status.DRAINING and provider.stage is not None
@@ -208,16 +212,24 @@ def _lose(
     )
     state = _put(state, dead, at)
     actions: list[Action] = [ProviderLost(provider.peer_id, stage, graceful)]
-    if stage is None or state.serving(stage):
-        return state, actions
+    if promote and stage is not None:
+        state, more = _take_over(state, stage, provider.peer_id, at)
+        actions += more
+    return state, actions
+
+
+def _take_over(
+    state: PoolState, stage: str, lost: str, at: float
+) -> tuple[PoolState, list[Action]]:
+    """Give `stage` (served by `lost` until now) to a warm backup, or ask for a re-plan."""
+    if state.serving(stage):
+        return state, []
     warm = [p for p in promotion_order(state, stage) if stage in p.ready]
     if warm:
         chosen = warm[0]
         state = _put(state, replace(chosen, status=Status.ACTIVE, stage=stage), at)
-        actions.append(PromoteBackup(chosen.peer_id, stage, provider.peer_id))
-    else:
-        actions.append(Replan(f"{provider.peer_id} served {stage} and no backup has it loaded"))
-    return state, actions
+        return state, [PromoteBackup(chosen.peer_id, stage, lost)]
+    return state, [Replan(f"{lost} served {stage} and no backup has it loaded")]
 
 
 def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
@@ -241,8 +253,9 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
         actions: list[Action] = []
         state = replace(state, now=now)
         limit = state.config.heartbeat_interval * state.config.missed_heartbeats
+        lost_stages: list[tuple[str, str]] = []
         for peer_id in sorted(state.providers):
-            p = state.providers[peer_id]  # fresh: an earlier loss may have promoted it
+            p = state.providers[peer_id]
             silent = p.status in (Status.ACTIVE, Status.BACKUP) and now - p.last_seen > limit
             overdue = (
                 p.status is Status.DRAINING
@@ -250,8 +263,14 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
                 and now - p.drain_started > state.config.drain_timeout
             )
             if silent or overdue:
-                state, more = _lose(state, p, now, graceful=False)
+                # Everyone silent is marked dead first, so no dead backup gets promoted.
+                state, more = _lose(state, p, now, graceful=False, promote=False)
                 actions += more
+                if p.stage is not None and p.status is not Status.BACKUP:
+                    lost_stages.append((p.stage, peer_id))
+        for stage, peer_id in lost_stages:
+            state, more = _take_over(state, stage, peer_id, now)
+            actions += more
         return state, actions
     if provider is None or provider.status is Status.DEAD:
         if isinstance(event, HeartbeatReceived):
@@ -265,6 +284,8 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
         ), []
     if isinstance(event, ProviderLeft):
         return _lose(state, provider, event.at, graceful=True)
+    if isinstance(event, HeartbeatsMissed):
+        return _lose(state, provider, event.at, graceful=False)
     if isinstance(event, StageAssigned):
         status = Status.ACTIVE if event.active else Status.BACKUP
         return _put(

@@ -7,6 +7,7 @@ from broker.pool import (
     ClockTicked,
     DrainStarted,
     HeartbeatReceived,
+    HeartbeatsMissed,
     PoolConfig,
     PoolState,
     PromoteBackup,
@@ -113,6 +114,19 @@ def test_scripted_joins_flapping_missed_heartbeats_and_a_leave() -> None:
     assert actions[0] == ProviderLost("c", "s0", graceful=False)
     assert isinstance(actions[1], Replan) and "no backup has it loaded" in actions[1].reason
     assert state.by_status(Status.ACTIVE) == []
+
+
+def test_missed_heartbeats_reported_by_the_service_lose_the_provider() -> None:
+    state, _ = run(
+        PoolState(),
+        ProviderJoined("a", FAST, 0),
+        ProviderJoined("b", FAST, 0),
+        StageAssigned("a", "s0", True, 1),
+        StageAssigned("b", "s0", False, 1),
+        StageReady("b", "s0", 2),
+    )
+    state, actions = run(state, HeartbeatsMissed("a", 20))
+    assert actions == [ProviderLost("a", "s0", graceful=False), PromoteBackup("b", "s0", "a")]
 
 
 def test_a_draining_provider_that_overstays_is_dead() -> None:
