@@ -170,12 +170,55 @@ def _shortfall(
     )
 
 
+MAX_ROUNDS = 12  # tiers of providers (by speed and uplink) that form replicas of their own
+
+
+def _search_groups(
+    costs: _Costs, members: list[int], n_layers: int, keep: int, limit: int | None, points_n: int
+) -> list[list[int]]:
+    """Groups of `members` that each hold the model, maximizing groups / common bottleneck,
+    leaving at least `keep` members out. Empty if no group can be formed."""
+    single = _one_pipeline(costs, members, n_layers)
+    if single is None:
+        return []
+    idx = np.array(members)
+    sub = _Costs([costs.ids[i] for i in members], costs.t[idx], costs.x[idx], costs.cap[idx])
+    low = _replica(costs, single).bottleneck
+    points = np.geomspace(low, low * n_layers, points_n)
+    best: list[list[int]] = []
+    best_value = 0.0
+    for refine in range(2):
+        values = []
+        for bottleneck in points:
+            groups = _cover(_capacity(sub, float(bottleneck)), n_layers)
+            if limit is not None:
+                groups = groups[:limit]
+            while groups and len(members) - sum(map(len, groups)) < keep:
+                groups.pop()  # keep some providers out as backups
+            value = len(groups) / float(bottleneck)
+            values.append(value)
+            if value > best_value * (1 + 1e-12):
+                best_value, best = value, [[members[i] for i in g] for g in groups]
+        if refine == 0:
+            j = int(np.argmax(values))
+            points = np.linspace(
+                points[max(0, j - 1)], points[min(len(points) - 1, j + 1)], points_n
+            )
+    return best
+
+
 def place(
     model: ModelSpec,
     providers: Mapping[str, HardwareProfile],
     config: PlacementConfig | None = None,
 ) -> Placement:
-    """The best placement found; raises `PlacementError` saying why when nothing fits."""
+    """The best placement found; raises `PlacementError` saying why when nothing fits.
+
+    Replicas are formed in rounds: the first round groups the providers that reach the best
+    common bottleneck; later rounds form further replicas, at their own bottlenecks, from the
+    providers left over (slower machines, thinner uplinks), as long as `backup_fraction` of
+    the providers stays out as backups.
+    """
     config = config or PlacementConfig()
     if not providers:
         raise PlacementError(f"no providers to place {model.name} on")
@@ -184,31 +227,23 @@ def place(
     single = _one_pipeline(costs, everyone, model.n_layers)
     if single is None:
         raise PlacementError(_shortfall(model, providers, config))
-    best_groups = [[i for i, _ in single]]
-    best_value = 1.0 / _replica(costs, single).bottleneck
     reserve = int(config.backup_fraction * len(everyone))
-    low = _replica(costs, single).bottleneck
-    high = low * model.n_layers
-    points = np.geomspace(low, high, config.search_points)
-    for refine in range(2):
-        values = []
-        for bottleneck in points:
-            groups = _cover(_capacity(costs, float(bottleneck)), model.n_layers)
-            if config.max_replicas is not None:
-                groups = groups[: config.max_replicas]
-            while len(groups) > 1 and len(everyone) - sum(map(len, groups)) < reserve:
-                groups.pop()  # keep some providers out as backups
-            value = len(groups) / float(bottleneck) if groups else 0.0
-            values.append(value)
-            if value > best_value * (1 + 1e-12) and len(groups) > 1:
-                best_value, best_groups = value, groups
-        if refine == 0:
-            j = int(np.argmax(values))
-            points = np.linspace(
-                points[max(0, j - 1)], points[min(len(points) - 1, j + 1)], config.search_points
-            )
+    groups: list[list[int]] = []
+    remaining = everyone
+    for _ in range(MAX_ROUNDS):
+        limit = None if config.max_replicas is None else config.max_replicas - len(groups)
+        if limit is not None and limit <= 0:
+            break
+        found = _search_groups(
+            costs, remaining, model.n_layers, reserve, limit, config.search_points
+        )
+        if not found:
+            break
+        groups += found
+        used = {i for g in found for i in g}
+        remaining = [i for i in remaining if i not in used]
     replicas = []
-    for group in best_groups:
+    for group in groups:
         counts = _one_pipeline(costs, group, model.n_layers)
         if counts is not None:
             replicas.append(_replica(costs, counts))
