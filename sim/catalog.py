@@ -36,6 +36,7 @@ class GpuSpec:
 
 _AMPERE = "NVIDIA Ampere GA102 whitepaper (2020), tables 'GeForce RTX 30 series'"
 _ADA = "NVIDIA Ada Lovelace (AD102) whitepaper v1.1 (2023), appendix tables"
+_STREET_PRICE = "price: a typical 2023 street price, an assumption"
 
 GPUS: dict[str, GpuSpec] = {
     g.name: g
@@ -126,7 +127,7 @@ GPUS: dict[str, GpuSpec] = {
             2039 * GB,
             400,
             15000,
-            "NVIDIA A100 Tensor Core GPU datasheet (2021); price: typical 2023 street price, assumption",
+            "NVIDIA A100 Tensor Core GPU datasheet (2021); " + _STREET_PRICE,
         ),
         GpuSpec(
             "h100-sxm",
@@ -137,7 +138,7 @@ GPUS: dict[str, GpuSpec] = {
             3350 * GB,
             700,
             30000,
-            "NVIDIA H100 Tensor Core GPU datasheet (2023); price: typical 2023 street price, assumption",
+            "NVIDIA H100 Tensor Core GPU datasheet (2023); " + _STREET_PRICE,
         ),
         GpuSpec(
             "h100-pcie",
@@ -148,7 +149,7 @@ GPUS: dict[str, GpuSpec] = {
             2000 * GB,
             350,
             25000,
-            "NVIDIA H100 Tensor Core GPU datasheet (2023); price: typical 2023 street price, assumption",
+            "NVIDIA H100 Tensor Core GPU datasheet (2023); " + _STREET_PRICE,
         ),
     )
 }
@@ -208,7 +209,8 @@ NETWORKS: dict[str, Network] = {
             450 * GB,
             0.0,
             0.000005,
-            "NVIDIA H100 SXM: NVLink 4, 900 GB/s bidirectional per GPU (datasheet), 450 GB/s each way",
+            "NVIDIA H100 SXM datasheet: NVLink 4, 900 GB/s bidirectional per GPU, "
+            "so 450 GB/s each way",
         ),
     )
 }
