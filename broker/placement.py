@@ -184,7 +184,15 @@ def _search_groups(
     idx = np.array(members)
     sub = _Costs([costs.ids[i] for i in members], costs.t[idx], costs.x[idx], costs.cap[idx])
     low = _replica(costs, single).bottleneck
-    points = np.geomspace(low, low * n_layers, points_n)
+    # A geometric grid, plus the bottlenecks at which providers are full (x + cap * t): where
+    # grouping changes most, and exactly where identical machines each hold the whole model.
+    full = (sub.x + sub.cap * sub.t)[sub.cap > 0]
+    points = np.unique(
+        np.concatenate(
+            [np.geomspace(low, low * n_layers, points_n), np.quantile(full, np.linspace(0, 1, 17))]
+        )
+    )
+    points = points[points >= low]
     best: list[list[int]] = []
     best_value = 0.0
     for refine in range(2):
@@ -197,7 +205,11 @@ def _search_groups(
                 groups.pop()  # keep some providers out as backups
             value = len(groups) / float(bottleneck)
             values.append(value)
-            if value > best_value * (1 + 1e-12):
+            # On a tie, prefer more replicas: shorter pipelines have fewer bubbles in
+            # training, lower latency, and a failure stops less of the swarm.
+            better = value > best_value * (1 + 1e-9)
+            tie = value >= best_value * (1 - 1e-9) and len(groups) > len(best)
+            if better or tie:
                 best_value, best = value, [[members[i] for i in g] for g in groups]
         if refine == 0:
             j = int(np.argmax(values))
@@ -248,7 +260,7 @@ def place(
         if counts is not None:
             replicas.append(_replica(costs, counts))
     single_replica = _replica(costs, single)
-    if sum(1 / r.bottleneck for r in replicas) < 1 / single_replica.bottleneck:
+    if sum(1 / r.bottleneck for r in replicas) < (1 - 1e-9) / single_replica.bottleneck:
         replicas = [single_replica]
     return _with_backups(tuple(replicas), costs, config.work.tokens)
 
