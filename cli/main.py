@@ -22,6 +22,12 @@ def _ir(args: argparse.Namespace) -> int:
     return handler(args)
 
 
+def _sim(args: argparse.Namespace) -> int:
+    from cli import sim_cmd
+
+    return sim_cmd.run(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from cli import demo
 
@@ -70,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import ir_cmd
 
     ir_cmd.add_parser(sub, _ir)
+    from cli import sim_cmd
+
+    sim_cmd.add_parser(sub, _sim)
     return parser
 
 

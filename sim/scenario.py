@@ -1,19 +1,19 @@
 """Scenario files (TOML): repeatable studies of one or more runs and comparisons between them.
 
-    name = "paper-claim"
-    [defaults]                      # applied to every run
-    hours = 1
-    [[run]]
-    name = "swarm/inference"
-    peers = 50
-    gpus = { rtx3080 = 1 }
-    network = "home-broadband"
-    workload = "llama2-7b-inference"
-    churn = "none"                  # a preset name, or a mean session in minutes
-    [[compare]]
-    name = "inference"
-    numerator = "swarm/inference"
-    denominator = "datacenter/inference"
+name = "paper-claim"
+[defaults]                      # applied to every run
+hours = 1
+[[run]]
+name = "swarm/inference"
+peers = 50
+gpus = { rtx3080 = 1 }
+network = "home-broadband"
+workload = "llama2-7b-inference"
+churn = "none"                  # a preset name, or a mean session in minutes
+[[compare]]
+name = "inference"
+numerator = "swarm/inference"
+denominator = "datacenter/inference"
 """
 
 from __future__ import annotations
@@ -94,7 +94,9 @@ def load_study(path: Path | str) -> Study:
         comparison = Comparison(c["name"], c["numerator"], c["denominator"], c.get("note", ""))
         missing = {comparison.numerator, comparison.denominator} - names
         if missing:
-            raise ValueError(f"{path}: comparison {comparison.name} names unknown runs {sorted(missing)}")
+            raise ValueError(
+                f"{path}: comparison {comparison.name} names unknown runs {sorted(missing)}"
+            )
         comparisons.append(comparison)
     if not runs:
         raise ValueError(f"{path} defines no [[run]]")

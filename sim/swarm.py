@@ -108,7 +108,8 @@ class SimResult:
     throughput_tokens_s: float
     samples_s: float  # sequences per second (inference) or training samples per second
     utilization: float  # time-averaged share of online providers serving a stage
-    replica_downtime_s: float  # replica-seconds lost to repairs and reloads
+    replica_downtime_s: float  # replica-seconds lost to repairs and reloads (not startup)
+    startup_s: float  # seconds until every replica of the first placement serves
     quits: int
     joins: int
     replans: int
@@ -124,6 +125,11 @@ class SimResult:
             return math.nan
         ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def _lost_share(self) -> float:
+        """Replica-seconds lost to churn over the replica-seconds the run could serve."""
+        peak = max((t[2] for t in self.timeline), default=0)
+        return self.replica_downtime_s / (self.duration_s * peak) if peak else 0.0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -153,6 +159,7 @@ class SimResult:
                 4,
             ),
             "replica_downtime_s": round(self.replica_downtime_s, 1),
+            "startup_s": round(self.startup_s, 1),
             "tokens_completed": round(self.tokens_completed),
             "tokens_lost": round(self.tokens_lost),
             "jobs_completed": self.jobs_completed,
@@ -202,6 +209,7 @@ class SwarmSim:
         self.job_seconds: list[float] = []
         self.token_latency: list[float] = []
         self.downtime = 0.0
+        self.startup = 0.0  # seconds until the first placement serves fully
         self.quits = self.joins = self.replans = self.rebalances = 0
         self.busy_integral = 0.0  # provider-seconds serving a stage
         self.online_integral = 0.0  # provider-seconds online
@@ -347,7 +355,10 @@ class SwarmSim:
             ]
             rate, latency = self._metrics(rep)
             run = _ReplicaRun(self.next_replica, now + max(loads), rate, latency, last=now)
-            self.downtime += max(loads)
+            if reason == "placed" and now == 0.0:
+                self.startup = max(self.startup, max(loads))  # first download: not churn
+            else:
+                self.downtime += max(loads)
             self.next_replica += 1
             self.runs.append(run)
             self._dispatch(run, now)
@@ -543,6 +554,7 @@ class SwarmSim:
             samples_s=(self.completed + in_progress) / end / self._tokens_per_sample(),
             utilization=self.busy_integral / self.online_integral if self.online_integral else 0.0,
             replica_downtime_s=self.downtime,
+            startup_s=self.startup,
             quits=self.quits,
             joins=self.joins,
             replans=self.replans,

@@ -1,0 +1,117 @@
+"""`fusionai sim`: simulate a swarm, or run a scenario file, and write a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any, dispatch: Any) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="simulate a swarm on a virtual clock (or run a scenario file)",
+        description="Simulate a swarm of providers on a virtual clock with the broker's own "
+        "placement, pool and re-plan code. Give --scenario for a study file (or the name of "
+        "a shipped one: see --list), or describe one run with the options below.",
+    )
+    p.add_argument("--scenario", help="a TOML scenario file, or a shipped scenario's name")
+    p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
+    p.add_argument("--peers", type=int, default=50, help="providers (default 50)")
+    p.add_argument(
+        "--gpu",
+        action="append",
+        default=None,
+        help="GPU type, repeatable, NAME or NAME:WEIGHT for a mix (default rtx3080)",
+    )
+    p.add_argument(
+        "--network", default="home-broadband", help="network preset (default home-broadband)"
+    )
+    p.add_argument(
+        "--workload", default="llama2-7b-inference", help="<model>-<inference|finetune|pretrain>"
+    )
+    p.add_argument("--hours", type=float, default=1.0, help="simulated hours (default 1)")
+    p.add_argument(
+        "--churn",
+        default="none",
+        help="mean session in minutes, or a preset (none, volunteer, gaming-evening); default none",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument(
+        "--placement", choices=["ours", "equal"], default="ours", help="placement policy"
+    )
+    p.add_argument("--backup-fraction", type=float, default=0.1, help="share kept as backups")
+    p.add_argument("--out", help="folder for result.json, report.txt and timeline.png")
+    p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
+    p.set_defaults(func=dispatch)
+
+
+def _single(args: argparse.Namespace) -> Any:
+    from sim.scenario import Study, churn_of, scenario_from
+
+    churn: Any = args.churn
+    try:
+        churn = float(churn)
+    except ValueError:
+        pass
+    gpus: dict[str, float] = {}
+    for item in args.gpu or ["rtx3080"]:
+        name, _, weight = item.partition(":")
+        gpus[name] = float(weight) if weight else 1.0
+    churn_of(churn)  # validate early, with its own message
+    scenario = scenario_from(
+        {
+            "name": f"{args.peers}x{'+'.join(gpus)}/{args.workload}",
+            "peers": args.peers,
+            "gpus": gpus,
+            "network": args.network,
+            "workload": args.workload,
+            "hours": args.hours,
+            "churn": churn,
+            "seed": args.seed,
+            "placement": args.placement,
+            "backup_fraction": args.backup_fraction,
+        }
+    )
+    return Study(scenario.name, "", [scenario], [])
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim import report
+    from sim.scenario import load_study, shipped
+    from sim.swarm import simulate
+
+    if args.list:
+        for name in shipped():
+            print(name)
+        return 0
+    try:
+        study = load_study(args.scenario) if args.scenario else _single(args)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results = {}
+    for i, scenario in enumerate(study.runs):
+        label = f"[{i + 1}/{len(study.runs)}] {scenario.name}"
+
+        def progress(fraction: float, label: str = label) -> None:
+            filled = int(fraction * 30)
+            sys.stderr.write(f"\r{label:48} [{'#' * filled}{'.' * (30 - filled)}] {fraction:4.0%}")
+            sys.stderr.flush()
+
+        results[scenario.name] = simulate(scenario, progress)
+        progress(1.0)
+        sys.stderr.write("\n")
+    if args.out:
+        doc = report.write(Path(args.out), study, results)
+    else:
+        doc = report.study_json(study, results)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(report.text_report(doc), end="")
+        if args.out:
+            print(f"\nwrote {Path(args.out) / 'result.json'}, report.txt and timeline.png")
+    return 0
