@@ -72,8 +72,9 @@ def on_leave(
     """The placement after `gone` left; `providers` are the profiles of those still here."""
     cost = _Cost(model, providers, config or PlacementConfig())
     replicas = list(placement.replicas)
-    backups = {k: v for k, v in placement.backups.items() if v != gone}
-    spares = [p for p in placement.spares if p != gone]
+    # Only providers still here can take over (a backup may have vanished unnoticed so far).
+    backups = {k: v for k, v in placement.backups.items() if v != gone and v in providers}
+    spares = [p for p in placement.spares if p != gone and p in providers]
     moves: list[Move] = []
     dissolved = 0
     where = next(
@@ -101,6 +102,12 @@ def on_leave(
             if merged is not None:
                 replicas[r], extra = merged
                 moves += [replace(m, replica=r) for m in extra]
+                # Replica r lost stage s: later stages' backups move down one index.
+                backups = {
+                    (rr, ss - (rr == r and ss > s)): v
+                    for (rr, ss), v in backups.items()
+                    if not (rr == r and ss == s)
+                }
             else:
                 dissolved = 1
                 for st in replicas[r].stages:
@@ -129,6 +136,11 @@ def _merge_into_neighbours(
     old = stages[s]
     before = stages[s - 1] if s > 0 else None
     after = stages[s + 1] if s + 1 < len(stages) else None
+    # A neighbour that has itself vanished (not yet noticed) takes nothing.
+    if before is not None and before.provider not in cost.providers:
+        before = None
+    if after is not None and after.provider not in cost.providers:
+        after = None
     room_before = cost.cap(before.provider) - before.layers if before else 0
     room_after = cost.cap(after.provider) - after.layers if after else 0
     if room_before + room_after < old.layers:

@@ -200,6 +200,7 @@ class SwarmSim:
         self.placement: Placement | None = None
         self.runs: list[_ReplicaRun] = []
         self.warm: dict[str, tuple[int, int]] = {}  # backup -> block range it has loaded
+        self.assigned: dict[str, tuple[str, bool]] = {}  # what the pool was last told
         self.queue: list[_Job] = []
         self.next_job = 0
         self.next_replica = 0
@@ -368,19 +369,19 @@ class SwarmSim:
         )
 
     def _sync_pool(self, now: float) -> None:
-        """Tell the pool who serves and who backs up what (placement decided)."""
+        """Tell the pool who serves and who backs up what (placement decided); only changes
+        are sent, as the broker service would."""
         if self.placement is None:
             return
         for rep in self.placement.replicas:
             for st in rep.stages:
-                self.pool, _ = apply(
-                    self.pool, StageAssigned(st.provider, f"{st.first}-{st.end}", True, now)
-                )
+                self._assign(st.provider, f"{st.first}-{st.end}", True, now)
         for (r, s), peer in self.placement.backups.items():
             st = self.placement.replicas[r].stages[s]
-            key = f"{st.first}-{st.end}"
-            if self.warm.get(peer) != (st.first, st.end):
-                self.pool, _ = apply(self.pool, StageAssigned(peer, key, False, now))
+            if self._assign(peer, f"{st.first}-{st.end}", False, now) and self.warm.get(peer) != (
+                st.first,
+                st.end,
+            ):
                 self.engine.at(
                     now + self._load_seconds(peer, st.layers),
                     self._backup_ready,
@@ -388,6 +389,14 @@ class SwarmSim:
                     st.first,
                     st.end,
                 )
+
+    def _assign(self, peer: str, stage: str, active: bool, now: float) -> bool:
+        """Send StageAssigned if it changes anything; True if it did."""
+        if self.assigned.get(peer) == (stage, active):
+            return False
+        self.assigned[peer] = (stage, active)
+        self.pool, _ = apply(self.pool, StageAssigned(peer, stage, active, now))
+        return True
 
     def _backup_ready(self, peer: str, first: int, end: int) -> None:
         if peer not in self.online:
@@ -421,6 +430,7 @@ class SwarmSim:
         now = self.engine.now
         self.online.discard(peer)
         self.warm.pop(peer, None)
+        self.assigned.pop(peer, None)
         self.quits += 1
         # A crash is noticed only after the heartbeats stop; meanwhile its replica is broken.
         if crash:

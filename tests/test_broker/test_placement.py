@@ -143,6 +143,21 @@ def test_after_a_leave_with_a_backup_only_the_dead_providers_blocks_move() -> No
     check_valid(LLAMA2_13B, alive, config, repair.placement)
 
 
+def test_a_backup_that_vanished_unnoticed_is_not_promoted() -> None:
+    # Found by the simulator: a backup crashes, and before that is noticed the provider it
+    # backs up leaves. The repair must not hand the blocks to the vanished backup.
+    swarm = random_swarm(60, 7)
+    config = PlacementConfig(work=WORK)
+    placement = place(LLAMA2_13B, swarm, config)
+    (r, s), backup = next(iter(sorted(placement.backups.items())))
+    victim = placement.replicas[r].stages[s]
+    alive = {k: v for k, v in swarm.items() if k not in (victim.provider, backup)}
+    repair = on_leave(placement, victim.provider, LLAMA2_13B, alive, config)
+    assert all(m.target in alive for m in repair.moves)
+    assert backup not in repair.placement.backups.values()
+    assert backup not in {st.provider for rep in repair.placement.replicas for st in rep.stages}
+
+
 def test_without_a_backup_the_blocks_go_to_neighbours_and_nothing_else_moves() -> None:
     swarm = random_swarm(40, 3)
     config = PlacementConfig(work=WORK, backup_fraction=0.0)
@@ -155,6 +170,8 @@ def test_without_a_backup_the_blocks_go_to_neighbours_and_nothing_else_moves() -
     if repair.dissolved:
         assert len(repair.placement.replicas) == len(bare.replicas) - 1
         return
+    for (rr, ss), _ in repair.placement.backups.items():  # backups keep pointing at real stages
+        assert ss < len(repair.placement.replicas[rr].stages)
     moved = {(m.first, m.end) for m in repair.moves}
     assert sum(e - f for f, e in moved) == victim.layers
     assert all(victim.first <= f and e <= victim.end for f, e in moved)
