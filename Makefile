@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/ir.py
 	$(PY) benchmarks/placement.py
+	$(PY) benchmarks/sim.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

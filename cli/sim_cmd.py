@@ -19,6 +19,11 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     )
     p.add_argument("--scenario", help="a TOML scenario file, or a shipped scenario's name")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
+    p.add_argument(
+        "--queue-study",
+        action="store_true",
+        help="compare FIFO and SJF-BSBF queueing on a seeded job trace and exit",
+    )
     p.add_argument("--peers", type=int, default=50, help="providers (default 50)")
     p.add_argument(
         "--gpu",
@@ -86,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for name in shipped():
             print(name)
+        return 0
+    if args.queue_study:
+        from sim import queue_study
+
+        print(json.dumps(queue_study.run(seed=args.seed), indent=2))
         return 0
     try:
         study = load_study(args.scenario) if args.scenario else _single(args)
