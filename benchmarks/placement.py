@@ -12,6 +12,8 @@ Prints one JSON object:
                                  (target gap_max <= 0.05)
     vs_equal_split, vs_round_robin   throughput of our placement over an even split and over
                                  round-robin blocks, same 50-provider swarm, same run
+    vs_petals_greedy             the same over a Petals-style greedy block filler (capacity
+                                 model: the weakest block's total throughput)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from broker.placement import (
     PlacementConfig,
     PlacementError,
     equal_split,
+    petals_greedy_throughput,
     place,
     round_robin_throughput,
 )
@@ -100,6 +103,8 @@ def main() -> int:
     result["throughput_tokens_s_50"] = round(placed50.throughput, 1)
     result["vs_equal_split"] = round(placed50.throughput / equal.throughput, 2) if equal else None
     result["vs_round_robin"] = round(placed50.throughput / robin, 2) if robin else None
+    petals = petals_greedy_throughput(LLAMA2_70B, swarm50, config)
+    result["vs_petals_greedy"] = round(placed50.throughput / petals, 2) if petals else None
     for key in ("place_ms_50", "place_ms_1000"):
         result[key] = round(result[key], 2)
     result["targets_met"] = {

@@ -317,3 +317,28 @@ def round_robin_throughput(
         return None
     busy = counts * (costs.t + costs.x)
     return config.work.tokens / float(busy.max())
+
+
+def petals_greedy_throughput(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> float | None:
+    """A Petals-style baseline: providers, in join order, each serve as many consecutive
+    blocks as fit in memory, starting where the blocks served so far are weakest (lowest total
+    throughput). Spans overlap and requests route through any chain; the swarm's capacity is
+    that of its weakest block, each provider's throughput shared over its blocks.
+    Tokens/s, or None if some block is served by nobody."""
+    config = config or PlacementConfig()
+    costs = provider_costs(model, providers, config)
+    n = model.n_layers
+    per_block = np.zeros(n)  # tokens/s available for each block
+    for i in range(len(costs.ids)):
+        span = int(costs.cap[i])
+        if span <= 0:
+            continue
+        rate = config.work.tokens / (costs.x[i] + span * costs.t[i])  # this provider's tokens/s
+        windows = [tuple(sorted(per_block[s : s + span])) for s in range(n - span + 1)]
+        start = min(range(len(windows)), key=lambda s: windows[s])
+        per_block[start : start + span] += rate
+    return float(per_block.min()) if per_block.min() > 0 else None

@@ -208,3 +208,16 @@ def test_heterogeneous_swarm_beats_naive_splits_by_far() -> None:
     assert baseline is not None and robin is not None
     assert placement.throughput > 3 * baseline.throughput
     assert placement.throughput > 3 * robin
+
+
+def test_petals_style_baseline_covers_every_block_or_says_none() -> None:
+    from broker.placement import petals_greedy_throughput
+
+    config = PlacementConfig(work=WORK)
+    swarm = random_swarm(50, 11)
+    ours = place(LLAMA2_13B, swarm, config).throughput
+    petals = petals_greedy_throughput(LLAMA2_13B, swarm, config)
+    assert petals is not None and 0 < petals
+    assert ours >= 0.9 * petals  # ours is at least close to the greedy filler's capacity
+    tiny = random_swarm(1, 1, {"rtx3060": (51e12, 12e9, 360e9)})
+    assert petals_greedy_throughput(LLAMA2_13B, tiny, config) is None  # one card can't hold 13B
