@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import networkx as nx
 
@@ -100,7 +101,7 @@ def transfer_time(nbytes: float, src: HardwareProfile | None, dst: HardwareProfi
 def critical_path(
     graph: nx.DiGraph,
     where: Callable[[Task], Hashable | None],
-    profiles: Mapping[Hashable, HardwareProfile],
+    profiles: Mapping[Any, HardwareProfile],
     dtype: str = "float16",
 ) -> tuple[float, list[str]]:
     """Longest path through the job: task times on the machines `where` puts them (None: the
@@ -208,3 +209,54 @@ def pipeline_metrics(
         latency=path,
         stage_times=times,
     )
+
+
+def schedule_length(
+    graph: nx.DiGraph,
+    where: Callable[[Task], Hashable | None],
+    profiles: Mapping[Any, HardwareProfile],
+    dtype: str = "float16",
+) -> float:
+    """Makespan of the job when each machine runs one task at a time and its uplink sends one
+    transfer at a time (list scheduling: the task ready first starts first). A transfer holds
+    the sender's uplink for bytes / bandwidth, then arrives after the latency; client tasks
+    (machine None) take no time and never wait. Unlike `critical_path`, this sees a pipeline's
+    bubbles and a stage's forward and backward work competing for one GPU and one link."""
+    import heapq
+
+    remaining = {n: graph.in_degree(n) for n in graph.nodes}
+    ready_at: dict[str, float] = dict.fromkeys(graph.nodes, 0.0)
+    finish: dict[str, float] = {}
+    free: dict[Hashable, float] = {}
+    uplink_free: dict[Hashable, float] = {}
+    heap = [(0.0, n) for n, d in remaining.items() if d == 0]
+    heapq.heapify(heap)
+    while heap:
+        ready, node = heapq.heappop(heap)
+        task: Task = graph.nodes[node]["task"]
+        machine = where(task)
+        if machine is None:
+            end = ready
+        else:
+            start = max(ready, free.get(machine, 0.0))
+            end = start + task_time(task, profiles[machine], dtype)
+            free[machine] = end
+        finish[node] = end
+        for _, succ, edge in graph.out_edges(node, data=True):
+            dst = where(graph.nodes[succ]["task"])
+            arrive = end
+            if dst != machine:
+                src_profile = profiles[machine] if machine is not None else None
+                dst_profile = profiles[dst] if dst is not None else None
+                sending = send_time(edge["bytes"], src_profile)
+                begin = max(end, uplink_free.get(machine, 0.0)) if machine is not None else end
+                if machine is not None:
+                    uplink_free[machine] = begin + sending
+                arrive = begin + sending + latency(src_profile, dst_profile)
+                if machine is None and dst_profile is not None:  # the client's link: not modelled
+                    arrive = end + transfer_time(edge["bytes"], None, dst_profile)
+            ready_at[succ] = max(ready_at[succ], arrive)
+            remaining[succ] -= 1
+            if remaining[succ] == 0:
+                heapq.heappush(heap, (ready_at[succ], succ))
+    return max(finish.values(), default=0.0)

@@ -33,7 +33,8 @@ from broker.pool import (
     apply,
 )
 from broker.replan import on_join, on_leave, should_rebalance
-from dag.cost import HardwareProfile, pipeline_metrics
+from dag.builders import finetune
+from dag.cost import HardwareProfile, pipeline_metrics, schedule_length
 from sim.catalog import CHURN, GPUS, NETWORKS, Churn, profile
 from sim.engine import Engine
 from sim.workloads import WorkloadSpec, workload
@@ -217,6 +218,7 @@ class SwarmSim:
         self.gpu_energy_j = 0.0
         self._last_account = 0.0
         self.timeline: list[tuple[float, float, int, int]] = []
+        self._step_cache: dict[tuple[tuple[str, int, int], ...], float] = {}
 
     # ---- accounting --------------------------------------------------------------------
 
@@ -252,7 +254,7 @@ class SwarmSim:
         m = pipeline_metrics(self.model, stages, self.w.work)
         if self.w.kind == "inference":
             return m.throughput, m.latency
-        step = (self.w.microbatches + len(stages) - 1) * m.bottleneck
+        step = self._step_seconds(replica)
         replicas = len(self.placement.replicas) if self.placement else 1
         if replicas > 1:
             share = 2 * (replicas - 1) / replicas
@@ -264,6 +266,35 @@ class SwarmSim:
                 for st in replica.stages
             )
         return self.w.job_tokens / step, m.latency
+
+    def _step_seconds(self, replica: Replica) -> float:
+        """One optimizer step of this replica: `dag.builders.finetune`'s graph (forward and
+        backward of every microbatch, then the update) scheduled on its machines with
+        `dag.cost.schedule_length`. Memoised per layout: repairs change one replica."""
+        key = tuple((st.provider, st.first, st.end) for st in replica.stages)
+        cached = self._step_cache.get(key)
+        if cached is not None:
+            return cached
+        spans = [(st.first, st.end) for st in replica.stages]
+        seq = self.w.work.tokens // self.w.work.sequences
+        adapter = [self.w.allreduce_bytes_per_block() * (e - f) for f, e in spans]
+        graph = finetune(
+            self.w.model,
+            spans,
+            microbatches=self.w.microbatches,
+            batch=self.w.work.sequences,
+            seq=seq,
+            adapter_bytes=adapter,
+        )
+        machines = {i: st.provider for i, st in enumerate(replica.stages)}
+        step = schedule_length(
+            graph,
+            lambda t: machines[t.stage] if t.stage is not None else None,
+            self.profiles,
+            self.w.work.dtype,
+        )
+        self._step_cache[key] = step
+        return step
 
     # ---- jobs ---------------------------------------------------------------------------
 

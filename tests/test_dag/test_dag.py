@@ -119,3 +119,35 @@ def test_critical_path_counts_transfers_between_machines() -> None:
     together, _ = critical_path(g, lambda t: "m0" if t.stage is not None else None, {"m0": GPU})
     assert path[0] == "load" and path[-1] == "head"
     assert split > together  # two extra hops over the network
+
+
+def test_schedule_length_sees_pipeline_bubbles_and_one_task_per_gpu() -> None:
+    from dag.builders import finetune
+    from dag.cost import schedule_length
+
+    m = ModelSpec.transformer("m", hidden=2048, layers=24, heads=16)
+    fast_link = HardwareProfile("gpu", {"float16": 100e12}, 24e9, 1e12, 1e12, rtt=0.0)
+    stages = [(0, 8), (8, 16), (16, 24)]
+    micro, batch, seq = 6, 2, 256
+    g = finetune(m, stages, microbatches=micro, batch=batch, seq=seq)
+    where = {s: f"gpu{s}" for s in range(3)}
+    profiles = {name: fast_link for name in where.values()}
+
+    def place(t: Task) -> str | None:
+        return where[t.stage] if t.stage is not None else None
+
+    makespan = schedule_length(g, place, profiles)
+    # One stage's forward and backward of one microbatch, from the shapes (backward = 2 x forward).
+    tokens = batch * seq
+    fwd = (
+        8
+        * tokens
+        * (m.layer_flops_per_token + m.layer_attn_flops_per_token_per_context * seq)
+        / 100e12
+    )
+    per_micro = fwd * 3
+    assert makespan >= micro * per_micro  # each GPU does all its microbatches, one at a time
+    assert makespan <= (micro + 2 * len(stages)) * per_micro  # plus fill and drain, not more
+    assert (
+        makespan > critical_path(g, place, profiles)[0]
+    )  # the critical path ignores GPU contention
