@@ -294,6 +294,8 @@ def equal_split(
 ) -> Placement | None:
     """One pipeline over every provider in join order, blocks split evenly (None: won't fit)."""
     config = config or PlacementConfig()
+    if not providers:
+        raise PlacementError(f"no providers to place {model.name} on")
     costs = provider_costs(model, providers, config)
     n = min(len(costs.ids), model.n_layers)
     base, extra = divmod(model.n_layers, n)

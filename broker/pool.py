@@ -276,8 +276,9 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
         if isinstance(event, HeartbeatReceived):
             return replace(state, now=now), [AskToRejoin(event.peer_id)]
         return replace(state, now=now), []
+    seen = max(provider.last_seen, event.at)  # a late message never moves time back
     if isinstance(event, HeartbeatReceived):
-        return _put(state, replace(provider, last_seen=event.at), now), []
+        return _put(state, replace(provider, last_seen=seen), now), []
     if isinstance(event, DrainStarted):
         return _put(
             state, replace(provider, status=Status.DRAINING, drain_started=event.at), now
@@ -288,13 +289,13 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
         return _lose(state, provider, event.at, graceful=False)
     if isinstance(event, StageAssigned):
         status = Status.ACTIVE if event.active else Status.BACKUP
-        return _put(
-            state, replace(provider, status=status, stage=event.stage, last_seen=event.at), now
-        ), []
+        if provider.status is Status.DRAINING:
+            status = Status.DRAINING  # leaving: its drain goes on whatever it is assigned
+        updated = replace(provider, status=status, stage=event.stage, last_seen=seen)
+        return _put(state, updated, now), []
     if isinstance(event, StageReady):
-        return _put(
-            state, replace(provider, ready=provider.ready | {event.stage}, last_seen=event.at), now
-        ), []
+        updated = replace(provider, ready=provider.ready | {event.stage}, last_seen=seen)
+        return _put(state, updated, now), []
     if isinstance(event, StageTimeObserved):
         correction = provider.correction.observe(event.predicted, event.observed)
         return _put(state, replace(provider, correction=correction), now), []

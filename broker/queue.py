@@ -167,17 +167,18 @@ def schedule(jobs: Sequence[Job], gpus: int, policy: QueuePolicy) -> dict[str, f
         for job_id, r in list(running.items()):
             running[job_id] = replace(r, remaining=r.remaining - step * _rate(r, running))
         now += step
-        for job_id, r in list(running.items()):
-            if r.remaining <= 1e-9:
+        for job_id in list(running):
+            current = running.get(job_id)  # current state: a partner's end may have changed it
+            if current is not None and current.remaining <= 1e-9:
                 done[job_id] = now
                 del running[job_id]
-                partner = running.get(r.partner) if r.partner is not None else None
+                partner = running.get(current.partner) if current.partner is not None else None
                 if partner is not None:  # the partner carries on, holding the GPUs
                     running[partner.job.id] = replace(
-                        partner, partner=None, held=partner.held + r.held
+                        partner, partner=None, held=partner.held + current.held
                     )
                 else:
-                    free += r.held
+                    free += current.held
     return done
 
 

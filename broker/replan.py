@@ -89,7 +89,11 @@ def on_leave(
     if where is not None:
         r, s = where
         old = replicas[r].stages[s]
-        target = backups.pop((r, s), None) or _best_spare(cost, spares, old.layers)
+        backup = backups.pop((r, s), None)
+        if backup is not None and cost.cap(backup) < old.layers:
+            spares.append(backup)  # too small for this stage now: back to the spares
+            backup = None
+        target = backup or _best_spare(cost, spares, old.layers)
         if target is not None:
             if target in spares:
                 spares.remove(target)
@@ -102,12 +106,18 @@ def on_leave(
             if merged is not None:
                 replicas[r], extra = merged
                 moves += [replace(m, replica=r) for m in extra]
-                # Replica r lost stage s: later stages' backups move down one index.
-                backups = {
-                    (rr, ss - (rr == r and ss > s)): v
-                    for (rr, ss), v in backups.items()
-                    if not (rr == r and ss == s)
-                }
+                # Replica r lost stage s: later stages' backups move down one index, and a
+                # backup whose stage grew beyond its memory goes back to the spares.
+                shifted = {}
+                for (rr, ss), v in backups.items():
+                    if rr == r and ss == s:
+                        continue
+                    key = (rr, ss - (rr == r and ss > s))
+                    if rr == r and cost.cap(v) < replicas[r].stages[key[1]].layers:
+                        spares.append(v)
+                        continue
+                    shifted[key] = v
+                backups = shifted
             else:
                 dissolved = 1
                 for st in replicas[r].stages:
@@ -173,6 +183,12 @@ def on_join(
 ) -> Placement:
     """A new provider becomes a backup for a stage that has none, else a spare."""
     cost = _Cost(model, providers, config or PlacementConfig())
+    if (
+        peer in placement.providers()
+        or peer in placement.backups.values()
+        or peer in placement.spares
+    ):
+        return placement  # already placed (a restart the broker has not noticed as a loss)
     backups = dict(placement.backups)
     for r, rep in enumerate(placement.replicas):
         for s, st in enumerate(rep.stages):

@@ -76,6 +76,14 @@ def study_json(study: Study, results: dict[str, SimResult]) -> dict[str, Any]:
     }
 
 
+def _num(value: float | None, spec: str) -> str:
+    """A figure, or a dash of the same width where it is undefined."""
+    if value is None:
+        width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 1)
+        return "-".rjust(width)
+    return format(value, spec)
+
+
 def text_report(doc: dict[str, Any]) -> str:
     lines = [f"# {doc['study']}", ""]
     if doc.get("description"):
@@ -83,8 +91,9 @@ def text_report(doc: dict[str, Any]) -> str:
     lines.append(f"{'run':32} {'tokens/s':>11} {'util':>6} {'lost':>6} {'quits':>5} {'$/Mtok':>8}")
     for name, r in doc["runs"].items():
         lines.append(
-            f"{name:32} {r['throughput_tokens_s']:11.1f} {r['utilization']:6.2f} "
-            f"{r['time_lost_to_churn']:6.2%} {r['quits']:5d} {r['cost_per_mtok_usd']:8.3f}"
+            f"{name:32} {_num(r['throughput_tokens_s'], '11.1f')} {_num(r['utilization'], '6.2f')} "
+            f"{_num(r['time_lost_to_churn'], '6.2%')} {r['quits']:5d} "
+            f"{_num(r['cost_per_mtok_usd'], '8.3f')}"
         )
     if doc["comparisons"]:
         lines += ["", "Throughput ratios ('comparable' here means at least half):"]

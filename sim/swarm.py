@@ -133,6 +133,10 @@ class SimResult:
         return self.replica_downtime_s / (self.duration_s * peak) if peak else 0.0
 
     def summary(self) -> dict[str, Any]:
+        """Figures as JSON-safe values (None where undefined, e.g. no job completed)."""
+        return {k: _finite(v) for k, v in self._summary().items()}
+
+    def _summary(self) -> dict[str, Any]:
         return {
             "scenario": self.scenario.name,
             "peers": self.scenario.peers,
@@ -174,6 +178,12 @@ class SimResult:
         }
 
 
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 class SwarmSim:
     """One run of a scenario. `run()` returns a `SimResult`."""
 
@@ -202,6 +212,8 @@ class SwarmSim:
         self.runs: list[_ReplicaRun] = []
         self.warm: dict[str, tuple[int, int]] = {}  # backup -> block range it has loaded
         self.assigned: dict[str, tuple[str, bool]] = {}  # what the pool was last told
+        self.pending_crash: dict[str, int] = {}  # crashed peers not noticed yet -> token
+        self.next_token = 0
         self.queue: list[_Job] = []
         self.next_job = 0
         self.next_replica = 0
@@ -305,11 +317,13 @@ class SwarmSim:
 
     def _dispatch(self, run: _ReplicaRun, now: float) -> None:
         """Give an idle replica the next job (the queue is never empty: demand saturates)."""
+        if math.isinf(run.ready_at):
+            return  # broken until a repair: it takes no job
         if run.job is None:
             run.job = self.queue.pop(0) if self.queue else self._new_job()
             run.job.started = max(now, run.ready_at)
             if run.job.first_started is None:
-                run.job.first_started = run.job.started
+                run.job.first_started = now  # job time counts from its first assignment
         self._schedule_completion(run, now)
 
     def _schedule_completion(self, run: _ReplicaRun, now: float) -> None:
@@ -404,22 +418,20 @@ class SwarmSim:
         are sent, as the broker service would."""
         if self.placement is None:
             return
-        for rep in self.placement.replicas:
+        for rep, run in zip(self.placement.replicas, self.runs, strict=True):
             for st in rep.stages:
-                self._assign(st.provider, f"{st.first}-{st.end}", True, now)
+                self._assign(st.provider, self._stage_name(run, st.first, st.end), True, now)
         for (r, s), peer in self.placement.backups.items():
             st = self.placement.replicas[r].stages[s]
-            if self._assign(peer, f"{st.first}-{st.end}", False, now) and self.warm.get(peer) != (
-                st.first,
-                st.end,
-            ):
-                self.engine.at(
-                    now + self._load_seconds(peer, st.layers),
-                    self._backup_ready,
-                    peer,
-                    st.first,
-                    st.end,
-                )
+            name = self._stage_name(self.runs[r], st.first, st.end)
+            if self._assign(peer, name, False, now) and self.warm.get(peer) != (st.first, st.end):
+                ready = now + self._load_seconds(peer, st.layers)
+                self.engine.at(ready, self._backup_ready, peer, name, st.first, st.end)
+
+    @staticmethod
+    def _stage_name(run: _ReplicaRun, first: int, end: int) -> str:
+        """Replicas may serve the same blocks: the pool needs a name per replica's stage."""
+        return f"r{run.id}:{first}-{end}"
 
     def _assign(self, peer: str, stage: str, active: bool, now: float) -> bool:
         """Send StageAssigned if it changes anything; True if it did."""
@@ -429,17 +441,21 @@ class SwarmSim:
         self.pool, _ = apply(self.pool, StageAssigned(peer, stage, active, now))
         return True
 
-    def _backup_ready(self, peer: str, first: int, end: int) -> None:
+    def _backup_ready(self, peer: str, name: str, first: int, end: int) -> None:
         if peer not in self.online:
             return
         self.warm[peer] = (first, end)
-        self.pool, _ = apply(self.pool, StageReady(peer, f"{first}-{end}", self.engine.now))
+        self.pool, _ = apply(self.pool, StageReady(peer, name, self.engine.now))
 
     # ---- churn --------------------------------------------------------------------------
 
     def _join(self, peer: str, first: bool = False) -> None:
         now = self.engine.now
         self._advance(now)
+        if self.pending_crash.pop(peer, None) is not None:
+            # Back before its crash was noticed: the broker learns of the loss now (as when a
+            # restarted provider joins again) and repairs first.
+            self._repair(peer, True)
         self.online.add(peer)
         self.pool, _ = apply(self.pool, ProviderJoined(peer, self.profiles[peer], now))
         if not first:
@@ -467,11 +483,19 @@ class SwarmSim:
         if crash:
             self._advance(now)
             self._break_replica_of(peer, now, until=math.inf)
-            self.engine.at(now + self.s.detect_s, self._repair, peer, True)
+            self.pending_crash[peer] = token = self.next_token
+            self.next_token += 1
+            self.engine.at(now + self.s.detect_s, self._detect, peer, token)
         else:
             self._repair(peer, False)
         offline = self.s.churn.offline(self.rng)
         self.engine.at(now + offline, self._join, peer)
+
+    def _detect(self, peer: str, token: int) -> None:
+        """Heartbeats stopped long enough: the crash is noticed (unless already handled)."""
+        if self.pending_crash.get(peer) == token:
+            del self.pending_crash[peer]
+            self._repair(peer, True)
 
     def _break_replica_of(self, peer: str, now: float, until: float) -> None:
         if self.placement is None:
@@ -524,7 +548,10 @@ class SwarmSim:
                     )
                     self.warm.pop(m.target, None)
                 delay = max(delays, default=0.0)
-                run.ready_at = now + delay
+                served = repair.placement.replicas[r].stages
+                # Another of its stages may have crashed unnoticed: then it stays broken.
+                broken = any(st.provider not in self.online for st in served)
+                run.ready_at = math.inf if broken else now + delay
                 self.downtime += delay + (self.s.detect_s if crashed else 0.0)
                 entry["delay_s"] = delay
         self.placement = repair.placement

@@ -221,3 +221,59 @@ def test_petals_style_baseline_covers_every_block_or_says_none() -> None:
     assert ours >= 0.9 * petals  # ours is at least close to the greedy filler's capacity
     tiny = random_swarm(1, 1, {"rtx3060": (51e12, 12e9, 360e9)})
     assert petals_greedy_throughput(LLAMA2_13B, tiny, config) is None  # one card can't hold 13B
+
+
+def check_repairable(
+    placement: Placement,
+    model: ModelSpec,
+    alive: dict[str, HardwareProfile],
+    config: PlacementConfig,
+) -> None:
+    """Invariants a placement keeps through any leave and join."""
+    per_layer = layer_memory(model, config.work)
+    workspace = stage_workspace(model, config.work)
+    serving = [st.provider for rep in placement.replicas for st in rep.stages]
+    assert len(serving) == len(set(serving))
+    for rep in placement.replicas:
+        assert rep.stages[0].first == 0 and rep.stages[-1].end == model.n_layers
+        for a, b in zip(rep.stages, rep.stages[1:], strict=False):
+            assert a.end == b.first
+        for stage in rep.stages:
+            if stage.provider in alive:
+                need = stage.layers * per_layer + workspace
+                assert need <= alive[stage.provider].memory_bytes * config.memory_fraction
+    backups = list(placement.backups.values())
+    assert len(backups) == len(set(backups)) and not set(backups) & set(serving)
+    for (r, s), peer in placement.backups.items():
+        assert s < len(placement.replicas[r].stages)  # points at a real stage
+        need = placement.replicas[r].stages[s].layers * per_layer + workspace
+        assert need <= alive[peer].memory_bytes * config.memory_fraction  # and could take it over
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_leaves_and_joins_keep_every_invariant(seed: int) -> None:
+    rng = random.Random(seed)
+    swarm = random_swarm(rng.randint(6, 30), seed)
+    model = rng.choice([LLAMA2_13B, ModelSpec.transformer("m", hidden=4096, layers=32, heads=32)])
+    config = PlacementConfig(work=WORK, backup_fraction=rng.choice([0.0, 0.1, 0.3]))
+    try:
+        placement = place(model, swarm, config)
+    except PlacementError:
+        return
+    online, offline = dict(swarm), []
+    for _ in range(60):
+        if offline and (rng.random() < 0.4 or len(online) <= 1):
+            peer = offline.pop(rng.randrange(len(offline)))
+            online[peer] = swarm[peer]
+            placement = on_join(placement, peer, model, online, config)
+        else:
+            peer = rng.choice(sorted(online))
+            del online[peer]
+            offline.append(peer)
+            placement = on_leave(placement, peer, model, online, config).placement
+        check_repairable(placement, model, online, config)
+
+
+def test_an_even_split_over_nobody_is_a_clear_error() -> None:
+    with pytest.raises(PlacementError, match="no providers"):
+        equal_split(LLAMA2_13B, {}, PlacementConfig(work=WORK))

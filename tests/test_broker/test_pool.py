@@ -149,3 +149,13 @@ def test_observed_stage_times_correct_the_profile() -> None:
     assert correction.samples == 5 and abs(correction.factor - 2.0) < 1e-9
     slowed = correction.apply(FAST)
     assert slowed.slowdown == correction.factor
+
+
+def test_a_late_heartbeat_does_not_move_time_back_and_draining_stays_draining() -> None:
+    state, _ = run(PoolState(), ProviderJoined("a", FAST, 0), HeartbeatReceived("a", 20))
+    state, _ = run(state, HeartbeatReceived("a", 1))  # delivered late
+    assert state.providers["a"].last_seen == 20
+    state, actions = run(state, ClockTicked(21))
+    assert actions == []
+    state, _ = run(state, DrainStarted("a", 22), StageAssigned("a", "s0", True, 23))
+    assert state.providers["a"].status is Status.DRAINING

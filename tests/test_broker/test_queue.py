@@ -42,3 +42,10 @@ def test_no_sharing_when_the_benefit_is_negative() -> None:
 def test_a_job_larger_than_the_cluster_is_refused() -> None:
     with pytest.raises(ValueError, match="needs 8 GPUs"):
         schedule([Job("big", 0, 8, 1)], gpus=4, policy=Fifo())
+
+
+def test_gpus_come_back_when_a_job_and_its_sharer_end_together() -> None:
+    # Found by review: both end in the same step; the GPUs must not leak.
+    jobs = [Job("A", 0, 2, 10, 1.1), Job("B", 5, 2, 5, 1.1), Job("C", 100, 2, 1)]
+    done = schedule(jobs, gpus=2, policy=SjfBsbf())
+    assert done["C"] == pytest.approx(101)

@@ -135,3 +135,24 @@ def test_cli_writes_json_report_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "report.txt").read_text().startswith("# ")
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert "100%" in run.stderr  # the progress bar reached the end
+
+
+@pytest.mark.parametrize("seed", [0, 2, 7])
+def test_churn_never_leaves_an_online_provider_dead_or_a_job_time_negative(seed: int) -> None:
+    from broker.pool import Status
+    from sim.swarm import SwarmSim
+
+    sim = SwarmSim(Scenario(**{**CHURNY.__dict__, "peers": 12, "seed": seed, "hours": 2.0}))
+    result = sim.run()
+    assert result.quits > 5
+    for peer in sim.online:  # crashed and back before the crash was noticed: repaired, not dead
+        assert sim.pool.providers[peer].status is not Status.DEAD
+    assert all(math.isfinite(s) and s >= 0 for s in result.job_seconds)
+    json.dumps(result.summary(), allow_nan=False)
+
+
+def test_a_run_with_nothing_done_still_reports_valid_json() -> None:
+    result = simulate(Scenario(peers=1, hours=0.2))  # one 10 GB card cannot hold 7B
+    summary = result.summary()
+    assert summary["throughput_tokens_s"] == 0 and summary["cost_per_mtok_usd"] is None
+    json.dumps(summary, allow_nan=False)
