@@ -24,9 +24,6 @@ class TaskKind(StrEnum):
     ALLREDUCE = "allreduce"  # average one stage's gradients across replicas
 
 
-CLIENT_KINDS = frozenset({TaskKind.DATA_LOAD, TaskKind.EMBED, TaskKind.HEAD, TaskKind.LOSS})
-
-
 @dataclass(frozen=True)
 class Task:
     id: str
@@ -37,10 +34,6 @@ class Task:
     mem_bytes: float = 0.0  # bytes it moves through device memory (weights, KV cache)
     inputs: dict[str, float] = field(default_factory=dict)  # tensor -> bytes
     outputs: dict[str, float] = field(default_factory=dict)  # tensor -> bytes
-
-    @property
-    def on_client(self) -> bool:
-        return self.kind in CLIENT_KINDS
 
 
 def add_task(graph: nx.DiGraph, task: Task) -> Task:

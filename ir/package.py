@@ -82,9 +82,6 @@ class Package:
     manifest: ModelManifest
     models: dict[int, onnx.ModelProto]
 
-    def stage_path(self, index: int) -> Path:
-        return self.directory / self.manifest.stages[index].file
-
 
 def load_package(
     directory: Path, *, limits: Limits | None = None, stages: list[int] | None = None

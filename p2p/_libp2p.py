@@ -25,9 +25,6 @@ from p2p.identity import Identity
 # py-libp2p logs every peer that fails negotiation at WARNING; that is our refusal working.
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 
-SECURITY_PROTOCOLS = (str(NOISE_PROTOCOL_ID),)
-MUXER_PROTOCOLS = (str(YAMUX_PROTOCOL_ID),)
-
 
 def key_pair(identity: Identity) -> KeyPair:
     private = Ed25519PrivateKey.from_bytes(identity.private_key_bytes())

@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from p2p import _runtime
 from p2p._channel import Channel
 from p2p._core import (
-    CLOSED,
     COMPUTE,
     CONTROL,
     STREAM,
@@ -49,7 +48,6 @@ from p2p.errors import ConnectionLost, FrameError, HostClosed, RemoteError, Requ
 from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=Message)
 DRAIN_TIMEOUT = 60.0  # seconds a finished stream handler keeps reading what the peer still sends
 
 ControlHandler = Callable[[str, Any], Awaitable[Message]]
@@ -470,4 +468,4 @@ class Stream:
         await self.close()
 
 
-__all__ = ["CLOSED", "EndOfStream", "Host", "Stream"]
+__all__ = ["EndOfStream", "Host", "Stream"]

@@ -81,7 +81,6 @@ class _Job:
     done: float = 0.0  # tokens of progress since it (re)started
     started: float = 0.0
     first_started: float | None = None
-    restarts: int = 0
 
 
 @dataclass
@@ -352,7 +351,6 @@ class SwarmSim:
         if run.job is not None:
             self.lost += run.job.done
             run.job.done = 0.0
-            run.job.restarts += 1
             self.queue.insert(0, run.job)
             run.job = None
         run.version += 1

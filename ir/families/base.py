@@ -176,7 +176,3 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(batch, heads, seq, head_dim) -> (batch, seq, heads * head_dim)."""
     x = x.transpose(1, 2)
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
-
-
-def param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
