@@ -321,26 +321,67 @@ def round_robin_throughput(
     return config.work.tokens / float(busy.max())
 
 
+def petals_spans(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+    existing: Mapping[str, tuple[int, int]] | None = None,
+) -> dict[str, tuple[int, int]]:
+    """A Petals-style baseline's block choice: providers not in `existing`, in join order,
+    each serve as many consecutive blocks as fit in memory, starting where the blocks served
+    so far are weakest (lowest total throughput). Spans overlap; requests route through any
+    chain. Returns every provider's (first, end) block span, `existing` ones included; a
+    provider that can hold no block gets none."""
+    config = config or PlacementConfig()
+    costs = provider_costs(model, providers, config)
+    spans = dict(existing or {})
+    per_block = _petals_per_block(costs, model.n_layers, config, spans)
+    n = model.n_layers
+    for i, peer in enumerate(costs.ids):
+        span = int(costs.cap[i])
+        if peer in spans or span <= 0:
+            continue
+        windows = [tuple(sorted(per_block[s : s + span])) for s in range(n - span + 1)]
+        start = min(range(len(windows)), key=lambda s: windows[s])
+        spans[peer] = (start, start + span)
+        per_block[start : start + span] += config.work.tokens / (costs.x[i] + span * costs.t[i])
+    return spans
+
+
+def _petals_per_block(
+    costs: _Costs, n_layers: int, config: PlacementConfig, spans: Mapping[str, tuple[int, int]]
+) -> np.ndarray:
+    """Tokens/s available for each block: each server's throughput over its span, summed."""
+    per_block = np.zeros(n_layers)
+    for i, peer in enumerate(costs.ids):
+        if peer in spans:
+            first, end = spans[peer]
+            per_block[first:end] += config.work.tokens / (costs.x[i] + (end - first) * costs.t[i])
+    return per_block
+
+
+def petals_block_rates(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    spans: Mapping[str, tuple[int, int]],
+    config: PlacementConfig | None = None,
+) -> np.ndarray:
+    """Tokens/s available for each block from the `providers` serving a span; the swarm's
+    capacity is the weakest block's."""
+    config = config or PlacementConfig()
+    costs = provider_costs(model, providers, config)
+    return _petals_per_block(costs, model.n_layers, config, spans)
+
+
 def petals_greedy_throughput(
     model: ModelSpec,
     providers: Mapping[str, HardwareProfile],
     config: PlacementConfig | None = None,
 ) -> float | None:
-    """A Petals-style baseline: providers, in join order, each serve as many consecutive
-    blocks as fit in memory, starting where the blocks served so far are weakest (lowest total
-    throughput). Spans overlap and requests route through any chain; the swarm's capacity is
-    that of its weakest block, each provider's throughput shared over its blocks.
-    Tokens/s, or None if some block is served by nobody."""
+    """The Petals-style baseline's capacity on these providers, all joining in order
+    (`petals_spans`): tokens/s of its weakest block, or None if some block is served by
+    nobody."""
     config = config or PlacementConfig()
-    costs = provider_costs(model, providers, config)
-    n = model.n_layers
-    per_block = np.zeros(n)  # tokens/s available for each block
-    for i in range(len(costs.ids)):
-        span = int(costs.cap[i])
-        if span <= 0:
-            continue
-        rate = config.work.tokens / (costs.x[i] + span * costs.t[i])  # this provider's tokens/s
-        windows = [tuple(sorted(per_block[s : s + span])) for s in range(n - span + 1)]
-        start = min(range(len(windows)), key=lambda s: windows[s])
-        per_block[start : start + span] += rate
-    return float(per_block.min()) if per_block.min() > 0 else None
+    spans = petals_spans(model, providers, config)
+    rates = petals_block_rates(model, providers, spans, config)
+    return float(rates.min()) if rates.min() > 0 else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument(
-        "--placement", choices=["ours", "equal"], default="ours", help="placement policy"
+        "--placement", choices=["ours", "equal", "petals"], default="ours", help="placement policy"
     )
     p.add_argument("--backup-fraction", type=float, default=0.1, help="share kept as backups")
     p.add_argument("--out", help="folder for result.json, report.txt and timeline.png")
@@ -103,17 +104,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = {}
+    tty = sys.stderr.isatty()
     for i, scenario in enumerate(study.runs):
         label = f"[{i + 1}/{len(study.runs)}] {scenario.name}"
 
-        def progress(fraction: float, label: str = label) -> None:
+        logged = [0]  # quarters of this run already logged
+
+        def progress(fraction: float, label: str = label, logged: list[int] = logged) -> None:
+            if not tty:  # a log, not a terminal: a line every quarter of the run
+                quarter = int(fraction * 4)
+                if quarter > logged[0] and fraction < 1.0:
+                    logged[0] = quarter
+                    sys.stderr.write(f"{label}: {quarter * 25}%\n")
+                return
             filled = int(fraction * 30)
             sys.stderr.write(f"\r{label:48} [{'#' * filled}{'.' * (30 - filled)}] {fraction:4.0%}")
             sys.stderr.flush()
 
+        started = time.monotonic()
         results[scenario.name] = simulate(scenario, progress)
         progress(1.0)
-        sys.stderr.write("\n")
+        if tty:
+            sys.stderr.write("\n")
+        else:
+            sys.stderr.write(f"{label}: 100% in {time.monotonic() - started:.1f} s\n")
     if args.out:
         doc = report.write(Path(args.out), study, results)
     else:

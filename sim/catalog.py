@@ -218,13 +218,23 @@ NETWORKS: dict[str, Network] = {
 
 @dataclass(frozen=True)
 class Churn:
-    """Providers alternate online sessions and offline gaps, both Weibull distributed."""
+    """Providers alternate online sessions and offline gaps, both Weibull distributed; some
+    sessions end for good, and newcomers join as a Poisson process."""
 
     name: str
     mean_session: float  # seconds online per session
     mean_offline: float  # seconds offline between sessions
     shape: float  # Weibull shape: < 1 means many short sessions and a few long ones
     source: str
+    departure_fraction: float = 0.0  # share of sessions after which the provider never returns
+    arrivals_per_peer_hour: float = 0.0  # new providers per hour, per provider at the start
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.departure_fraction <= 1.0 or self.arrivals_per_peer_hour < 0:
+            raise ValueError(
+                f"churn {self.name}: departure_fraction must lie in [0, 1] and "
+                "arrivals_per_peer_hour must not be negative"
+            )
 
     def _draw(self, rng: random.Random, mean: float) -> float:
         if math.isinf(mean):
@@ -250,14 +260,21 @@ CHURN: dict[str, Churn] = {
             0.6,
             "assumption: Weibull session lengths with shape < 1 as measured in peer-to-peer "
             "systems (Stutzbach and Rejaie, 'Understanding churn in peer-to-peer networks', "
-            "IMC 2006); one-hour mean session for gaming PCs is an assumption",
+            "IMC 2006); one-hour mean session for gaming PCs is an assumption; so are one "
+            "session in ten ending for good and newcomers arriving at the rate that keeps the "
+            "swarm's size level (2/3 online x 1 session/h x 0.1 = 0.067 per provider-hour)",
+            departure_fraction=0.1,
+            arrivals_per_peer_hour=0.067,
         ),
         Churn(
             "gaming-evening",
             3 * 60 * 60.0,
             60 * 60.0,
             0.8,
-            "assumption: machines contributed for evenings of a few hours",
+            "assumption: machines contributed for evenings of a few hours; one session in 20 "
+            "ends for good, balanced by newcomers (3/4 online x 1/3 session/h x 0.05)",
+            departure_fraction=0.05,
+            arrivals_per_peer_hour=0.0125,
         ),
     )
 }
@@ -272,6 +289,8 @@ def churn_with_mean(mean_session_minutes: float) -> Churn:
         base.mean_offline,
         base.shape,
         base.source,
+        base.departure_fraction,
+        base.arrivals_per_peer_hour,
     )
 
 

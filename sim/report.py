@@ -39,11 +39,15 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             "tokens_per_microbatch": w.work.tokens,
             "sequences_per_microbatch": w.work.sequences,
             "context": w.work.context,
+            "prompt_tokens": w.prompt_tokens,
             "microbatches_per_job": w.microbatches,
         },
         "churn": {
             "name": scenario.churn.name,
             "mean_session_min": scenario.churn.mean_session / 60,
+            "mean_offline_min": scenario.churn.mean_offline / 60,
+            "departure_fraction": scenario.churn.departure_fraction,
+            "arrivals_per_peer_hour": scenario.churn.arrivals_per_peer_hour,
         },
     }
 
@@ -88,10 +92,15 @@ def text_report(doc: dict[str, Any]) -> str:
     lines = [f"# {doc['study']}", ""]
     if doc.get("description"):
         lines += [doc["description"], ""]
-    lines.append(f"{'run':32} {'tokens/s':>11} {'util':>6} {'lost':>6} {'quits':>5} {'$/Mtok':>8}")
+    lines.append(
+        f"{'run':32} {'tokens/s':>11} {'ttft s':>7} {'util':>6} {'lost':>6} {'quits':>5} "
+        f"{'$/Mtok':>8}"
+    )
     for name, r in doc["runs"].items():
         lines.append(
-            f"{name:32} {_num(r['throughput_tokens_s'], '11.1f')} {_num(r['utilization'], '6.2f')} "
+            f"{name:32} {_num(r['throughput_tokens_s'], '11.1f')} "
+            f"{_num(r['ttft_ms_p50'] and r['ttft_ms_p50'] / 1e3, '7.2f')} "
+            f"{_num(r['utilization'], '6.2f')} "
             f"{_num(r['time_lost_to_churn'], '6.2%')} {r['quits']:5d} "
             f"{_num(r['cost_per_mtok_usd'], '8.3f')}"
         )
@@ -126,6 +135,7 @@ def text_report(doc: dict[str, Any]) -> str:
                 f"  {w['name']}: {w['sequences_per_microbatch']} sequences x "
                 f"{w['tokens_per_microbatch'] // max(1, w['sequences_per_microbatch'])} tokens per "
                 f"microbatch, context {w['context']}"
+                + (f", prompts of {w['prompt_tokens']} tokens" if w["prompt_tokens"] else "")
             )
     return "\n".join(lines) + "\n"
 

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import placement as placement_mod
-from broker.placement import Placement, PlacementConfig, PlacementError, Replica
+from broker.placement import (
+    Placement,
+    PlacementConfig,
+    PlacementError,
+    Replica,
+    petals_block_rates,
+    petals_spans,
+)
 from broker.pool import (
     HeartbeatsMissed,
     PoolConfig,
@@ -39,6 +46,10 @@ from sim.catalog import CHURN, GPUS, NETWORKS, Churn, profile
 from sim.engine import Engine
 from sim.workloads import WorkloadSpec, workload
 
+PLACEMENTS = ("ours", "equal", "petals")
+PETALS_BALANCE_CHECK_S = 120.0  # Petals servers' mean balance check period (its default)
+PETALS_BALANCE_QUALITY = 0.75  # a server moves if that raises swarm throughput by > 1/0.75
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -50,7 +61,9 @@ class Scenario:
     hours: float = 1.0
     churn: Churn = field(default_factory=lambda: CHURN["none"])
     seed: int = 0
-    placement: str = "ours"  # "ours" or "equal" (an even split over everyone, one pipeline)
+    # "ours", "equal" (an even split over everyone, one pipeline) or "petals" (servers pick
+    # their own blocks, Petals-style; inference only)
+    placement: str = "ours"
     backup_fraction: float = 0.1  # share of providers kept as backups when possible
     crash_fraction: float = 0.5  # quits that are crashes (found by missed heartbeats)
     detect_s: float = 15.0  # seconds to notice a crash (3 missed 5-second heartbeats)
@@ -69,9 +82,11 @@ class Scenario:
             raise ValueError(f"unknown network {self.network!r}; known: {sorted(NETWORKS)}")
         if self.peers < 1 or self.hours <= 0:
             raise ValueError("a scenario needs at least one peer and a positive duration")
-        if self.placement not in ("ours", "equal"):
-            raise ValueError(f"placement must be 'ours' or 'equal', got {self.placement!r}")
-        workload(self.workload)  # raises on an unknown workload
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        kind = workload(self.workload).kind  # raises on an unknown workload
+        if self.placement == "petals" and kind != "inference":
+            raise ValueError("the Petals-style baseline serves inference workloads only")
 
 
 @dataclass
@@ -87,8 +102,9 @@ class _Job:
 class _ReplicaRun:
     id: int
     ready_at: float  # serving from this time
-    rate: float  # tokens/s while serving
-    latency: float  # seconds per token through the pipeline
+    rate: float  # tokens/s while serving (inference: prefill and decode averaged)
+    latency: float  # seconds per decode step through the pipeline
+    ttft: float  # seconds from a job's start to its first token (prefill; 0 for training)
     job: _Job | None = None
     last: float = 0.0  # time its progress was last advanced
     version: int = 0  # invalidates scheduled completions when the rate or job changes
@@ -105,13 +121,17 @@ class SimResult:
     jobs_completed: int
     job_seconds: list[float]  # service time of each completed job (restarts included)
     token_latency_s: list[float]  # per-token pipeline latency, sampled over time
+    ttft_s: list[float]  # inference: time to the first token of each completed job
     throughput_tokens_s: float
     samples_s: float  # sequences per second (inference) or training samples per second
     utilization: float  # time-averaged share of online providers serving a stage
-    replica_downtime_s: float  # replica-seconds lost to repairs and reloads (not startup)
+    replica_downtime_s: float  # replica-seconds not serving after startup (repairs, reloads)
+    replica_seconds: float  # replica-seconds placed after startup
     startup_s: float  # seconds until every replica of the first placement serves
     quits: int
-    joins: int
+    joins: int  # rejoins and newcomers
+    departures: int  # quits that never came back
+    arrivals: int  # newcomers over the run
     replans: int
     rebalances: int
     cost_usd: float
@@ -126,10 +146,9 @@ class SimResult:
         ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    def _lost_share(self) -> float:
-        """Replica-seconds lost to churn over the replica-seconds the run could serve."""
-        peak = max((t[2] for t in self.timeline), default=0)
-        return self.replica_downtime_s / (self.duration_s * peak) if peak else 0.0
+    def lost_share(self) -> float:
+        """Replica-seconds lost to churn over the replica-seconds placed since startup."""
+        return self.replica_downtime_s / self.replica_seconds if self.replica_seconds else 0.0
 
     def summary(self) -> dict[str, Any]:
         """Figures as JSON-safe values (None where undefined, e.g. no job completed)."""
@@ -152,16 +171,10 @@ class SimResult:
             "job_seconds_p99": round(self.percentile(self.job_seconds, 0.99), 3),
             "token_latency_ms_p50": round(1e3 * self.percentile(self.token_latency_s, 0.5), 3),
             "token_latency_ms_p95": round(1e3 * self.percentile(self.token_latency_s, 0.95), 3),
+            "ttft_ms_p50": round(1e3 * self.percentile(self.ttft_s, 0.5), 3),
+            "ttft_ms_p95": round(1e3 * self.percentile(self.ttft_s, 0.95), 3),
             "utilization": round(self.utilization, 4),
-            "time_lost_to_churn": round(
-                self.replica_downtime_s
-                / max(
-                    1e-9,
-                    self.duration_s
-                    * max(1, len(self.timeline) and max(t[2] for t in self.timeline)),
-                ),
-                4,
-            ),
+            "time_lost_to_churn": round(self.lost_share(), 4),
             "replica_downtime_s": round(self.replica_downtime_s, 1),
             "startup_s": round(self.startup_s, 1),
             "tokens_completed": round(self.tokens_completed),
@@ -169,6 +182,8 @@ class SimResult:
             "jobs_completed": self.jobs_completed,
             "quits": self.quits,
             "joins": self.joins,
+            "arrivals": self.arrivals,
+            "departures": self.departures,
             "replans": self.replans,
             "rebalances": self.rebalances,
             "cost_usd": round(self.cost_usd, 4),
@@ -198,13 +213,26 @@ class SwarmSim:
         self.profiles: dict[str, HardwareProfile] = {}
         self.download: dict[str, float] = {}
         self.power: dict[str, float] = {}
-        for i in range(scenario.peers):
+
+        def recruit(i: int) -> str:
             gpu = GPUS[self.rng.choices(names, weights)[0]]
             up, down = network.draw(self.rng)
             peer = f"{gpu.name}-{i}"
             self.profiles[peer] = profile(gpu, up, network.rtt)
             self.download[peer] = down
             self.power[peer] = gpu.power_w
+            return peer
+
+        self.initial = [recruit(i) for i in range(scenario.peers)]
+        # Newcomers: a Poisson process over the run, drawn up front so a seed fixes them.
+        self.arrivals: list[tuple[float, str]] = []
+        rate = scenario.peers * scenario.churn.arrivals_per_peer_hour / 3600.0
+        t = 0.0
+        while rate > 0:
+            t += self.rng.expovariate(rate)
+            if t >= scenario.hours * 3600.0:
+                break
+            self.arrivals.append((t, recruit(scenario.peers + len(self.arrivals))))
         self.pool = PoolState(config=PoolConfig())
         self.online: set[str] = set()
         self.placement: Placement | None = None
@@ -221,15 +249,20 @@ class SwarmSim:
         self.jobs_done = 0
         self.job_seconds: list[float] = []
         self.token_latency: list[float] = []
-        self.downtime = 0.0
+        self.ttft: list[float] = []  # per completed inference job: queueing + prefill
+        self.downtime = 0.0  # replica-seconds not serving after startup
+        self.replica_seconds = 0.0  # replica-seconds placed after startup
         self.startup = 0.0  # seconds until the first placement serves fully
-        self.quits = self.joins = self.replans = self.rebalances = 0
+        self.quits = self.joins = self.replans = self.rebalances = self.departures = 0
         self.busy_integral = 0.0  # provider-seconds serving a stage
         self.online_integral = 0.0  # provider-seconds online
         self.gpu_energy_j = 0.0
         self._last_account = 0.0
         self.timeline: list[tuple[float, float, int, int]] = []
         self._step_cache: dict[tuple[tuple[str, int, int], ...], float] = {}
+        self.spans: dict[str, tuple[int, int]] = {}  # petals: online server -> its blocks
+        self.span_ready: dict[str, float] = {}  # petals: when each server's span serves
+        self._idle_since: float | None = None  # petals: since when no chain covers the model
 
     # ---- accounting --------------------------------------------------------------------
 
@@ -242,6 +275,11 @@ class SwarmSim:
                 run.job.done += done
                 self.processed += done
             run.last = max(run.last, now)
+        a = max(self._last_account, self.startup)
+        if now > a:
+            for run in self.runs:
+                self.downtime += max(0.0, min(now, run.ready_at) - a)
+            self.replica_seconds += len(self.runs) * (now - a)
         dt = now - self._last_account
         if dt > 0:
             serving = self._serving_providers(now)
@@ -251,6 +289,8 @@ class SwarmSim:
             self._last_account = now
 
     def _serving_providers(self, now: float) -> int:
+        if self.s.placement == "petals":
+            return sum(1 for ready in self.span_ready.values() if ready <= now)
         if self.placement is None:
             return 0
         return sum(
@@ -259,12 +299,23 @@ class SwarmSim:
             if run.ready_at <= now
         )
 
-    def _metrics(self, replica: Replica) -> tuple[float, float]:
-        """(tokens/s, seconds per token) of a replica, allreduce included for training."""
+    def _metrics(self, replica: Replica) -> tuple[float, float, float]:
+        """(tokens/s, seconds per token, seconds to the first token) of a replica: for
+        inference, jobs' prefill passes and decode steps share the stages; for training, the
+        optimizer step with its allreduce (no first token: 0)."""
         stages = [(self.profiles[st.provider], st.layers) for st in replica.stages]
         m = pipeline_metrics(self.model, stages, self.w.work)
         if self.w.kind == "inference":
-            return m.throughput, m.latency
+            # Jobs in flight keep the pipeline full: each stage's busy time per job is its
+            # share of the prefill pass plus its decode steps, and the busiest stage sets the
+            # rate. The first token waits for the prefill's trip through every stage.
+            prefill = pipeline_metrics(self.model, stages, self.w.prefill_work)
+            busy = max(
+                p + self.w.microbatches * d
+                for p, d in zip(prefill.stage_times, m.stage_times, strict=True)
+            )
+            rate = self.w.job_tokens / busy if busy > 0 else 0.0
+            return rate, m.latency, prefill.latency + m.latency
         step = self._step_seconds(replica)
         replicas = len(self.placement.replicas) if self.placement else 1
         if replicas > 1:
@@ -276,7 +327,7 @@ class SwarmSim:
                 / self.profiles[st.provider].net_bandwidth
                 for st in replica.stages
             )
-        return self.w.job_tokens / step, m.latency
+        return self.w.job_tokens / step, m.latency, 0.0
 
     def _step_seconds(self, replica: Replica) -> float:
         """One optimizer step of this replica: `dag.builders.finetune`'s graph (forward and
@@ -343,6 +394,8 @@ class SwarmSim:
         self.processed += job.tokens - job.done  # rounding: the finish time is exact
         self.jobs_done += 1
         self.job_seconds.append(now - (job.first_started or now))
+        if self.w.kind == "inference":
+            self.ttft.append(job.started - (job.first_started or job.started) + run.ttft)
         run.job = None
         self._dispatch(run, now)
 
@@ -397,12 +450,10 @@ class SwarmSim:
                 else self._load_seconds(st.provider, st.layers)
                 for st in rep.stages
             ]
-            rate, latency = self._metrics(rep)
-            run = _ReplicaRun(self.next_replica, now + max(loads), rate, latency, last=now)
+            rate, latency, ttft = self._metrics(rep)
+            run = _ReplicaRun(self.next_replica, now + max(loads), rate, latency, ttft, last=now)
             if reason == "placed" and now == 0.0:
                 self.startup = max(self.startup, max(loads))  # first download: not churn
-            else:
-                self.downtime += max(loads)
             self.next_replica += 1
             self.runs.append(run)
             self._dispatch(run, now)
@@ -458,7 +509,13 @@ class SwarmSim:
         self.pool, _ = apply(self.pool, ProviderJoined(peer, self.profiles[peer], now))
         if not first:
             self.joins += 1
-            if self.placement is None:
+            if self.s.placement == "petals":
+                spans = petals_spans(
+                    self.model, self._online_profiles(), self.config, existing=self.spans
+                )
+                if peer in spans:
+                    self._petals_load(peer, spans[peer], now)
+            elif self.placement is None:
                 self._adopt(self._place(), now, "placed")
             elif self.s.placement == "ours":
                 self.placement = on_join(
@@ -473,6 +530,11 @@ class SwarmSim:
 
     def _quit(self, peer: str, crash: bool) -> None:
         now = self.engine.now
+        if self.spans.pop(peer, None) is not None:
+            # Petals clients route around a failed server at once (replaying the hop's inputs
+            # to another server of those blocks): only its share of throughput is gone.
+            self.span_ready.pop(peer)
+            self._petals_refresh()
         self.online.discard(peer)
         self.warm.pop(peer, None)
         self.assigned.pop(peer, None)
@@ -486,6 +548,10 @@ class SwarmSim:
             self.engine.at(now + self.s.detect_s, self._detect, peer, token)
         else:
             self._repair(peer, False)
+        if self.s.churn.departure_fraction and self.rng.random() < self.s.churn.departure_fraction:
+            self.departures += 1
+            self.log.append({"t": now, "event": "departed", "peer": peer})
+            return  # gone for good
         offline = self.s.churn.offline(self.rng)
         self.engine.at(now + offline, self._join, peer)
 
@@ -550,12 +616,11 @@ class SwarmSim:
                 # Another of its stages may have crashed unnoticed: then it stays broken.
                 broken = any(st.provider not in self.online for st in served)
                 run.ready_at = math.inf if broken else now + delay
-                self.downtime += delay + (self.s.detect_s if crashed else 0.0)
                 entry["delay_s"] = delay
         self.placement = repair.placement
         for run, rep in zip(self.runs, self.placement.replicas, strict=True):
             old_rate = run.rate
-            run.rate, run.latency = self._metrics(rep)
+            run.rate, run.latency, run.ttft = self._metrics(rep)
             if run.rate != old_rate or run.job is None:
                 self._advance(now)
                 self._dispatch(run, now)
@@ -572,6 +637,101 @@ class SwarmSim:
                 self._adopt(candidate, now, "rebalance")
         self.engine.at(now + self.s.rebalance_every_s, self._rebalance_check)
 
+    # ---- the Petals-style baseline ------------------------------------------------------
+    # Servers pick their own spans (`broker.placement.petals_spans`) and requests route through
+    # any chain of them, so the swarm serves at its weakest block's rate. No broker re-plans;
+    # servers check every PETALS_BALANCE_CHECK_S whether one of them moving would raise the
+    # swarm's throughput enough, and a block nobody serves halts everything until then.
+    # Optimistic for the baseline: a quit costs no in-flight work (the replay is free).
+
+    def _petals_start(self, now: float) -> None:
+        for peer, span in petals_spans(self.model, self._online_profiles(), self.config).items():
+            self._petals_load(peer, span, now, startup=True)
+        self.runs = [_ReplicaRun(self.next_replica, now, 0.0, 0.0, 0.0, last=now)]
+        self.next_replica += 1
+        self._petals_refresh()
+        self.engine.at(now + PETALS_BALANCE_CHECK_S, self._petals_balance)
+
+    def _petals_load(
+        self, peer: str, span: tuple[int, int], now: float, startup: bool = False
+    ) -> None:
+        ready = now + self._load_seconds(peer, span[1] - span[0])
+        if startup:
+            self.startup = max(self.startup, ready - now)
+        self.spans[peer] = span
+        self.span_ready[peer] = ready
+        self.engine.at(ready, self._petals_refresh)
+
+    def _petals_chain(self, ready: dict[str, tuple[int, int]]) -> list[tuple[str, int]]:
+        """A route through the model: from each block, the server that reaches furthest."""
+        chain, block = [], 0
+        while block < self.model.n_layers:
+            holders = [(end, p) for p, (first, end) in ready.items() if first <= block < end]
+            if not holders:
+                return []
+            end, peer = max(holders)
+            chain.append((peer, end - block))
+            block = end
+        return chain
+
+    def _petals_refresh(self) -> None:
+        """Recompute the swarm's rate from the servers whose spans are loaded."""
+        now = self.engine.now
+        self._advance(now)
+        if not self.runs:
+            return
+        ready = {p: s for p, s in self.spans.items() if self.span_ready[p] <= now}
+        profiles = {p: self.profiles[p] for p in ready}
+        chain = self._petals_chain(ready)
+        run = self.runs[0]
+        old = run.rate
+        if not chain:
+            run.rate = run.latency = run.ttft = 0.0
+        else:
+            decode = petals_block_rates(self.model, profiles, ready, self.config)
+            prefill_config = PlacementConfig(work=self.w.prefill_work)
+            prefill = petals_block_rates(self.model, profiles, ready, prefill_config)
+            # Each block serves a job's prefill and its decode steps with the same servers.
+            per_block = self.w.job_tokens / decode + self.w.prefill_work.tokens / prefill
+            run.rate = self.w.job_tokens / float(per_block.max())
+            stages = [(self.profiles[p], n) for p, n in chain]
+            run.latency = pipeline_metrics(self.model, stages, self.w.work).latency
+            run.ttft = (
+                pipeline_metrics(self.model, stages, self.w.prefill_work).latency + run.latency
+            )
+        if run.rate == 0.0 and self._idle_since is None and now >= self.startup:
+            self._idle_since = now
+        elif run.rate > 0.0 and self._idle_since is not None:
+            self.downtime += now - self._idle_since
+            self._idle_since = None
+        if run.rate != old or run.job is None:
+            self._dispatch(run, now)
+
+    def _petals_balance(self) -> None:
+        """Petals' rebalancing: the one server whose move helps most moves, if it helps
+        by more than 1 / PETALS_BALANCE_QUALITY (or anything, while some block is unserved)."""
+        now = self.engine.now
+        profiles = self._online_profiles()
+        if self.spans:
+            current = float(petals_block_rates(self.model, profiles, self.spans, self.config).min())
+            best: tuple[float, str, tuple[int, int]] | None = None
+            for peer in sorted(self.spans):
+                others = {p: s for p, s in self.spans.items() if p != peer}
+                moved = petals_spans(self.model, profiles, self.config, existing=others)
+                if moved.get(peer, self.spans[peer]) == self.spans[peer]:
+                    continue
+                after = float(petals_block_rates(self.model, profiles, moved, self.config).min())
+                if best is None or after > best[0]:
+                    best = (after, peer, moved[peer])
+            if best is not None and best[0] > current / PETALS_BALANCE_QUALITY:
+                self.rebalances += 1
+                self.log.append(
+                    {"t": now, "event": "rebalance", "peer": best[1], "span": list(best[2])}
+                )
+                self._petals_load(best[1], best[2], now)
+                self._petals_refresh()
+        self.engine.at(now + PETALS_BALANCE_CHECK_S, self._petals_balance)
+
     def _sample(self) -> None:
         now = self.engine.now
         self._advance(now)
@@ -584,9 +744,14 @@ class SwarmSim:
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> SimResult:
         end = self.s.hours * 3600.0
-        for peer in self.profiles:
+        for peer in self.initial:
             self._join(peer, first=True)
-        self._adopt(self._place(), 0.0, "placed")
+        for t, peer in self.arrivals:
+            self.engine.at(t, self._join, peer)
+        if self.s.placement == "petals":
+            self._petals_start(0.0)
+        else:
+            self._adopt(self._place(), 0.0, "placed")
         self.engine.at(self.s.rebalance_every_s, self._rebalance_check)
         self.engine.at(0.0, self._sample)
         last_report = [0.0]
@@ -598,6 +763,8 @@ class SwarmSim:
 
         self.engine.run(end, progress)
         self._advance(end)
+        if self._idle_since is not None:
+            self.downtime += end - self._idle_since
         in_progress = sum(run.job.done for run in self.runs if run.job is not None)
         in_progress += sum(job.done for job in self.queue)
         energy_kwh = self.gpu_energy_j / 3.6e6
@@ -616,13 +783,17 @@ class SwarmSim:
             jobs_completed=self.jobs_done,
             job_seconds=self.job_seconds,
             token_latency_s=self.token_latency,
+            ttft_s=self.ttft,
             throughput_tokens_s=(self.completed + in_progress) / end,
             samples_s=(self.completed + in_progress) / end / self._tokens_per_sample(),
             utilization=self.busy_integral / self.online_integral if self.online_integral else 0.0,
             replica_downtime_s=self.downtime,
+            replica_seconds=self.replica_seconds,
             startup_s=self.startup,
             quits=self.quits,
             joins=self.joins,
+            departures=self.departures,
+            arrivals=len(self.arrivals),
             replans=self.replans,
             rebalances=self.rebalances,
             cost_usd=cost,

@@ -1,6 +1,7 @@
 """Workloads: what the swarm runs, in terms the cost model and placement understand.
 
-Inference decodes batches of sequences (one token per sequence per step). Fine-tuning with
+Inference prefills a batch of prompts in one pass through the pipeline (compute-bound), then
+decodes them together (one token per sequence per step, memory-bound). Fine-tuning with
 LoRA-FA runs forward and backward through the frozen blocks (backward costs about twice the
 forward; gradients flow back as large as the activations flowed forward), with small adapter
 gradients averaged across replicas per step. Pre-training also keeps gradients and Adam
@@ -27,6 +28,20 @@ class WorkloadSpec:
     work: Workload  # per microbatch
     microbatches: int = 1  # per job (one optimizer step for training)
     adapter_fraction: float = 0.002  # trainable share of a block's weights (LoRA-FA's B)
+    prompt_tokens: int = 0  # inference: prompt length per sequence, prefilled before decoding
+
+    @property
+    def prefill_work(self) -> Workload:
+        """Inference: the whole prompt of every sequence in one pass (causal attention sees
+        half the prompt on average)."""
+        w = self.work
+        return Workload(
+            tokens=w.sequences * self.prompt_tokens,
+            sequences=w.sequences,
+            context=self.prompt_tokens // 2,
+            dtype=w.dtype,
+            kv_tokens=w.kv_tokens,
+        )
 
     @property
     def placed_model(self) -> ModelSpec:
@@ -66,9 +81,10 @@ def workload(name: str) -> WorkloadSpec:
         )
     model = MODELS[model_name]
     if kind == "inference":
-        # 16 sequences decoding together, 1024 tokens of context, KV for 16 x 2048 tokens
+        # 16 sequences of 1024-token prompts prefilled, then decoded together for 256 steps at
+        # 1024 tokens of context; KV for 16 x 2048 tokens
         work = Workload(tokens=16, sequences=16, context=1024, kv_tokens=16 * 2048)
-        return WorkloadSpec(name, kind, model, work, microbatches=256)
+        return WorkloadSpec(name, kind, model, work, microbatches=256, prompt_tokens=1024)
     # 4 sequences x 512 tokens per microbatch, 8 microbatches per step
     work = Workload(tokens=4 * 512, sequences=4, context=512, kv_tokens=0)
     return WorkloadSpec(name, kind, model, work, microbatches=8)

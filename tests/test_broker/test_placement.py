@@ -277,3 +277,21 @@ def test_random_leaves_and_joins_keep_every_invariant(seed: int) -> None:
 def test_an_even_split_over_nobody_is_a_clear_error() -> None:
     with pytest.raises(PlacementError, match="no providers"):
         equal_split(LLAMA2_13B, {}, PlacementConfig(work=WORK))
+
+
+def test_petals_newcomer_takes_the_weakest_blocks_and_others_keep_theirs() -> None:
+    from broker.placement import petals_block_rates, petals_spans
+
+    config = PlacementConfig(work=Workload(tokens=16, sequences=16, context=1024))
+    swarm = random_swarm(12, seed=4)
+    first = dict(list(swarm.items())[:-1])
+    spans = petals_spans(LLAMA2_13B, first, config)
+    before = petals_block_rates(LLAMA2_13B, first, spans, config)
+    newcomer = list(swarm)[-1]
+    after = petals_spans(LLAMA2_13B, swarm, config, existing=spans)
+    assert {p: after[p] for p in spans} == spans  # nobody else moved
+    start, end = after[newcomer]
+    width = end - start
+    # The newcomer's window is the one whose sorted block rates were lowest.
+    windows = [sorted(before[s : s + width]) for s in range(LLAMA2_13B.n_layers - width + 1)]
+    assert sorted(before[start:end]) == min(windows)

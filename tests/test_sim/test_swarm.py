@@ -46,9 +46,10 @@ def test_no_work_is_lost_or_counted_twice_across_joins_and_quits(seed: int) -> N
 
 
 def test_throughput_without_churn_matches_a_closed_form_from_the_catalog() -> None:
-    # 4 x H100 SXM, Llama-2 7B decoding 16 sequences at 1024 tokens of context: each GPU
-    # holds the whole model (one replica each), memory-bound. Computed here from the
-    # published shapes and the catalog's figures, not from the cost model's code.
+    # 4 x H100 SXM, Llama-2 7B prefilling then decoding 16 sequences at 1024 tokens of
+    # context: each GPU holds the whole model (one replica each); decoding is memory-bound.
+    # Computed here from the published shapes and the catalog's figures, not from the cost
+    # model's code.
     h100 = GPUS["h100-sxm"]
     hidden, layers, inter, seqs, context = 4096, 32, 11008, 16, 1024
     params = 4 * hidden * hidden + 3 * hidden * inter  # per block: q, k, v, o + gated MLP
@@ -57,7 +58,17 @@ def test_throughput_without_churn_matches_a_closed_form_from_the_catalog() -> No
     flops = seqs * (2 * params + 4 * hidden * context)
     per_block = max(flops / h100.fp16_tensor, (weight_bytes + kv_read) / h100.mem_bandwidth)
     send = seqs * hidden * 2 / NETWORKS["nvlink4"].up_median
-    expected = 4 * seqs / (layers * per_block + send)
+    decode_rate = seqs / (layers * per_block + send)  # tokens/s of one GPU
+    # Each job first prefills 16 prompts of 1024 tokens in one pass: compute-bound, causal
+    # attention over half the prompt on average; its hidden states go out over NVLink.
+    prompt = 1024
+    prefill_flops = seqs * prompt * (2 * params + 4 * hidden * prompt / 2)
+    prefill_bytes = weight_bytes + seqs * prompt / 2 * 2 * hidden * 2
+    prefill_block = max(prefill_flops / h100.fp16_tensor, prefill_bytes / h100.mem_bandwidth)
+    prefill_send = seqs * prompt * hidden * 2 / NETWORKS["nvlink4"].up_median
+    prefill = layers * prefill_block + prefill_send  # the GPU's busy time for one prefill
+    job_tokens = seqs * 256
+    expected = 4 * job_tokens / (prefill + job_tokens / decode_rate)
     result = simulate(Scenario(peers=4, gpus={"h100-sxm": 1}, network="nvlink4", hours=1.0))
     steady = [rate for t, rate, _, _ in result.timeline if t > result.startup_s]
     assert max(steady) == pytest.approx(expected, rel=0.05)
@@ -156,3 +167,46 @@ def test_a_run_with_nothing_done_still_reports_valid_json() -> None:
     summary = result.summary()
     assert summary["throughput_tokens_s"] == 0 and summary["cost_per_mtok_usd"] is None
     json.dumps(summary, allow_nan=False)
+
+
+def test_newcomers_arrive_and_some_providers_leave_for_good() -> None:
+    result = simulate(CHURNY)
+    assert result.arrivals > 0 and result.departures > 0
+    joined = [e for e in result.log if e["event"] == "join"]
+    newcomers = [e for e in joined if int(e["peer"].rsplit("-", 1)[1]) >= CHURNY.peers]
+    assert newcomers, "no newcomer joined during the run"
+    departed = {e["peer"]: e["t"] for e in result.log if e["event"] == "departed"}
+    assert departed
+    for e in joined:  # a provider that left for good never comes back
+        assert e["peer"] not in departed or e["t"] < departed[e["peer"]]
+
+
+def test_inference_jobs_pay_for_their_prefill() -> None:
+    result = simulate(Scenario(peers=4, gpus={"h100-sxm": 1}, network="nvlink4", hours=0.2))
+    summary = result.summary()
+    # The first token waits for the whole prompt's pass: far longer than one decode step.
+    assert summary["ttft_ms_p50"] > 5 * summary["token_latency_ms_p50"]
+    assert summary["ttft_ms_p50"] < 1e3 * summary["job_seconds_p50"]
+
+
+def test_petals_style_swarm_stalls_on_an_unserved_block_until_a_server_moves() -> None:
+    # Five 12 GB cards barely cover Llama-2 7B's 32 blocks: a quit can leave a block with no
+    # server, which stops the whole swarm until a balance check moves a server onto it.
+    scenario = Scenario(
+        peers=5,
+        gpus={"rtx3060": 1},
+        placement="petals",
+        churn=CHURN["volunteer"],
+        seed=2,
+        hours=2.0,
+    )
+    result = simulate(scenario)
+    accounted = result.tokens_completed + result.tokens_lost + result.tokens_in_progress
+    assert accounted == pytest.approx(result.tokens_processed, rel=1e-9)
+    summary = result.summary()
+    assert summary["time_lost_to_churn"] > 0
+    moves = [e for e in result.log if e["event"] == "rebalance"]
+    assert moves and all(0 <= e["span"][0] < e["span"][1] <= 32 for e in moves)
+    assert summary["throughput_tokens_s"] > 0
+    with pytest.raises(ValueError, match="inference workloads only"):
+        Scenario(placement="petals", workload="llama2-7b-finetune")
