@@ -28,6 +28,13 @@ def _sim(args: argparse.Namespace) -> int:
     return sim_cmd.run(args)
 
 
+def _provider(args: argparse.Namespace) -> int:
+    from cli import provider_cmd
+
+    handler: Callable[[argparse.Namespace], int] = getattr(provider_cmd, args.provider_command)
+    return handler(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from cli import demo
 
@@ -79,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import sim_cmd
 
     sim_cmd.add_parser(sub, _sim)
+    from cli import provider_cmd
+
+    provider_cmd.add_parser(sub, _provider)
     return parser
 
 

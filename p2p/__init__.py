@@ -8,7 +8,7 @@ long-lived streams, message streams with credit-based flow control, and the wire
 Importing this package is cheap: libp2p and trio are loaded only when a `Host` starts.
 """
 
-from p2p.codec import Message, ProtocolSpec
+from p2p.codec import ErrorCode, Message, ProtocolSpec
 from p2p.config import HostConfig
 from p2p.errors import (
     ConnectionLost,
@@ -17,6 +17,7 @@ from p2p.errors import (
     IdentityError,
     IdentityInUse,
     P2PError,
+    Refused,
     RemoteError,
     RequestTimeout,
 )
@@ -27,6 +28,7 @@ from p2p.tensor import Tensor
 __all__ = [
     "ConnectionLost",
     "EndOfStream",
+    "ErrorCode",
     "FrameError",
     "Host",
     "HostClosed",
@@ -37,6 +39,7 @@ __all__ = [
     "Message",
     "P2PError",
     "ProtocolSpec",
+    "Refused",
     "RemoteError",
     "RequestTimeout",
     "Stream",

@@ -19,7 +19,7 @@ from p2p._channel import Channel
 from p2p._runtime import TrioRuntime, post
 from p2p.codec import ErrorCode, Kind, ProtocolSpec, encode_error, encode_message
 from p2p.config import HostConfig
-from p2p.errors import ConnectionLost, FrameError, HostClosed, P2PError
+from p2p.errors import ConnectionLost, FrameError, HostClosed, P2PError, Refused
 from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, byt
         return Kind.ERROR, encode_error(exc.code, exc.message)
     try:
         response = entry.fn(peer_id, request)
+    except Refused as exc:
+        return Kind.ERROR, encode_error(exc.code, exc.message)
     except Exception as exc:
         log.warning("%s handler raised for %s", entry.spec.protocol_id, peer_id, exc_info=True)
         return Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
@@ -268,6 +270,13 @@ class HostCore:
                 f"{addr!r} is not a peer multiaddr like /ip4/1.2.3.4/tcp/4001/p2p/12D3KooW...: "
                 f"{exc}"
             ) from None
+        # An explicit dial is the caller's decision to try again: libp2p's negative cache of
+        # peers that recently failed would otherwise refuse it for a while (a broker that
+        # restarted could not be rejoined until the entry expired).
+        network = self._lp.get_network()
+        unblock = getattr(network, "unblock_peer", None)
+        if unblock is not None:
+            unblock(info.peer_id)
         try:
             with trio.fail_after(self.config.connect_timeout):
                 await self._lp.connect(info)

@@ -22,8 +22,10 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from p2p.identity import Identity
 
-# py-libp2p logs every peer that fails negotiation at WARNING; that is our refusal working.
+# py-libp2p logs every peer that fails negotiation at WARNING (that is our refusal working)
+# and every failed dial at ERROR (the p2p layer raises ConnectionLost saying so instead).
 logging.getLogger("libp2p").setLevel(logging.ERROR)
+logging.getLogger("libp2p.transport.tcp.tcp").setLevel(logging.CRITICAL)
 
 
 def key_pair(identity: Identity) -> KeyPair:

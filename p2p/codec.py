@@ -53,6 +53,9 @@ class ErrorCode(StrEnum):
     TOO_LARGE = "too_large"  # a frame or message exceeded its limit
     PROTOCOL_ERROR = "protocol_error"  # the peer broke the frame protocol
     SHUTTING_DOWN = "shutting_down"  # the peer is closing
+    BUSY = "busy"  # the handler's queue is full: retry later or elsewhere
+    REFUSED = "refused"  # the handler will not do this (invalid input, not allowed, over budget)
+    NOT_FOUND = "not_found"  # what the request names (a stage, a session) is not here
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):

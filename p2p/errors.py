@@ -39,6 +39,16 @@ class FrameError(P2PError):
         self.message = message
 
 
+class Refused(P2PError):
+    """Raised by a handler to answer with a typed error instead of `handler_error`: the caller
+    gets a `RemoteError` with this `code` (an `ErrorCode`: busy, refused, not_found, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
 class RemoteError(P2PError):
     """The peer answered with an error: its handler raised, or it rejected our request.
 

@@ -44,7 +44,14 @@ from p2p.codec import (
     encode_message,
 )
 from p2p.config import HostConfig
-from p2p.errors import ConnectionLost, FrameError, HostClosed, RemoteError, RequestTimeout
+from p2p.errors import (
+    ConnectionLost,
+    FrameError,
+    HostClosed,
+    Refused,
+    RemoteError,
+    RequestTimeout,
+)
 from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -229,6 +236,8 @@ class Host:
         else:
             try:
                 response = await entry.fn(channel.peer_id, request)
+            except Refused as exc:
+                kind, out = Kind.ERROR, encode_error(exc.code, exc.message)
             except asyncio.CancelledError:
                 kind, out = Kind.ERROR, encode_error(ErrorCode.SHUTTING_DOWN, "the peer is closing")
             except Exception as exc:

@@ -1,0 +1,71 @@
+"""`/fusionai/join/1`: a provider joins a broker (signed hardware profile) or leaves it.
+
+The profile travels as msgspec-encoded bytes with the provider's Ed25519 signature over
+`signed_join_bytes(...)`: the profile, the broker's peer id and a timestamp, so a signed join
+cannot be replayed to another broker or much later. A provider that joins again (after the
+broker restarted, or after a network cut) lists the stages it still has loaded.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from p2p.codec import Message, ProtocolSpec
+
+JOIN_DOMAIN = "fusionai/join/1"
+MAX_CLOCK_SKEW_S = 300.0  # a join signed further from the broker's clock is refused
+
+
+class ExecutorInfo(msgspec.Struct, frozen=True):
+    """One executor on one device, as the provider measured it."""
+
+    executor: str  # "ort" or "torch"
+    device: str  # "CPUExecutionProvider", "CUDAExecutionProvider", "cuda:0", "cpu", ...
+    flops: dict[str, float]  # dense matmul FLOP/s per dtype
+    mem_bandwidth: float  # bytes/s
+    memory_bytes: int  # device memory total
+    memory_free_bytes: int  # device memory free when measured
+
+
+class JoinProfile(msgspec.Struct, frozen=True):
+    gpu: str | None
+    cpu: str
+    cpu_cores: int
+    executors: list[ExecutorInfo]
+    executor: str  # the executor this provider runs stages with ("ort" or "torch")
+    memory_limit_bytes: int  # most memory its stages may use (the --max-memory budget)
+    net_up_bytes_s: float  # measured upload bandwidth towards the broker
+    rtt_s: float  # measured round trip to the broker
+    version: str  # fusionai version
+
+
+class Join(Message, frozen=True, tag="Join/1"):
+    profile: bytes  # msgspec JSON of a JoinProfile
+    signature: bytes  # Ed25519 over signed_join_bytes(profile, broker, timestamp)
+    broker: str  # the broker's peer id this join is meant for
+    timestamp: float  # unix time of signing
+    token: str | None = None  # the broker's join token, if it requires one
+    loaded: list[str] = msgspec.field(default_factory=list)  # stages still loaded (re-join)
+
+
+class Leave(Message, frozen=True, tag="Leave/1"):
+    reason: str = ""
+
+
+class JoinReply(Message, frozen=True, tag="JoinReply/1"):
+    accepted: bool
+    pool: str = ""  # "active" or "backup" when accepted
+    heartbeat_s: float = 5.0  # send a heartbeat this often
+    reason: str = ""  # why not, when refused
+
+
+class LeaveAck(Message, frozen=True, tag="LeaveAck/1"):
+    pass
+
+
+def signed_join_bytes(profile: bytes, broker: str, timestamp: float) -> bytes:
+    """What a join signature covers."""
+    return b"\0".join([profile, broker.encode(), repr(float(timestamp)).encode()])
+
+
+JOIN = ProtocolSpec("/fusionai/join/1", request=(Join, Leave), response=(JoinReply, LeaveAck))

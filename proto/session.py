@@ -1,0 +1,51 @@
+"""`/fusionai/session/1`: generation sessions with a KV cache kept on the provider.
+
+Open a session on a decoder stage, then send steps (new hidden states and their positions);
+the provider feeds the session's cached keys and values with each step and keeps the new
+ones. Sessions belong to the peer that opened them, expire after an idle timeout, and the
+provider bounds the total cache memory (a step that would exceed it is refused as busy).
+"""
+
+from __future__ import annotations
+
+from p2p.codec import Message, ProtocolSpec
+from p2p.tensor import Tensor
+from proto.forward import MAX_ACTIVATION_BYTES
+
+
+class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
+    session: str  # chosen by the client, unique per client
+    stage: str  # stage key
+    batch: int = 1
+
+
+class SessionStep(Message, frozen=True, tag="SessionStep/1"):
+    session: str
+    inputs: dict[str, Tensor]  # the stage's inputs other than its past_* cache inputs
+
+
+class SessionClose(Message, frozen=True, tag="SessionClose/1"):
+    session: str
+
+
+class SessionOpened(Message, frozen=True, tag="SessionOpened/1"):
+    session: str
+    idle_timeout_s: float
+
+
+class SessionOutput(Message, frozen=True, tag="SessionOutput/1"):
+    session: str
+    outputs: dict[str, Tensor]  # the stage's outputs other than its present_* cache outputs
+    past_len: int  # tokens now cached
+
+
+class SessionClosed(Message, frozen=True, tag="SessionClosed/1"):
+    session: str
+
+
+SESSION = ProtocolSpec(
+    "/fusionai/session/1",
+    request=(SessionOpen, SessionStep, SessionClose),
+    response=(SessionOpened, SessionOutput, SessionClosed),
+    max_message_bytes=MAX_ACTIVATION_BYTES,
+)

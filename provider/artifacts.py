@@ -1,0 +1,329 @@
+"""The artifact cache: stage files fetched over HTTP by SHA-256, verified, kept on disk (LRU).
+
+    cache = ArtifactCache(data_dir / "artifacts", limit_bytes=20 * 2**30)
+    cache.check()                                  # at start: drop what fails verification
+    path = await cache.fetch(sha256, url, size)    # resumes, verifies, evicts LRU to make room
+
+Layout: `objects/<sha256>` holds verified files only (renamed into place after the hash
+matched, so a crash never leaves a half file there); `partial/<sha256>` holds a download in
+progress, resumed with an HTTP range request; `index.json` records each object's size and
+modification time when it was last verified, so `check()` re-hashes only what changed.
+Files in use are pinned and never evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import msgspec
+
+log = logging.getLogger(__name__)
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+CHUNK = 1 << 20
+Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
+
+
+class ArtifactError(Exception):
+    """An artifact could not be fetched or kept; the message says why and what to do."""
+
+
+class _Entry(msgspec.Struct):
+    size: int
+    mtime_ns: int
+
+
+def _hash_file(path: Path, digest: hashlib._Hash | None = None) -> hashlib._Hash:
+    digest = digest or hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest
+
+
+class ArtifactCache:
+    def __init__(
+        self,
+        root: Path,
+        limit_bytes: int,
+        *,
+        attempts: int = 5,
+        backoff_s: float = 0.5,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if limit_bytes <= 0:
+            raise ValueError(f"the cache limit must be positive, got {limit_bytes} bytes")
+        self.root = root
+        self.objects = root / "objects"
+        self.partial = root / "partial"
+        self.limit = limit_bytes
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.pinned: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.objects.mkdir(parents=True, exist_ok=True)
+        self.partial.mkdir(parents=True, exist_ok=True)
+        self._index: dict[str, _Entry] = self._read_index()
+
+    # ---- index -----------------------------------------------------------------------------
+
+    def _read_index(self) -> dict[str, _Entry]:
+        path = self.root / "index.json"
+        if not path.is_file():
+            return {}
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=dict[str, _Entry])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("artifact index unreadable (%s): every file will be re-verified", exc)
+            return {}
+
+    def _write_index(self) -> None:
+        path = self.root / "index.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self._index))
+        os.replace(tmp, path)
+
+    def _record(self, sha: str) -> None:
+        st = (self.objects / sha).stat()
+        self._index[sha] = _Entry(st.st_size, st.st_mtime_ns)
+        self._write_index()
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def path(self, sha256: str) -> Path:
+        return self.objects / _checked(sha256)
+
+    def has(self, sha256: str) -> bool:
+        return (self.objects / _checked(sha256)).is_file()
+
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.objects.iterdir() if p.is_file())
+
+    def discard(self, sha256: str) -> None:
+        """Remove an object (unless pinned)."""
+        if sha256 in self.pinned:
+            return
+        _remove(self.objects / _checked(sha256))
+        if self._index.pop(sha256, None) is not None:
+            self._write_index()
+
+    def check(self) -> list[str]:
+        """Verify the cache (at start, after a crash): drop files whose hash does not match
+        their name, stray files and leftovers. Returns the hashes dropped."""
+        dropped = []
+        for p in list(self.objects.iterdir()):
+            name = p.name
+            if not SHA256_RE.match(name) or not p.is_file():
+                log.warning("removing stray file %s from the artifact cache", p)
+                _remove(p)
+                continue
+            st = p.stat()
+            entry = self._index.get(name)
+            if entry is not None and entry.size == st.st_size and entry.mtime_ns == st.st_mtime_ns:
+                continue  # verified before and unchanged since
+            if _hash_file(p).hexdigest() != name:
+                log.warning("artifact %s fails verification (truncated or altered): dropped", name)
+                _remove(p)
+                self._index.pop(name, None)
+                dropped.append(name)
+            else:
+                self._index[name] = _Entry(st.st_size, st.st_mtime_ns)
+        for name in list(self._index):
+            if not (self.objects / name).is_file():
+                del self._index[name]
+        for p in self.objects.glob("*.tmp"):
+            _remove(p)
+        self._write_index()
+        return dropped
+
+    # ---- fetching --------------------------------------------------------------------------
+
+    async def fetch(
+        self,
+        sha256: str,
+        url: str,
+        size: int,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        progress: Progress | None = None,
+    ) -> Path:
+        """The verified file for `sha256`, downloading it from `url` if needed (resuming an
+        interrupted download). Raises `ArtifactError` when it cannot."""
+        sha = _checked(sha256)
+        if size < 0:
+            raise ArtifactError(f"artifact {sha[:12]}: negative size {size}")
+        if size > self.limit:
+            raise ArtifactError(
+                f"artifact {sha[:12]} has {size} bytes, more than the whole cache limit of "
+                f"{self.limit} bytes; raise the provider's cache size"
+            )
+        lock = self._locks.setdefault(sha, asyncio.Lock())
+        async with lock:
+            target = self.objects / sha
+            if target.is_file():
+                os.utime(target)  # most recently used
+                self._record(sha)
+                return target
+            self._make_room(size)
+            own = session is None
+            session = session or aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s)
+            )
+            try:
+                await self._download(session, sha, url, size, progress)
+            finally:
+                if own:
+                    await session.close()
+            self._record(sha)
+            return target
+
+    async def _download(
+        self,
+        session: aiohttp.ClientSession,
+        sha: str,
+        url: str,
+        size: int,
+        progress: Progress | None,
+    ) -> None:
+        part = self.partial / sha
+        last: BaseException | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            have = part.stat().st_size if part.exists() else 0
+            if have > size:
+                _remove(part)  # longer than the artifact: not ours
+                have = 0
+            try:
+                if have < size:
+                    await self._get(session, url, part, have, size, progress)
+            except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+                last = exc
+                got = part.stat().st_size if part.exists() else 0
+                log.info(
+                    "download of %s interrupted at %d of %d bytes (%s); resuming",
+                    sha[:12],
+                    got,
+                    size,
+                    exc,
+                )
+                continue
+            digest = await asyncio.to_thread(lambda: _hash_file(part).hexdigest())
+            if digest != sha:
+                _remove(part)
+                raise ArtifactError(
+                    f"artifact from {url} has SHA-256 {digest}, not {sha}: the server sent a "
+                    f"different or corrupt file; it was deleted"
+                )
+            os.replace(part, self.objects / sha)
+            return
+        raise ArtifactError(
+            f"could not download {sha[:12]} from {url} after {self.attempts} attempts: {last}; "
+            f"the partial file is kept and the next attempt resumes it"
+        )
+
+    async def _get(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        part: Path,
+        have: int,
+        size: int,
+        progress: Progress | None,
+    ) -> None:
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        async with session.get(url, headers=headers) as resp:
+            if resp.status == 404:
+                raise ArtifactError(f"{url} does not have this artifact (HTTP 404)")
+            if resp.status not in (200, 206):
+                raise ArtifactError(f"{url} answered HTTP {resp.status}: {resp.reason}")
+            if resp.status == 200 and have:
+                have = 0  # the server ignored the range: start over
+            mode = "ab" if have else "wb"
+            done = have
+            with open(part, mode) as f:  # noqa: ASYNC230 - appends of 1 MiB blocks, no waits
+                async for block in resp.content.iter_chunked(CHUNK):
+                    if done + len(block) > size:
+                        raise ArtifactError(
+                            f"{url} sent more than the {size} bytes expected: refused"
+                        )
+                    f.write(block)
+                    done += len(block)
+                    if progress is not None:
+                        progress(done, size)
+            if done < size:
+                raise aiohttp.ClientPayloadError(f"connection ended at {done} of {size} bytes")
+
+    def _make_room(self, size: int) -> None:
+        """Evict least recently used, unpinned objects until `size` more bytes fit."""
+        files = [p for p in self.objects.iterdir() if p.is_file() and SHA256_RE.match(p.name)]
+        used = sum(p.stat().st_size for p in files)
+        used += sum(p.stat().st_size for p in self.partial.iterdir() if p.is_file())
+        if used + size <= self.limit:
+            return
+        for p in sorted(files, key=lambda p: p.stat().st_mtime):
+            if p.name in self.pinned:
+                continue
+            used -= p.stat().st_size
+            log.info("evicting artifact %s (least recently used)", p.name[:12])
+            _remove(p)
+            self._index.pop(p.name, None)
+            if used + size <= self.limit:
+                break
+        self._write_index()
+        if used + size > self.limit:
+            raise ArtifactError(
+                f"no room for {size} bytes in the artifact cache (limit {self.limit} bytes, "
+                f"{used} in use by stages being served); raise the cache size"
+            )
+
+
+def _checked(sha256: str) -> str:
+    if not SHA256_RE.match(sha256):
+        raise ArtifactError(f"{sha256!r} is not a SHA-256 hex digest")
+    return sha256
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def progress_printer(label: str, stream: object = None) -> Progress:
+    """A progress callback writing at most a few lines a second: `label: 12.0 of 40.0 MiB`."""
+    import sys
+
+    out = stream or sys.stderr
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 0.5:
+            return
+        last[0] = now
+        pct = 100 * done / total if total else 100.0
+        print(
+            f"{label}: {human_bytes(done)} of {human_bytes(total)} ({pct:.0f}%)",
+            file=out,  # type: ignore[arg-type]
+        )
+
+    return report

@@ -1,0 +1,449 @@
+"""The provider daemon: profile, join a broker, host and serve stages, leave safely.
+
+    provider = Provider(ProviderConfig(broker=ADDR, data_dir=DIR))
+    await provider.run(stop, now)   # until `stop` (graceful drain) or `now` (leave at once)
+
+Joining sends the measured hardware profile, signed with the provider's identity, plus the
+measured round trip and bandwidth to the broker. Heartbeats follow; when the broker cannot be
+reached, or answers that it does not know us (it restarted), the provider joins again with
+exponential backoff and re-announces the stages it still has loaded. Assignments are
+acknowledged at once and loaded in the background; the broker hears "ready" or "failed, why".
+Stopping drains: new requests are refused as busy, requests in flight finish (up to
+`drain_s`), the broker is told we leave, and only then does the host close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from p2p import ConnectionLost, Host, HostConfig, P2PError, RemoteError, RequestTimeout
+from proto.assign import (
+    ASSIGN,
+    STAGE_STATUS,
+    Assign,
+    AssignAck,
+    Promote,
+    StageStatus,
+    Unassign,
+)
+from proto.forward import FORWARD
+from proto.heartbeat import HEARTBEAT, Heartbeat
+from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, Leave, signed_join_bytes
+from proto.ping import PING, Ping
+from proto.session import SESSION
+from provider.artifacts import ArtifactCache, human_bytes
+from provider.hosting import ExecutorChoice, StageRefused, host, memory_needed, stage_of
+from provider.profile import MachineProfile, load_or_measure
+from provider.serving import Fault, LoadedStage, Server
+
+log = logging.getLogger("fusionai.provider")
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    broker: str  # the broker's multiaddr, ending in /p2p/<peer id>
+    data_dir: Path
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    executor: ExecutorChoice = field(default_factory=ExecutorChoice)
+    max_memory_bytes: int | None = None  # None: the device's free memory when profiled
+    cache_bytes: int = 20 * 1024**3  # artifact cache size limit
+    drain_s: float = 30.0  # how long a graceful stop waits for requests in flight
+    join_token: str | None = None
+    reprofile: bool = False
+    max_queue: int = 32
+    per_peer: int = 8
+    kv_budget_bytes: int | None = None  # None: a quarter of the memory budget
+    idle_timeout_s: float = 300.0
+    fault: Fault | None = None
+    backoff_max_s: float = 30.0
+    status_every_s: float = 5.0  # live status line on a terminal (0: off)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("fusionai")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+EventSink = Callable[[dict[str, Any]], None]
+_sinks: list[EventSink] = []
+
+
+def add_event_sink(sink: EventSink) -> None:
+    """Also hand every event (a dict with "event", "t" and its fields) to `sink`."""
+    _sinks.append(sink)
+
+
+def _event(name: str, **fields: Any) -> None:
+    """A structured log line: the event name and its fields as JSON."""
+    log.info("%s %s", name, json.dumps(fields, default=str, sort_keys=True))
+    for sink in _sinks:
+        sink({"event": name, "t": round(time.time(), 3), **fields})
+
+
+class Provider:
+    def __init__(self, config: ProviderConfig) -> None:
+        self.config = config
+        self.server = Server(
+            max_queue=config.max_queue,
+            per_peer=config.per_peer,
+            kv_budget_bytes=config.kv_budget_bytes or 1,
+            idle_timeout_s=config.idle_timeout_s,
+            fault=config.fault,
+        )
+        self.cache = ArtifactCache(config.data_dir / "artifacts", config.cache_bytes)
+        self.profile: MachineProfile | None = None
+        self.memory_budget = 0
+        self.host: Host | None = None
+        self.broker_id = config.broker.rsplit("/p2p/", 1)[-1]
+        self.joined = asyncio.Event()
+        self.heartbeat_s = 5.0
+        self.loading: dict[str, asyncio.Task[None]] = {}
+        self._http: aiohttp.ClientSession | None = None
+        self._seq = 0
+        self._net = (0.0, 0.0)  # (upload bytes/s, rtt s) to the broker
+
+    # ---- start -----------------------------------------------------------------------------
+
+    async def prepare(self) -> MachineProfile:
+        """Profile (cached) and verify the artifact cache; both before joining."""
+        c = self.config
+        profile, fresh = await asyncio.to_thread(
+            load_or_measure, c.data_dir, c.executor.kind, c.executor.device, reprofile=c.reprofile
+        )
+        self.profile = profile
+        _event("profile", fresh=fresh, seconds=round(profile.seconds, 2))
+        best = profile.best(c.executor.kind)
+        budget = best.memory_free_bytes if c.max_memory_bytes is None else c.max_memory_bytes
+        self.memory_budget = int(budget)
+        if c.kv_budget_bytes is None:
+            self.server.kv_budget = max(1, self.memory_budget // 4)
+        dropped = await asyncio.to_thread(self.cache.check)
+        if dropped:
+            _event("cache_dropped", artifacts=dropped)
+        return profile
+
+    def used_memory(self) -> int:
+        return sum(memory_needed(s.info) for s in self.server.stages.values())
+
+    async def run(self, stop: asyncio.Event, now: asyncio.Event | None = None) -> None:
+        """Serve until `stop` is set (graceful) or `now` is set (leave at once)."""
+        now = now or asyncio.Event()
+        if self.profile is None:
+            await self.prepare()
+        config = HostConfig(listen=self.config.listen, data_dir=self.config.data_dir)
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=60.0)
+        )
+        try:
+            async with Host(config) as h:
+                self.host = h
+                h.add_compute_handler(FORWARD, self.server.forward)
+                h.add_compute_handler(SESSION, self.server.session)
+                h.add_control_handler(ASSIGN, self._on_assign)
+                _event("listening", peer_id=h.peer_id, addrs=h.addrs)
+                tasks: list[asyncio.Task[Any]] = [
+                    asyncio.create_task(self._membership(stop)),
+                    asyncio.create_task(self._status_line(stop)),
+                ]
+                waiters: list[asyncio.Task[Any]] = [
+                    asyncio.create_task(stop.wait()),
+                    asyncio.create_task(now.wait()),
+                ]
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                for t in waiters:
+                    t.cancel()
+                if not now.is_set():
+                    await self._drain(now)
+                for t in [*tasks, *self.loading.values()]:
+                    t.cancel()
+                await asyncio.gather(*tasks, *self.loading.values(), return_exceptions=True)
+                self.server.stop()
+        finally:
+            await self._http.close()
+            self.host = None
+
+    async def _drain(self, now: asyncio.Event) -> None:
+        _event("draining", in_flight=self.server.in_flight, deadline_s=self.config.drain_s)
+        drained = asyncio.create_task(asyncio.to_thread(self.server.drain, self.config.drain_s))
+        cut = asyncio.create_task(now.wait())
+        await asyncio.wait([drained, cut], return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        clean = drained.done() and drained.result()
+        _event("drained", clean=bool(clean), in_flight=self.server.in_flight)
+        if self.joined.is_set() and self.host is not None and not now.is_set():
+            try:
+                await self.host.request(
+                    self.broker_id, JOIN, Leave(reason="provider stopped"), timeout=5.0
+                )
+                _event("left", broker=self.broker_id)
+            except P2PError as exc:
+                _event("leave_failed", error=str(exc))
+
+    # ---- membership ------------------------------------------------------------------------
+
+    async def _membership(self, stop: asyncio.Event) -> None:
+        """Join, then heartbeat; on any failure join again with backoff."""
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                await self._join()
+                backoff = 0.5
+                await self._heartbeats(stop)
+            except (P2PError, OSError) as exc:
+                self.joined.clear()
+                _event("broker_unreachable", error=str(exc), retry_s=round(backoff, 1))
+            except _Rejoin as exc:
+                self.joined.clear()
+                _event("rejoin", reason=str(exc))
+                continue
+            except _Refused as exc:
+                self.joined.clear()
+                _event("join_refused", reason=str(exc))
+            try:
+                await asyncio.wait_for(stop.wait(), backoff)
+            except TimeoutError:
+                pass
+            backoff = min(self.config.backoff_max_s, backoff * 2)
+
+    async def _measure_network(self) -> tuple[float, float]:
+        """(upload bytes/s, rtt s) to the broker: pings, then 512 KiB echoes (assumed
+        symmetric: the echo takes as long back)."""
+        assert self.host is not None
+        rtts = []
+        for i in range(5):
+            start = time.perf_counter()
+            await self.host.request(self.broker_id, PING, Ping(nonce=i), timeout=10.0)
+            rtts.append(time.perf_counter() - start)
+        rtt = statistics.median(rtts)
+        payload = b"\0" * (512 * 1024)  # under the ping protocol's 1 MiB limit
+        times = []
+        for i in range(3):
+            start = time.perf_counter()
+            await self.host.request(
+                self.broker_id, PING, Ping(nonce=100 + i, payload=payload), timeout=30.0
+            )
+            times.append(time.perf_counter() - start)
+        transfer = max(1e-6, min(times) - rtt)
+        return 2 * len(payload) / transfer, rtt
+
+    async def _join(self) -> None:
+        assert self.host is not None and self.profile is not None
+        await self.host.connect(self.config.broker)
+        self._net = await self._measure_network()
+        up, rtt = self._net
+        profile = JoinProfile(
+            gpu=self.profile.gpu,
+            cpu=self.profile.cpu,
+            cpu_cores=self.profile.cpu_cores,
+            executors=[
+                ExecutorInfo(
+                    e.executor,
+                    e.device,
+                    dict(e.flops),
+                    e.mem_bandwidth,
+                    e.memory_bytes,
+                    e.memory_free_bytes,
+                )
+                for e in self.profile.executors
+            ],
+            executor=self.config.executor.kind,
+            memory_limit_bytes=self.memory_budget,
+            net_up_bytes_s=up,
+            rtt_s=rtt,
+            version=_version(),
+        )
+        body = msgspec.json.encode(profile)
+        stamp = time.time()
+        signature = self.host.identity.sign(
+            signed_join_bytes(body, self.broker_id, stamp), domain=JOIN_DOMAIN
+        )
+        reply = await self.host.request(
+            self.broker_id,
+            JOIN,
+            Join(
+                profile=body,
+                signature=signature,
+                broker=self.broker_id,
+                timestamp=stamp,
+                token=self.config.join_token,
+                loaded=sorted(self.server.stages),
+            ),
+            timeout=15.0,
+        )
+        if not reply.accepted:
+            raise _Refused(reply.reason or "the broker refused the join")
+        self.heartbeat_s = max(0.2, reply.heartbeat_s)
+        self.joined.set()
+        _event(
+            "joined",
+            broker=self.broker_id,
+            pool=reply.pool,
+            rtt_ms=round(rtt * 1e3, 2),
+            up_mb_s=round(up / 1e6, 1),
+            loaded=sorted(self.server.stages),
+        )
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        assert self.host is not None
+        while not stop.is_set():
+            self._seq += 1
+            self.server.expire()
+            ack = await self.host.request(
+                self.broker_id,
+                HEARTBEAT,
+                Heartbeat(
+                    seq=self._seq,
+                    loaded=sorted(self.server.stages),
+                    queued=self.server.in_flight,
+                    kv_bytes=self.server.kv_bytes(),
+                    draining=self.server.draining,
+                ),
+                timeout=max(2.0, 2 * self.heartbeat_s),
+            )
+            if not ack.known:
+                raise _Rejoin("the broker does not know this provider (it restarted)")
+            try:
+                await asyncio.wait_for(stop.wait(), self.heartbeat_s)
+            except TimeoutError:
+                pass
+
+    # ---- assignments -----------------------------------------------------------------------
+
+    async def _on_assign(self, peer: str, request: Assign | Unassign | Promote) -> AssignAck:
+        if peer != self.broker_id:
+            return AssignAck(accepted=False, reason="only the broker assigns stages")
+        if isinstance(request, Unassign):
+            task = self.loading.pop(request.key, None)
+            if task is not None:
+                task.cancel()
+            stage = self.server.remove(request.key)
+            if stage is not None:
+                self.cache.pinned.discard(stage.info.sha256)
+            _event("unassigned", key=request.key)
+            return AssignAck(accepted=True)
+        if isinstance(request, Promote):
+            ok = self.server.promote(request.key)
+            _event("promoted", key=request.key, ok=ok)
+            return AssignAck(accepted=ok, reason="" if ok else f"{request.key} is not loaded")
+        if self.server.draining:
+            return AssignAck(accepted=False, reason="this provider is leaving")
+        try:
+            info = stage_of(request)
+        except StageRefused as exc:
+            return AssignAck(accepted=False, reason=str(exc))
+        need = memory_needed(info)
+        if self.used_memory() + need > self.memory_budget:
+            return AssignAck(
+                accepted=False,
+                reason=f"stage {request.key} needs about {human_bytes(need)}; "
+                f"{human_bytes(self.memory_budget - self.used_memory())} of this provider's "
+                f"memory budget is left",
+            )
+        existing = self.server.stages.get(request.key)
+        if existing is not None and existing.info.sha256 == info.sha256:
+            existing.role = request.role
+            self._spawn_status(StageStatus(key=request.key, state="ready", role=request.role))
+            return AssignAck(accepted=True)
+        if request.key in self.loading:
+            return AssignAck(accepted=True)
+        self.loading[request.key] = asyncio.create_task(self._load(request))
+        return AssignAck(accepted=True)
+
+    async def _load(self, request: Assign) -> None:
+        _event("assigned", key=request.key, role=request.role, url=request.url)
+        label = f"stage {request.key}"
+        progress = _throttled_progress(label)
+        try:
+            stage: LoadedStage = await host(
+                request,
+                self.cache,
+                self.config.executor,
+                self.memory_budget,
+                self.used_memory(),
+                session=self._http,
+                progress=progress,
+            )
+        except StageRefused as exc:
+            _event("stage_failed", key=request.key, reason=str(exc))
+            await self._report(StageStatus(key=request.key, state="failed", reason=str(exc)))
+            return
+        finally:
+            self.loading.pop(request.key, None)
+        self.server.add(stage)
+        _event("stage_ready", key=stage.key, role=stage.role, load_s=round(stage.load_s, 3))
+        await self._report(
+            StageStatus(key=stage.key, state="ready", role=stage.role, load_s=stage.load_s)
+        )
+
+    def _spawn_status(self, status: StageStatus) -> None:
+        task = asyncio.create_task(self._report(status))
+        self.loading.setdefault(f"status:{status.key}", task)
+        task.add_done_callback(lambda _: self.loading.pop(f"status:{status.key}", None))
+
+    async def _report(self, status: StageStatus) -> None:
+        if self.host is None:
+            return
+        try:
+            await self.host.request(self.broker_id, STAGE_STATUS, status, timeout=10.0)
+        except (RemoteError, ConnectionLost, RequestTimeout, P2PError) as exc:
+            # The broker learns the state from the next heartbeat's `loaded` list instead.
+            _event("status_not_delivered", key=status.key, error=str(exc))
+
+    # ---- status ----------------------------------------------------------------------------
+
+    async def _status_line(self, stop: asyncio.Event) -> None:
+        every = self.config.status_every_s
+        if every <= 0 or not sys.stderr.isatty():
+            return
+        while not stop.is_set():
+            stages = self.server.stages.values()
+            active = sum(1 for s in stages if s.role == "active")
+            line = (
+                f"{'joined' if self.joined.is_set() else 'joining'} | stages {len(stages)} "
+                f"({active} serving, {len(self.loading)} loading) | in flight "
+                f"{self.server.in_flight} | sessions {len(self.server.sessions)} | kv "
+                f"{human_bytes(self.server.kv_bytes())}"
+            )
+            sys.stderr.write(f"\r{line:100}")
+            sys.stderr.flush()
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except TimeoutError:
+                pass
+        sys.stderr.write("\n")
+
+
+class _Rejoin(Exception):
+    pass
+
+
+class _Refused(Exception):
+    pass
+
+
+def _throttled_progress(label: str) -> Any:
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 1.0:
+            return
+        last[0] = now
+        _event("download", stage=label, done=done, total=total)
+
+    return report

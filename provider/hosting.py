@@ -1,0 +1,133 @@
+"""Stage hosting: turn an assignment into a loaded stage.
+
+Checks the assignment's manifest (IR format) and the stage it names, refuses a stage whose
+weights exceed the provider's memory budget before downloading anything, fetches the artifact
+by SHA-256 into the cache (resuming, with progress), validates it as ONNX (hash, standard
+operators only, checker, sizes) and loads it in the chosen executor. Only validated ONNX ever
+runs here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from ir.errors import IRError
+from ir.executors.base import Executor
+from ir.manifest import ModelManifest, StageInfo
+from ir.validate import validate_onnx_file
+from proto.assign import Assign
+from provider.artifacts import ArtifactCache, ArtifactError, Progress
+from provider.serving import LoadedStage
+
+log = logging.getLogger(__name__)
+
+# Memory a loaded stage takes beyond its weights (executor arenas, activations); a factor.
+LOAD_OVERHEAD = 1.2
+
+
+class StageRefused(Exception):
+    """The assignment cannot be hosted here; the message says why."""
+
+
+@dataclass(frozen=True)
+class ExecutorChoice:
+    kind: str = "ort"  # "ort" or "torch"
+    device: str | None = None  # an ORT execution provider name, or a torch device
+
+
+def stage_of(assign: Assign) -> StageInfo:
+    try:
+        manifest = ModelManifest.from_json(assign.manifest)
+    except IRError as exc:
+        raise StageRefused(f"assignment {assign.key}: {exc}") from None
+    if not 0 <= assign.stage < len(manifest.stages):
+        raise StageRefused(
+            f"assignment {assign.key}: stage {assign.stage} does not exist in {manifest.name} "
+            f"({len(manifest.stages)} stages)"
+        )
+    info = manifest.stages[assign.stage]
+    if info.placement != "provider":
+        raise StageRefused(f"assignment {assign.key}: stage {info.name} runs on the client")
+    if assign.role not in ("active", "backup"):
+        raise StageRefused(f"assignment {assign.key}: role must be active or backup")
+    return info
+
+
+def memory_needed(info: StageInfo) -> int:
+    return int(max(info.parameter_bytes, info.size_bytes) * LOAD_OVERHEAD)
+
+
+def make_executor(choice: ExecutorChoice, path_or_model: object, info: StageInfo) -> Executor:
+    import onnx
+
+    model = path_or_model
+    if choice.kind == "torch":
+        try:
+            from ir.executors.torch_exec import TorchExecutor
+        except ImportError as exc:
+            raise StageRefused(
+                f"the torch executor needs torch, which is not installed here ({exc}); "
+                f"start the provider with --executor ort or install fusionai[torch]"
+            ) from None
+        assert isinstance(model, onnx.ModelProto)
+        return TorchExecutor(
+            model, device=choice.device, inputs=list(info.inputs), outputs=list(info.outputs)
+        )
+    from ir.executors.ort import OrtExecutor
+
+    assert isinstance(model, onnx.ModelProto)
+    providers = [choice.device] if choice.device else None
+    return OrtExecutor(
+        model, providers=providers, inputs=list(info.inputs), outputs=list(info.outputs)
+    )
+
+
+async def host(
+    assign: Assign,
+    cache: ArtifactCache,
+    choice: ExecutorChoice,
+    memory_budget: int,
+    used_memory: int,
+    *,
+    session: aiohttp.ClientSession | None = None,
+    progress: Progress | None = None,
+) -> LoadedStage:
+    """Fetch, verify, validate and load the assigned stage. Raises `StageRefused`."""
+    start = time.monotonic()
+    info = stage_of(assign)
+    need = memory_needed(info)
+    if used_memory + need > memory_budget:
+        raise StageRefused(
+            f"stage {assign.key} needs about {need} bytes of memory; {used_memory} of this "
+            f"provider's {memory_budget}-byte budget are in use (--max-memory)"
+        )
+    try:
+        path = await cache.fetch(
+            info.sha256, assign.url, info.size_bytes, session=session, progress=progress
+        )
+    except ArtifactError as exc:
+        raise StageRefused(f"stage {assign.key}: {exc}") from None
+    cache.pinned.add(info.sha256)
+    try:
+        model = await asyncio.to_thread(
+            validate_onnx_file, path, sha256=info.sha256, package_dir=path.parent
+        )
+        names = [i.name for i in model.graph.input]
+        if names != [i.name for i in info.inputs]:
+            raise StageRefused(
+                f"stage {assign.key}: the artifact's inputs {names} differ from the manifest's"
+            )
+        executor = await asyncio.to_thread(make_executor, choice, model, info)
+    except IRError as exc:
+        cache.pinned.discard(info.sha256)
+        cache.discard(info.sha256)  # verified bytes, but not a stage we will run
+        raise StageRefused(f"stage {assign.key} refused: {exc}") from None
+    except BaseException:
+        cache.pinned.discard(info.sha256)
+        raise
+    return LoadedStage(assign.key, info, executor, assign.role, load_s=time.monotonic() - start)

@@ -1,0 +1,353 @@
+"""Serving loaded stages: forward requests and generation sessions with per-session KV caches.
+
+Runs in the p2p layer's worker threads (compute handlers), so everything here is thread-safe
+and synchronous. Admission is bounded: past `max_queue` requests in flight (or `per_peer` from
+one peer) a request is answered `busy` at once instead of queueing without bound; training
+work may use only half the queue, so inference goes first. Sessions belong to the peer that
+opened them, expire after `idle_timeout_s`, and their caches together stay under
+`kv_budget_bytes` (a step that would exceed it is answered `busy`, its session intact).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ir.errors import ExecutorError
+from ir.executors.base import Executor
+from ir.manifest import StageInfo
+from p2p import ErrorCode, Refused, Tensor
+from proto.forward import Forward, ForwardResult
+from proto.session import (
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionOpened,
+    SessionOutput,
+    SessionStep,
+)
+
+log = logging.getLogger(__name__)
+Array = np.ndarray[Any, Any]
+
+
+@dataclass
+class LoadedStage:
+    key: str
+    info: StageInfo
+    executor: Executor
+    role: str  # "active" serves; "backup" stands by until promoted
+    load_s: float = 0.0
+
+    @property
+    def cache_inputs(self) -> list[str]:
+        return [i.name for i in self.info.inputs if i.name.startswith("past_")]
+
+
+@dataclass
+class _Session:
+    peer: str
+    stage: str
+    batch: int
+    cache: dict[str, Array]
+    past_len: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.cache.values())
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Deterministic faults for tests (hidden `--fault` option)."""
+
+    die_at_step: int | None = None  # exit the process when serving this request (1-based)
+    wrong_output: bool = False  # add 1 to every floating-point output
+    slow_ms: float = 0.0  # sleep this long before each answer
+    drop: bool = False  # never answer (the caller times out)
+
+    @classmethod
+    def parse(cls, text: str | None) -> Fault | None:
+        if not text:
+            return None
+        values: dict[str, Any] = {}
+        for part in text.split(","):
+            name, _, value = part.strip().partition("=")
+            if name == "die-at-step" and value.isdigit() and int(value) > 0:
+                values["die_at_step"] = int(value)
+            elif name == "wrong-output" and not value:
+                values["wrong_output"] = True
+            elif name == "slow" and value.replace(".", "", 1).isdigit():
+                values["slow_ms"] = float(value)
+            elif name == "drop" and not value:
+                values["drop"] = True
+            else:
+                raise ValueError(
+                    f"unknown fault {part!r}; use die-at-step=N, wrong-output, slow=MS or drop"
+                )
+        return cls(**values)
+
+
+class Server:
+    def __init__(
+        self,
+        *,
+        max_queue: int = 32,
+        per_peer: int = 8,
+        kv_budget_bytes: int = 1 << 30,
+        idle_timeout_s: float = 300.0,
+        fault: Fault | None = None,
+    ) -> None:
+        self.max_queue = max_queue
+        self.per_peer = per_peer
+        self.kv_budget = kv_budget_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.fault = fault
+        self.stages: dict[str, LoadedStage] = {}
+        self.sessions: dict[tuple[str, str], _Session] = {}
+        self.draining = False
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._per_peer: dict[str, int] = {}
+        self._served = 0
+        self._stopped = threading.Event()  # releases dropped requests at shutdown
+
+    # ---- stages ----------------------------------------------------------------------------
+
+    def add(self, stage: LoadedStage) -> None:
+        with self._lock:
+            self.stages[stage.key] = stage
+
+    def remove(self, key: str) -> LoadedStage | None:
+        with self._lock:
+            stage = self.stages.pop(key, None)
+            for k in [k for k, s in self.sessions.items() if s.stage == key]:
+                del self.sessions[k]
+        return stage
+
+    def promote(self, key: str) -> bool:
+        with self._lock:
+            stage = self.stages.get(key)
+            if stage is None:
+                return False
+            stage.role = "active"
+            return True
+
+    def _stage(self, key: str) -> LoadedStage:
+        stage = self.stages.get(key)
+        if stage is None:
+            raise Refused(ErrorCode.NOT_FOUND, f"stage {key!r} is not loaded here")
+        if stage.role != "active":
+            raise Refused(ErrorCode.REFUSED, f"stage {key!r} is on standby here, not serving")
+        return stage
+
+    # ---- admission -------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @contextmanager
+    def _admit(self, peer: str, training: bool = False) -> Iterator[int]:
+        with self._lock:
+            if self.draining:
+                raise Refused(
+                    ErrorCode.BUSY, "this provider is leaving; send the request elsewhere"
+                )
+            limit = self.max_queue // 2 if training else self.max_queue
+            if self._in_flight >= limit:
+                raise Refused(
+                    ErrorCode.BUSY, f"queue full ({self._in_flight} requests); retry later"
+                )
+            if self._per_peer.get(peer, 0) >= self.per_peer:
+                raise Refused(
+                    ErrorCode.BUSY, f"too many requests from you at once (limit {self.per_peer})"
+                )
+            self._in_flight += 1
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            self._served += 1
+            number = self._served
+        try:
+            yield number
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                left = self._per_peer[peer] - 1
+                if left:
+                    self._per_peer[peer] = left
+                else:
+                    del self._per_peer[peer]
+                self._idle.notify_all()
+
+    def drain(self, deadline_s: float) -> bool:
+        """Refuse new work and wait up to `deadline_s` for requests in flight; True if none
+        is left."""
+        end = time.monotonic() + deadline_s
+        with self._lock:
+            self.draining = True
+            while self._in_flight:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _apply_fault(self, number: int) -> None:
+        f = self.fault
+        if f is None:
+            return
+        if f.die_at_step is not None and number >= f.die_at_step:
+            log.error("fault injection: dying at request %d", number)
+            os._exit(137)
+        if f.slow_ms:
+            time.sleep(f.slow_ms / 1e3)
+        if f.drop:
+            self._stopped.wait()
+            raise Refused(ErrorCode.SHUTTING_DOWN, "the provider is closing")
+
+    def _outputs(self, outputs: dict[str, Array]) -> dict[str, Tensor]:
+        if self.fault is not None and self.fault.wrong_output:
+            outputs = {
+                k: (v + 1).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+                for k, v in outputs.items()
+            }
+        return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in outputs.items()}
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(self, peer: str, request: Forward) -> ForwardResult:
+        stage = self._stage(request.stage)
+        if stage.cache_inputs:
+            raise Refused(
+                ErrorCode.REFUSED,
+                f"stage {request.stage!r} keeps a KV cache: use a generation session",
+            )
+        with self._admit(peer, request.training) as number:
+            self._apply_fault(number)
+            feeds = _arrays(request.inputs)
+            start = time.perf_counter()
+            outputs = _run(stage.executor, feeds)
+            ms = (time.perf_counter() - start) * 1e3
+        return ForwardResult(outputs=self._outputs(outputs), compute_ms=ms)
+
+    # ---- sessions --------------------------------------------------------------------------
+
+    def session(
+        self, peer: str, request: SessionOpen | SessionStep | SessionClose
+    ) -> SessionOpened | SessionOutput | SessionClosed:
+        self.expire()
+        if isinstance(request, SessionOpen):
+            return self._open(peer, request)
+        if isinstance(request, SessionClose):
+            with self._lock:
+                self.sessions.pop((peer, request.session), None)
+            return SessionClosed(session=request.session)
+        return self._step(peer, request)
+
+    def _open(self, peer: str, request: SessionOpen) -> SessionOpened:
+        stage = self._stage(request.stage)
+        if not stage.cache_inputs:
+            raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
+        if not 1 <= request.batch <= 1024:
+            raise Refused(ErrorCode.REFUSED, f"batch must be 1 to 1024, got {request.batch}")
+        cache = {}
+        for info in stage.info.inputs:
+            if info.name.startswith("past_"):
+                # the batch as asked, no tokens cached yet ("past" and other symbols: 0)
+                shape: list[int] = [
+                    request.batch if d == "batch" else (0 if isinstance(d, str) else d)
+                    for d in info.shape
+                ]
+                cache[info.name] = np.zeros(shape, dtype=info.dtype)
+        with self._lock:
+            if self.draining:
+                raise Refused(
+                    ErrorCode.BUSY, "this provider is leaving; open the session elsewhere"
+                )
+            if (peer, request.session) in self.sessions:
+                raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
+            self.sessions[(peer, request.session)] = _Session(
+                peer, request.stage, request.batch, cache
+            )
+        return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
+
+    def _step(self, peer: str, request: SessionStep) -> SessionOutput:
+        with self._lock:
+            session = self.sessions.get((peer, request.session))
+        if session is None:
+            raise Refused(
+                ErrorCode.NOT_FOUND,
+                f"no session {request.session!r} here (never opened, closed, or expired after "
+                f"{self.idle_timeout_s:g} s idle): open it again and replay its history",
+            )
+        stage = self._stage(session.stage)
+        sent_cache = [n for n in request.inputs if n.startswith("past_")]
+        if sent_cache:
+            raise Refused(ErrorCode.REFUSED, f"the provider keeps {sent_cache} itself")
+        with self._admit(peer) as number, session.lock:
+            self._apply_fault(number)
+            feeds = {**_arrays(request.inputs), **session.cache}
+            outputs = _run(stage.executor, feeds)
+            new_cache = {
+                name.replace("present_", "past_", 1): value
+                for name, value in outputs.items()
+                if name.startswith("present_")
+            }
+            new_bytes = sum(a.nbytes for a in new_cache.values())
+            with self._lock:
+                others = sum(s.nbytes for s in self.sessions.values() if s is not session)
+                if others + new_bytes > self.kv_budget:
+                    raise Refused(
+                        ErrorCode.BUSY,
+                        f"KV cache memory full ({others + new_bytes} of {self.kv_budget} "
+                        f"bytes); the session is unchanged: retry later or elsewhere",
+                    )
+                session.cache = new_cache
+                if new_cache:  # (batch, heads, tokens, head_dim)
+                    session.past_len = int(next(iter(new_cache.values())).shape[2])
+                session.last_used = time.monotonic()
+        visible = {k: v for k, v in outputs.items() if not k.startswith("present_")}
+        return SessionOutput(
+            session=request.session, outputs=self._outputs(visible), past_len=session.past_len
+        )
+
+    def expire(self) -> int:
+        """Drop sessions idle longer than the timeout; returns how many."""
+        cutoff = time.monotonic() - self.idle_timeout_s
+        with self._lock:
+            old = [k for k, s in self.sessions.items() if s.last_used < cutoff]
+            for k in old:
+                del self.sessions[k]
+        return len(old)
+
+    def kv_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self.sessions.values())
+
+
+def _arrays(tensors: dict[str, Tensor]) -> dict[str, Array]:
+    try:
+        return {k: t.to_numpy() for k, t in tensors.items()}
+    except ValueError as exc:
+        raise Refused(ErrorCode.REFUSED, f"bad tensor: {exc}") from None
+
+
+def _run(executor: Executor, feeds: dict[str, Array]) -> dict[str, Array]:
+    try:
+        return executor.run(feeds)
+    except ExecutorError as exc:
+        raise Refused(ErrorCode.REFUSED, str(exc)) from None
