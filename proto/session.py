@@ -14,18 +14,20 @@ from proto.forward import MAX_ACTIVATION_BYTES
 
 
 class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
-    session: str  # chosen by the client, unique per client
+    session: str  # chosen by the client, unique per client and stage
     stage: str  # stage key
     batch: int = 1
 
 
 class SessionStep(Message, frozen=True, tag="SessionStep/1"):
     session: str
+    stage: str
     inputs: dict[str, Tensor]  # the stage's inputs other than its past_* cache inputs
 
 
 class SessionClose(Message, frozen=True, tag="SessionClose/1"):
     session: str
+    stage: str
 
 
 class SessionOpened(Message, frozen=True, tag="SessionOpened/1"):

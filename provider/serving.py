@@ -114,7 +114,7 @@ class Server:
         self.idle_timeout_s = idle_timeout_s
         self.fault = fault
         self.stages: dict[str, LoadedStage] = {}
-        self.sessions: dict[tuple[str, str], _Session] = {}
+        self.sessions: dict[tuple[str, str, str], _Session] = {}  # (peer, stage, session)
         self.draining = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -254,7 +254,7 @@ class Server:
             return self._open(peer, request)
         if isinstance(request, SessionClose):
             with self._lock:
-                self.sessions.pop((peer, request.session), None)
+                self.sessions.pop((peer, request.stage, request.session), None)
             return SessionClosed(session=request.session)
         return self._step(peer, request)
 
@@ -278,16 +278,15 @@ class Server:
                 raise Refused(
                     ErrorCode.BUSY, "this provider is leaving; open the session elsewhere"
                 )
-            if (peer, request.session) in self.sessions:
+            key = (peer, request.stage, request.session)
+            if key in self.sessions:
                 raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
-            self.sessions[(peer, request.session)] = _Session(
-                peer, request.stage, request.batch, cache
-            )
+            self.sessions[key] = _Session(peer, request.stage, request.batch, cache)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
         with self._lock:
-            session = self.sessions.get((peer, request.session))
+            session = self.sessions.get((peer, request.stage, request.session))
         if session is None:
             raise Refused(
                 ErrorCode.NOT_FOUND,

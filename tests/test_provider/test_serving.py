@@ -1,0 +1,258 @@
+"""Serving over the p2p layer from real provider processes, and the serving core's limits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ir.executors.ort import OrtExecutor
+from ir.manifest import ModelManifest
+from ir.package import load_package
+from ir.pipeline import LocalPipeline
+from p2p import ErrorCode, Host, HostConfig, Refused, RemoteError, Tensor
+from proto.forward import FORWARD, Forward
+from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
+from provider.serving import Fault, LoadedStage, Server
+from tests.test_provider.conftest import Proc
+
+pytestmark = pytest.mark.timeout(120)
+LOCAL = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def _serve(broker: Proc, prov: Proc, stages: dict[str, int]) -> tuple[str, str]:
+    """Assign `stages` (key -> index) to the provider; returns (peer id, its address)."""
+    listening = prov.wait_for("listening")
+    peer = listening["peer_id"]
+    broker.wait_for("join", lambda e: e["peer"] == peer)
+    for key, index in stages.items():
+        broker.send({"cmd": "assign", "peer": peer, "key": key, "stage": index})
+        status = broker.wait_for("status", lambda e, key=key: e["key"] == key)
+        assert status["state"] == "ready", status
+    return peer, listening["addrs"][0]
+
+
+def _local(package: Path, index: int) -> OrtExecutor:
+    loaded = load_package(package, stages=[index])
+    info = loaded.manifest.stages[index]
+    return OrtExecutor(loaded.models[index], inputs=info.inputs, outputs=info.outputs)
+
+
+def _tensors(arrays: dict[str, np.ndarray[Any, Any]]) -> dict[str, Tensor]:
+    return {k: Tensor.from_numpy(v) for k, v in arrays.items()}
+
+
+async def test_a_served_minilm_stage_equals_a_local_run(
+    standin: Callable[..., Proc], provider: Callable[..., Proc], minilm_package: Path
+) -> None:
+    broker = standin(minilm_package)
+    peer, addr = _serve(broker, provider(broker), {"minilm/1": 1})
+    rng = np.random.default_rng(0)
+    feeds = {
+        "hidden_states": rng.standard_normal((3, 9, 384)).astype(np.float32),
+        "attention_mask": np.array([[1] * 9, [1] * 5 + [0] * 4, [1] * 2 + [0] * 7]),
+    }
+    expected = _local(minilm_package, 1).run(feeds)
+    async with Host(HostConfig(listen=LOCAL)) as client:
+        await client.connect(addr)
+        result = await client.request(
+            peer, FORWARD, Forward(stage="minilm/1", inputs=_tensors(feeds)), timeout=30
+        )
+        out = result.outputs["hidden_states_out"].to_numpy()
+        np.testing.assert_allclose(out, expected["hidden_states_out"], rtol=1e-5, atol=1e-5)
+        assert result.compute_ms > 0
+        with pytest.raises(RemoteError) as missing:  # a stage it does not serve
+            await client.request(peer, FORWARD, Forward(stage="nope", inputs=_tensors(feeds)))
+        assert missing.value.code == ErrorCode.NOT_FOUND
+        bad = {**feeds, "attention_mask": feeds["attention_mask"].astype(np.float32)}
+        with pytest.raises(RemoteError) as wrong:  # inputs that do not match the stage
+            await client.request(peer, FORWARD, Forward(stage="minilm/1", inputs=_tensors(bad)))
+        assert wrong.value.code == ErrorCode.REFUSED and "attention_mask" in wrong.value.message
+
+
+async def test_a_generation_session_with_kv_cache_equals_local_generation(
+    standin: Callable[..., Proc], provider: Callable[..., Proc], llama_package: Path
+) -> None:
+    broker = standin(llama_package)
+    peer, addr = _serve(broker, provider(broker), {"llama/1": 1, "llama/2": 2})
+    loaded = load_package(llama_package)
+    manifest: ModelManifest = loaded.manifest
+    executors = [
+        OrtExecutor(loaded.models[s.index], inputs=s.inputs, outputs=s.outputs)
+        for s in manifest.stages
+    ]
+    prompt, steps = [5, 17, 300, 42, 8], 12
+    expected = LocalPipeline(manifest, executors).generate_greedy(prompt, steps)
+    embed, head = executors[0], executors[-1]
+    tokens = list(prompt)
+    async with Host(HostConfig(listen=LOCAL)) as client:
+        await client.connect(addr)
+        for key in ("llama/1", "llama/2"):
+            await client.request(peer, SESSION, SessionOpen(session="s1", stage=key))
+        fed = 0
+        for _ in range(steps):
+            ids = np.array([tokens[fed:]], dtype=np.int64)
+            positions = np.arange(fed, len(tokens), dtype=np.int64)[None, :]
+            hidden = embed.run({"input_ids": ids})["hidden_states"]
+            for key in ("llama/1", "llama/2"):
+                out = await client.request(
+                    peer,
+                    SESSION,
+                    SessionStep(
+                        session="s1",
+                        stage=key,
+                        inputs=_tensors({"hidden_states": hidden, "position_ids": positions}),
+                    ),
+                )
+                hidden = out.outputs["hidden_states_out"].to_numpy()
+                assert out.past_len == len(tokens)  # the provider cached every token so far
+            fed = len(tokens)
+            logits = head.run({"hidden_states": hidden})["logits"]
+            tokens.append(int(np.argmax(logits[0, -1])))
+        for key in ("llama/1", "llama/2"):
+            await client.request(peer, SESSION, SessionClose(session="s1", stage=key))
+    assert tokens[len(prompt) :] == expected
+
+
+async def test_sigterm_drains_requests_in_flight_then_leaves(
+    standin: Callable[..., Proc], provider: Callable[..., Proc], minilm_package: Path
+) -> None:
+    broker = standin(minilm_package)
+    prov = provider(broker, "--fault", "slow=2000")
+    peer, addr = _serve(broker, prov, {"minilm/1": 1})
+    feeds = {
+        "hidden_states": np.zeros((1, 4, 384), dtype=np.float32),
+        "attention_mask": np.ones((1, 4), dtype=np.int64),
+    }
+    async with Host(HostConfig(listen=LOCAL)) as client:
+        await client.connect(addr)
+        call = asyncio.create_task(
+            client.request(peer, FORWARD, Forward(stage="minilm/1", inputs=_tensors(feeds)))
+        )
+        await asyncio.sleep(0.7)  # the request is being served (2 s of injected slowness)
+        prov.signal(signal.SIGTERM)
+        result = await asyncio.wait_for(call, 20)
+        assert result.outputs["hidden_states_out"].shape == (1, 4, 384)
+    assert await asyncio.to_thread(prov.wait, 30) == 0
+    drained = prov.wait_for("drained")
+    assert drained["clean"] is True
+    broker.wait_for("leave", lambda e: e["peer"] == peer)
+
+
+async def test_a_provider_without_torch_serves_an_ort_stage(
+    standin: Callable[..., Proc],
+    provider: Callable[..., Proc],
+    minilm_package: Path,
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "no-torch" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed here')\n")
+    broker = standin(minilm_package)
+    prov = provider(broker, env={"PYTHONPATH": str(blocker.parent)})
+    peer, addr = _serve(broker, prov, {"minilm/2": 2})
+    feeds = {
+        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
+        "attention_mask": np.ones((1, 3), dtype=np.int64),
+    }
+    async with Host(HostConfig(listen=LOCAL)) as client:
+        await client.connect(addr)
+        result = await client.request(
+            peer, FORWARD, Forward(stage="minilm/2", inputs=_tensors(feeds))
+        )
+    expected = _local(minilm_package, 2).run(feeds)["hidden_states_out"]
+    np.testing.assert_allclose(result.outputs["hidden_states_out"].to_numpy(), expected, atol=1e-5)
+    join = broker.wait_for("join")
+    assert [e["executor"] for e in join["profile"]["executors"]] == ["ort"]
+
+
+# ---- the serving core in-process: limits that need no network to show ----------------------
+
+
+def _server_with(package: Path, index: int, key: str, **options: Any) -> Server:
+    server = Server(**options)
+    loaded = load_package(package, stages=[index])
+    info = loaded.manifest.stages[index]
+    executor = OrtExecutor(loaded.models[index], inputs=info.inputs, outputs=info.outputs)
+    server.add(LoadedStage(key, info, executor, "active"))
+    return server
+
+
+def test_a_full_queue_answers_busy_at_once(minilm_package: Path) -> None:
+    server = _server_with(
+        minilm_package, 1, "m/1", max_queue=2, per_peer=5, fault=Fault(slow_ms=600)
+    )
+    request = Forward(
+        stage="m/1",
+        inputs=_tensors(
+            {
+                "hidden_states": np.zeros((1, 2, 384), dtype=np.float32),
+                "attention_mask": np.ones((1, 2), dtype=np.int64),
+            }
+        ),
+    )
+    threads = [threading.Thread(target=server.forward, args=(f"p{i}", request)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    with pytest.raises(Refused) as busy:
+        server.forward("p9", request)
+    assert busy.value.code == ErrorCode.BUSY and time.monotonic() - start < 0.1
+    training = Forward(stage="m/1", inputs=request.inputs, training=True)
+    for t in threads:
+        t.join()
+    # Training may use only half the queue: with one inference request running it waits.
+    slow = threading.Thread(target=server.forward, args=("p1", request))
+    slow.start()
+    time.sleep(0.2)
+    with pytest.raises(Refused) as refused:
+        server.forward("p2", training)
+    assert refused.value.code == ErrorCode.BUSY
+    slow.join()
+
+
+def test_session_caches_stay_within_budget_and_expire(llama_package: Path) -> None:
+    server = _server_with(llama_package, 1, "l/1", kv_budget_bytes=20_000, idle_timeout_s=0.3)
+    step = SessionStep(
+        session="a",
+        stage="l/1",
+        inputs=_tensors(
+            {
+                "hidden_states": np.ones((1, 8, 128), dtype=np.float32),
+                "position_ids": np.arange(8, dtype=np.int64)[None, :],
+            }
+        ),
+    )
+    server.session("peer", SessionOpen(session="a", stage="l/1"))
+    out = server.session("peer", step)
+    used = server.kv_bytes()  # 2 blocks x K and V x 2 heads x 8 tokens x 32 x 4 bytes
+    assert used == 2 * 2 * 2 * 8 * 32 * 4 and out.past_len == 8  # type: ignore[union-attr]
+    server.session("peer", SessionOpen(session="b", stage="l/1"))
+    server.session("peer", SessionStep(session="b", stage="l/1", inputs=step.inputs))
+    with pytest.raises(Refused) as full:  # a third 8 KiB cache would pass 20 KB
+        server.session("peer", SessionOpen(session="c", stage="l/1"))
+        server.session("peer", SessionStep(session="c", stage="l/1", inputs=step.inputs))
+    assert full.value.code == ErrorCode.BUSY
+    with pytest.raises(Refused) as other:  # sessions belong to the peer that opened them
+        server.session("intruder", SessionStep(session="a", stage="l/1", inputs=step.inputs))
+    assert other.value.code == ErrorCode.NOT_FOUND
+    time.sleep(0.4)
+    assert server.expire() == 3 and server.kv_bytes() == 0
+    with pytest.raises(Refused, match="expired"):
+        server.session("peer", step)
+
+
+def test_fault_options_parse_or_are_refused() -> None:
+    assert Fault.parse("die-at-step=3,slow=20") == Fault(die_at_step=3, slow_ms=20.0)
+    assert Fault.parse("wrong-output") == Fault(wrong_output=True)
+    with pytest.raises(ValueError, match="unknown fault"):
+        Fault.parse("explode")
+    assert Fault.parse(None) is None
