@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ir.py
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sim.py
+	$(PY) benchmarks/provider.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

@@ -1,0 +1,51 @@
+"""`fusionai provider profile` and the start command's argument checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+def test_profile_is_measured_once_then_cached(tmp_path: Path) -> None:
+    first = _cli("provider", "profile", "--executor", "ort", "--data-dir", str(tmp_path), "--json")
+    assert first.returncode == 0, first.stderr
+    measured = json.loads(first.stdout)
+    ort = measured["executors"][0]
+    assert ort["executor"] == "ort" and ort["flops"]["float32"] > 1e8
+    assert ort["mem_bandwidth"] > 1e8 and ort["memory_bytes"] >= ort["memory_free_bytes"] > 0
+    again = _cli("provider", "profile", "--executor", "ort", "--data-dir", str(tmp_path), "--json")
+    assert json.loads(again.stdout)["measured_at"] == measured["measured_at"]  # from the cache
+    fresh = _cli(
+        "provider", "profile", "--executor", "ort", "--data-dir", str(tmp_path), "--reprofile"
+    )
+    assert fresh.returncode == 0 and "TFLOP/s" in fresh.stdout
+    assert (
+        json.loads((tmp_path / "profile.json").read_bytes())["measured_at"]
+        > measured["measured_at"]
+    )
+
+
+def test_start_refuses_bad_arguments_clearly(tmp_path: Path) -> None:
+    bad_broker = _cli("provider", "start", "--broker", "/ip4/127.0.0.1/tcp/1")
+    assert bad_broker.returncode == 2 and "/p2p/" in bad_broker.stderr
+    addr = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    bad_fault = _cli("provider", "start", "--broker", addr, "--fault", "explode")
+    assert bad_fault.returncode == 2 and "unknown fault" in bad_fault.stderr
+    bad_memory = _cli("provider", "start", "--broker", addr, "--max-memory", "-1")
+    assert bad_memory.returncode == 2 and "--max-memory must be positive" in bad_memory.stderr
