@@ -132,6 +132,14 @@ class Provider:
         self.memory_budget = int(budget)
         if c.kv_budget_bytes is None:
             self.server.kv_budget = max(1, self.memory_budget // 4)
+        runtimes = onnxruntime_distributions()
+        if len(runtimes) > 1:
+            _event(
+                "warning",
+                message=f"several onnxruntime packages are installed ({', '.join(runtimes)}); "
+                "they overwrite each other's files. Keep one: pip uninstall the others, then "
+                "reinstall the one you want (fusionai[cuda] or fusionai[directml])",
+            )
         dropped = await asyncio.to_thread(self.cache.check)
         if dropped:
             _event("cache_dropped", artifacts=dropped)
@@ -426,6 +434,18 @@ class Provider:
             except TimeoutError:
                 pass
         sys.stderr.write("\n")
+
+
+def onnxruntime_distributions() -> list[str]:
+    """The onnxruntime packages installed (CPU, CUDA and DirectML builds share one module)."""
+    found = []
+    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml"):
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(dist)
+    return found
 
 
 class _Rejoin(Exception):

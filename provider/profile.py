@@ -297,7 +297,7 @@ def measure(executor: str | None = None, device: str | None = None) -> MachinePr
         gpu_name = _torch_gpu_name()
     return MachineProfile(
         key=cache_key(executor, device),
-        cpu=platform.processor() or platform.machine(),
+        cpu=_cpu_name(),
         cpu_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
         gpu=gpu_name,
         gpu_driver=gpu["driver"] if gpu else None,
@@ -305,6 +305,17 @@ def measure(executor: str | None = None, device: str | None = None) -> MachinePr
         measured_at=time.time(),
         seconds=time.perf_counter() - start,
     )
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform's description elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _torch_gpu_name() -> str | None:

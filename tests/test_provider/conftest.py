@@ -57,10 +57,16 @@ class Proc:
             self.stderr.append(line)
 
     def wait_for(
-        self, name: str, pred: Callable[[Event], bool] = lambda e: True, timeout: float = 30.0
+        self,
+        name: str,
+        pred: Callable[[Event], bool] = lambda e: True,
+        timeout: float = 30.0,
+        *,
+        since: int = 0,
     ) -> Event:
-        """The first event `name` (seen before or arriving) for which `pred` holds."""
-        for event in self.events:
+        """The first event `name` for which `pred` holds, from the `since`-th event on (see
+        `mark`), among those seen so far and those arriving."""
+        for event in self.events[since:]:
             if event["event"] == name and pred(event):
                 return event
         end = time.monotonic() + timeout
@@ -78,6 +84,11 @@ class Proc:
             f"no {name!r} event within {timeout} s from {self.args[-3:]}; events: "
             f"{[e['event'] for e in self.events][-20:]}; stderr: {''.join(self.stderr)[-2000:]}"
         )
+
+    def mark(self) -> int:
+        """A position in the event log: pass it as `since` to wait only for later events."""
+        self.drain_events()
+        return len(self.events)
 
     def drain_events(self) -> None:
         while not self._new.empty():
@@ -164,8 +175,8 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
 
 @pytest.fixture
 def standin(spawn: Callable[..., Proc], tmp_path: Path) -> Callable[..., Proc]:
-    def _standin(package: Path, *extra: str) -> Proc:
-        data = tmp_path / f"broker-{len(list(tmp_path.glob('broker-*')))}"
+    def _standin(package: Path, *extra: str, data_dir: Path | None = None) -> Proc:
+        data = data_dir or tmp_path / f"broker-{len(list(tmp_path.glob('broker-*')))}"
         proc = spawn(
             [
                 sys.executable,

@@ -183,7 +183,8 @@ class StandIn:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         http_base = f"http://127.0.0.1:{port}"
-        config = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",), data_dir=Path(self.args.data_dir))
+        listen = (f"/ip4/127.0.0.1/tcp/{self.args.port}",)
+        config = HostConfig(listen=listen, data_dir=Path(self.args.data_dir))
         async with Host(config) as host:
             self.host = host
             host.add_control_handler(JOIN, self.on_join)
@@ -201,6 +202,7 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--token")
+    parser.add_argument("--port", type=int, default=0, help="p2p port (0: any)")
     parser.add_argument("--cut", action="append", help="SHA:BYTES: cut the first GET of SHA")
     asyncio.run(StandIn(parser.parse_args()).run())
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -120,6 +120,25 @@ def test_sigkill_then_restart_reverifies_the_cache_and_drops_a_truncated_file(
     again.wait_for("joined")
 
 
-def _events(proc: Proc, name: str) -> list[dict[str, Any]]:
-    proc.drain_events()
-    return [e for e in proc.events if e["event"] == name]
+def test_the_provider_rejoins_a_restarted_broker_and_reannounces_its_stages(
+    standin: Callable[..., Proc],
+    provider: Callable[..., Proc],
+    minilm_package: Path,
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    broker_dir = tmp_path / "broker"
+    broker = standin(minilm_package, "--port", str(port), data_dir=broker_dir)
+    prov = provider(broker)
+    peer = _joined(broker, prov)
+    broker.send({"cmd": "assign", "peer": peer, "key": "minilm/1", "stage": 1})
+    assert broker.wait_for("status", lambda e: e["key"] == "minilm/1")["state"] == "ready"
+    broker.signal(signal.SIGKILL)
+    broker.wait()
+    prov.wait_for("broker_unreachable")
+    restarted = standin(minilm_package, "--port", str(port), data_dir=broker_dir)
+    rejoin = restarted.wait_for("join", lambda e: e["peer"] == peer, timeout=60)
+    assert rejoin["loaded"] == ["minilm/1"]  # what it still has, so no reload is needed
+    restarted.wait_for("heartbeat", lambda e: e["peer"] == peer and e["known"])

@@ -17,7 +17,16 @@ from ir.executors.ort import OrtExecutor
 from ir.manifest import ModelManifest
 from ir.package import load_package
 from ir.pipeline import LocalPipeline
-from p2p import ErrorCode, Host, HostConfig, Refused, RemoteError, Tensor
+from p2p import (
+    ConnectionLost,
+    ErrorCode,
+    Host,
+    HostConfig,
+    Refused,
+    RemoteError,
+    RequestTimeout,
+    Tensor,
+)
 from proto.forward import FORWARD, Forward
 from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
 from provider.serving import Fault, LoadedStage, Server
@@ -171,6 +180,68 @@ async def test_a_provider_without_torch_serves_an_ort_stage(
     np.testing.assert_allclose(result.outputs["hidden_states_out"].to_numpy(), expected, atol=1e-5)
     join = broker.wait_for("join")
     assert [e["executor"] for e in join["profile"]["executors"]] == ["ort"]
+
+
+async def test_a_backup_stands_by_until_promoted(
+    standin: Callable[..., Proc], provider: Callable[..., Proc], minilm_package: Path
+) -> None:
+    broker = standin(minilm_package)
+    prov = provider(broker)
+    peer = prov.wait_for("listening")["peer_id"]
+    addr = prov.wait_for("listening")["addrs"][0]
+    broker.wait_for("join", lambda e: e["peer"] == peer)
+    broker.send({"cmd": "assign", "peer": peer, "key": "minilm/1", "stage": 1, "role": "backup"})
+    status = broker.wait_for("status", lambda e: e["key"] == "minilm/1")
+    assert (status["state"], status["role"]) == ("ready", "backup")
+    feeds = {
+        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
+        "attention_mask": np.ones((1, 3), dtype=np.int64),
+    }
+    request = Forward(stage="minilm/1", inputs=_tensors(feeds))
+    async with Host(HostConfig(listen=LOCAL)) as client:
+        await client.connect(addr)
+        with pytest.raises(RemoteError, match="standby"):
+            await client.request(peer, FORWARD, request)
+        mark = broker.mark()
+        broker.send({"cmd": "promote", "peer": peer, "key": "minilm/1"})
+        assert broker.wait_for("assign_ack", since=mark)["accepted"]
+        result = await client.request(peer, FORWARD, request)
+    assert result.outputs["hidden_states_out"].shape == (1, 3, 384)
+
+
+async def test_die_at_step_kills_the_provider_at_that_request(
+    standin: Callable[..., Proc], provider: Callable[..., Proc], minilm_package: Path
+) -> None:
+    broker = standin(minilm_package)
+    prov = provider(broker, "--fault", "die-at-step=2")
+    peer, addr = _serve(broker, prov, {"minilm/1": 1})
+    feeds = {
+        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
+        "attention_mask": np.ones((1, 3), dtype=np.int64),
+    }
+    request = Forward(stage="minilm/1", inputs=_tensors(feeds))
+    async with Host(HostConfig(listen=LOCAL)) as client:
+        await client.connect(addr)
+        await client.request(peer, FORWARD, request)  # the first is served
+        with pytest.raises((ConnectionLost, RequestTimeout)):
+            await client.request(peer, FORWARD, request, timeout=10)
+    assert await asyncio.to_thread(prov.wait, 30) == 137
+
+
+def test_wrong_output_fault_changes_every_float_output(minilm_package: Path) -> None:
+    feeds = {
+        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
+        "attention_mask": np.ones((1, 3), dtype=np.int64),
+    }
+    request = Forward(stage="m/1", inputs=_tensors(feeds))
+    honest = _server_with(minilm_package, 1, "m/1").forward("p", request)
+    faulty = _server_with(minilm_package, 1, "m/1", fault=Fault(wrong_output=True))
+    wrong = faulty.forward("p", request)
+    np.testing.assert_allclose(
+        wrong.outputs["hidden_states_out"].to_numpy(),
+        honest.outputs["hidden_states_out"].to_numpy() + 1,
+        rtol=1e-5,
+    )
 
 
 # ---- the serving core in-process: limits that need no network to show ----------------------
