@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -31,7 +32,6 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     start.add_argument("--max-queue", type=int, default=32, help="requests in flight at most")
     start.add_argument("--reprofile", action="store_true", help="measure the hardware again")
     start.add_argument("--json", action="store_true", help="print events as JSON lines")
-    start.add_argument("--heartbeat-timeout", type=float, help=argparse.SUPPRESS)
     start.add_argument("--fault", help=argparse.SUPPRESS)  # tests: die-at-step=N, slow=MS, ...
     start.set_defaults(func=dispatch, provider_command="start")
 
@@ -84,7 +84,7 @@ def start(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for name in ("max_memory", "cache_size", "drain"):
+    for name in ("max_memory", "cache_size", "drain", "max_queue"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
@@ -120,7 +120,8 @@ def start(args: argparse.Namespace) -> int:
 
         def on_signal() -> None:
             if stop.is_set():
-                now.set()  # a second Ctrl-C: leave at once
+                now.set()  # a second Ctrl-C: leave at once; whatever still runs after 3 s
+                loop.call_later(3.0, os._exit, 130)  # (a stuck request) does not hold us
             else:
                 stop.set()
                 print(

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 CHUNK = 1 << 20
+PARTIAL_MAX_AGE_S = 7 * 24 * 3600.0  # a partial download untouched this long is dropped
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
 
@@ -142,6 +143,11 @@ class ArtifactCache:
                 del self._index[name]
         for p in self.objects.glob("*.tmp"):
             _remove(p)
+        stale = time.time() - PARTIAL_MAX_AGE_S
+        for p in self.partial.iterdir():  # downloads abandoned long ago
+            if p.is_file() and p.stat().st_mtime < stale:
+                log.info("removing an abandoned partial download %s", p.name[:12])
+                _remove(p)
         self._write_index()
         return dropped
 
@@ -173,7 +179,8 @@ class ArtifactCache:
                 os.utime(target)  # most recently used
                 self._record(sha)
                 return target
-            self._make_room(size)
+            part = self.partial / sha
+            self._make_room(size - (part.stat().st_size if part.exists() else 0), keep=sha)
             own = session is None
             session = session or aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s)
@@ -263,18 +270,19 @@ class ArtifactCache:
             if done < size:
                 raise aiohttp.ClientPayloadError(f"connection ended at {done} of {size} bytes")
 
-    def _make_room(self, size: int) -> None:
-        """Evict least recently used, unpinned objects until `size` more bytes fit."""
+    def _make_room(self, size: int, keep: str) -> None:
+        """Evict until `size` more bytes fit: other artifacts' partial downloads first, then
+        the least recently used objects that no loaded stage pins. `keep`'s partial stays."""
         files = [p for p in self.objects.iterdir() if p.is_file() and SHA256_RE.match(p.name)]
-        used = sum(p.stat().st_size for p in files)
-        used += sum(p.stat().st_size for p in self.partial.iterdir() if p.is_file())
+        partials = [p for p in self.partial.iterdir() if p.is_file()]
+        used = sum(p.stat().st_size for p in files) + sum(p.stat().st_size for p in partials)
         if used + size <= self.limit:
             return
-        for p in sorted(files, key=lambda p: p.stat().st_mtime):
-            if p.name in self.pinned:
-                continue
+        others = sorted((p for p in partials if p.name != keep), key=lambda p: p.stat().st_mtime)
+        objects = sorted(files, key=lambda p: p.stat().st_mtime)
+        for p in [*others, *(p for p in objects if p.name not in self.pinned)]:
             used -= p.stat().st_size
-            log.info("evicting artifact %s (least recently used)", p.name[:12])
+            log.info("evicting %s (least recently used)", p.name[:12])
             _remove(p)
             self._index.pop(p.name, None)
             if used + size <= self.limit:
@@ -282,8 +290,8 @@ class ArtifactCache:
         self._write_index()
         if used + size > self.limit:
             raise ArtifactError(
-                f"no room for {size} bytes in the artifact cache (limit {self.limit} bytes, "
-                f"{used} in use by stages being served); raise the cache size"
+                f"no room for {size} more bytes in the artifact cache (limit {self.limit} "
+                f"bytes, {used} held by stages this provider has loaded); raise the cache size"
             )
 
 

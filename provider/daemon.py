@@ -46,7 +46,7 @@ from proto.ping import PING, Ping
 from proto.session import SESSION
 from provider.artifacts import ArtifactCache, human_bytes
 from provider.hosting import ExecutorChoice, StageRefused, host, memory_needed, stage_of
-from provider.profile import MachineProfile, load_or_measure
+from provider.profile import MachineProfile, free_memory_now, load_or_measure
 from provider.serving import Fault, LoadedStage, Server
 
 log = logging.getLogger("fusionai.provider")
@@ -109,12 +109,16 @@ class Provider:
         self.profile: MachineProfile | None = None
         self.memory_budget = 0
         self.host: Host | None = None
-        self.broker_id = config.broker.rsplit("/p2p/", 1)[-1]
+        self.broker_id = broker_peer_id(config.broker)
         self.joined = asyncio.Event()
         self.heartbeat_s = 5.0
         self.loading: dict[str, asyncio.Task[None]] = {}
         self._http: aiohttp.ClientSession | None = None
         self._seq = 0
+        self._wake = asyncio.Event()  # send a heartbeat now (draining started)
+        self._status_tasks: set[asyncio.Task[None]] = set()
+        self._reserved: dict[str, int] = {}  # memory reserved by stages being loaded
+        self._pending: dict[str, Assign] = {}  # the assignment each load is for
         self._net = (0.0, 0.0)  # (upload bytes/s, rtt s) to the broker
 
     # ---- start -----------------------------------------------------------------------------
@@ -128,7 +132,7 @@ class Provider:
         self.profile = profile
         _event("profile", fresh=fresh, seconds=round(profile.seconds, 2))
         best = profile.best(c.executor.kind)
-        budget = best.memory_free_bytes if c.max_memory_bytes is None else c.max_memory_bytes
+        budget = free_memory_now(best) if c.max_memory_bytes is None else c.max_memory_bytes
         self.memory_budget = int(budget)
         if c.kv_budget_bytes is None:
             self.server.kv_budget = max(1, self.memory_budget // 4)
@@ -146,7 +150,9 @@ class Provider:
         return profile
 
     def used_memory(self) -> int:
-        return sum(memory_needed(s.info) for s in self.server.stages.values())
+        """Memory of loaded stages, stages being loaded, and the KV-cache budget."""
+        stages = sum(memory_needed(s.info) for s in self.server.stages.values())
+        return stages + sum(self._reserved.values()) + self.server.kv_budget
 
     async def run(self, stop: asyncio.Event, now: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set (graceful) or `now` is set (leave at once)."""
@@ -164,8 +170,9 @@ class Provider:
                 h.add_compute_handler(SESSION, self.server.session)
                 h.add_control_handler(ASSIGN, self._on_assign)
                 _event("listening", peer_id=h.peer_id, addrs=h.addrs)
+                left = asyncio.Event()  # membership runs until the drain is over
                 tasks: list[asyncio.Task[Any]] = [
-                    asyncio.create_task(self._membership(stop)),
+                    asyncio.create_task(self._membership(left)),
                     asyncio.create_task(self._status_line(stop)),
                 ]
                 waiters: list[asyncio.Task[Any]] = [
@@ -177,9 +184,12 @@ class Provider:
                     t.cancel()
                 if not now.is_set():
                     await self._drain(now)
-                for t in [*tasks, *self.loading.values()]:
+                left.set()
+                for t in [*tasks, *self.loading.values(), *self._status_tasks]:
                     t.cancel()
-                await asyncio.gather(*tasks, *self.loading.values(), return_exceptions=True)
+                await asyncio.gather(
+                    *tasks, *self.loading.values(), *self._status_tasks, return_exceptions=True
+                )
                 self.server.stop()
         finally:
             await self._http.close()
@@ -187,6 +197,8 @@ class Provider:
 
     async def _drain(self, now: asyncio.Event) -> None:
         _event("draining", in_flight=self.server.in_flight, deadline_s=self.config.drain_s)
+        self.server.draining = True  # refuse new work now; the next heartbeat says so
+        self._wake.set()  # send that heartbeat at once
         drained = asyncio.create_task(asyncio.to_thread(self.server.drain, self.config.drain_s))
         cut = asyncio.create_task(now.wait())
         await asyncio.wait([drained, cut], return_when=asyncio.FIRST_COMPLETED)
@@ -207,6 +219,7 @@ class Provider:
     async def _membership(self, stop: asyncio.Event) -> None:
         """Join, then heartbeat; on any failure join again with backoff."""
         backoff = 0.5
+        immediate = True  # one immediate re-join after the broker forgot us, then backoff
         while not stop.is_set():
             try:
                 await self._join()
@@ -218,10 +231,20 @@ class Provider:
             except _Rejoin as exc:
                 self.joined.clear()
                 _event("rejoin", reason=str(exc))
-                continue
+                if immediate:
+                    immediate = False
+                    continue
             except _Refused as exc:
                 self.joined.clear()
                 _event("join_refused", reason=str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an unexpected answer: say so, keep trying
+                self.joined.clear()
+                log.exception("membership with the broker failed")
+                _event("broker_error", error=f"{type(exc).__name__}: {exc}")
+            else:
+                immediate = True
             try:
                 await asyncio.wait_for(stop.wait(), backoff)
             except TimeoutError:
@@ -325,8 +348,9 @@ class Provider:
             )
             if not ack.known:
                 raise _Rejoin("the broker does not know this provider (it restarted)")
+            self._wake.clear()
             try:
-                await asyncio.wait_for(stop.wait(), self.heartbeat_s)
+                await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
             except TimeoutError:
                 pass
 
@@ -336,9 +360,7 @@ class Provider:
         if peer != self.broker_id:
             return AssignAck(accepted=False, reason="only the broker assigns stages")
         if isinstance(request, Unassign):
-            task = self.loading.pop(request.key, None)
-            if task is not None:
-                task.cancel()
+            self._cancel_load(request.key)
             stage = self.server.remove(request.key)
             if stage is not None:
                 self.cache.pinned.discard(stage.info.sha256)
@@ -354,44 +376,66 @@ class Provider:
             info = stage_of(request)
         except StageRefused as exc:
             return AssignAck(accepted=False, reason=str(exc))
+        existing = self.server.stages.get(request.key)
+        if existing is not None and existing.info.sha256 == info.sha256:
+            existing.role = request.role  # already loaded: a role change or a re-send
+            self._spawn_status(StageStatus(key=request.key, state="ready", role=request.role))
+            return AssignAck(accepted=True)
+        pending = self._pending.get(request.key)
+        if pending is not None and pending == request:
+            return AssignAck(accepted=True)  # the same assignment, still loading
+        self._cancel_load(request.key)  # a different assignment under this key replaces it
+        replaced = existing.info.sha256 if existing is not None else None
         need = memory_needed(info)
-        if self.used_memory() + need > self.memory_budget:
+        free = self.memory_budget - self.used_memory()
+        if replaced is None and need > free:
             return AssignAck(
                 accepted=False,
                 reason=f"stage {request.key} needs about {human_bytes(need)}; "
-                f"{human_bytes(self.memory_budget - self.used_memory())} of this provider's "
-                f"memory budget is left",
+                f"{human_bytes(max(0, free))} of this provider's memory budget is left",
             )
-        existing = self.server.stages.get(request.key)
-        if existing is not None and existing.info.sha256 == info.sha256:
-            existing.role = request.role
-            self._spawn_status(StageStatus(key=request.key, state="ready", role=request.role))
-            return AssignAck(accepted=True)
-        if request.key in self.loading:
-            return AssignAck(accepted=True)
+        self._reserved[request.key] = need
+        self._pending[request.key] = request
         self.loading[request.key] = asyncio.create_task(self._load(request))
         return AssignAck(accepted=True)
+
+    def _cancel_load(self, key: str) -> None:
+        task = self.loading.pop(key, None)
+        if task is not None:
+            task.cancel()
+        self._reserved.pop(key, None)
+        self._pending.pop(key, None)
 
     async def _load(self, request: Assign) -> None:
         _event("assigned", key=request.key, role=request.role, url=request.url)
         label = f"stage {request.key}"
         progress = _throttled_progress(label)
+        me = asyncio.current_task()
         try:
             stage: LoadedStage = await host(
                 request,
                 self.cache,
                 self.config.executor,
                 self.memory_budget,
-                self.used_memory(),
+                0,  # the assignment checked and reserved the memory
                 session=self._http,
                 progress=progress,
             )
-        except StageRefused as exc:
-            _event("stage_failed", key=request.key, reason=str(exc))
-            await self._report(StageStatus(key=request.key, state="failed", reason=str(exc)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure: the broker hears it, with the reason
+            reason = str(exc) if isinstance(exc, StageRefused) else f"{type(exc).__name__}: {exc}"
+            _event("stage_failed", key=request.key, reason=reason)
+            await self._report(StageStatus(key=request.key, state="failed", reason=reason))
             return
         finally:
-            self.loading.pop(request.key, None)
+            if self.loading.get(request.key) is me:
+                self.loading.pop(request.key, None)
+                self._reserved.pop(request.key, None)
+                self._pending.pop(request.key, None)
+        old = self.server.remove(stage.key)  # a replaced stage: its sessions go with it
+        if old is not None and old.info.sha256 != stage.info.sha256:
+            self.cache.pinned.discard(old.info.sha256)
         self.server.add(stage)
         _event("stage_ready", key=stage.key, role=stage.role, load_s=round(stage.load_s, 3))
         await self._report(
@@ -400,8 +444,8 @@ class Provider:
 
     def _spawn_status(self, status: StageStatus) -> None:
         task = asyncio.create_task(self._report(status))
-        self.loading.setdefault(f"status:{status.key}", task)
-        task.add_done_callback(lambda _: self.loading.pop(f"status:{status.key}", None))
+        self._status_tasks.add(task)
+        task.add_done_callback(self._status_tasks.discard)
 
     async def _report(self, status: StageStatus) -> None:
         if self.host is None:
@@ -434,6 +478,20 @@ class Provider:
             except TimeoutError:
                 pass
         sys.stderr.write("\n")
+
+
+def broker_peer_id(addr: str) -> str:
+    """The peer id at the end of a broker multiaddr; ValueError saying what is wrong."""
+    from p2p.identity import public_key_from_peer_id
+
+    head, sep, peer = addr.rpartition("/p2p/")
+    if not sep or not head.startswith("/") or not peer:
+        raise ValueError(f"{addr!r} is not a multiaddr ending in /p2p/<peer id>")
+    try:
+        public_key_from_peer_id(peer)
+    except ValueError:
+        raise ValueError(f"{addr!r} does not end in a valid peer id ({peer!r})") from None
+    return peer
 
 
 def onnxruntime_distributions() -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ir.errors import IRError
+from ir.errors import ExecutorError, IRError
 from ir.executors.base import Executor
 from ir.manifest import ModelManifest, StageInfo
 from ir.validate import validate_onnx_file
@@ -123,6 +123,9 @@ async def host(
                 f"stage {assign.key}: the artifact's inputs {names} differ from the manifest's"
             )
         executor = await asyncio.to_thread(make_executor, choice, model, info)
+    except ExecutorError as exc:  # this machine could not load it: the file is fine, keep it
+        cache.pinned.discard(info.sha256)
+        raise StageRefused(f"stage {assign.key} could not be loaded here: {exc}") from None
     except IRError as exc:
         cache.pinned.discard(info.sha256)
         cache.discard(info.sha256)  # verified bytes, but not a stage we will run

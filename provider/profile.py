@@ -120,6 +120,21 @@ def _matmul_model(n: int, dtype: str) -> bytes:
     return model.SerializeToString()
 
 
+def _ort_runner(session: Any, a: Any, device: str) -> Callable[[], Any]:
+    """One matmul call. On CUDA the inputs and output stay on the device (I/O binding), so
+    the time is the matmul's, not the copies over PCIe."""
+    if device == "CUDAExecutionProvider":
+        import onnxruntime as ort
+
+        value = ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0)
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("a", value)
+        binding.bind_ortvalue_input("b", value)
+        binding.bind_output("c", "cuda")
+        return lambda: session.run_with_iobinding(binding)
+    return lambda: session.run(None, {"a": a, "b": a})
+
+
 def _host_memory() -> tuple[int, int]:
     vm = psutil.virtual_memory()
     return int(vm.total), int(vm.available)
@@ -148,9 +163,7 @@ def profile_ort(providers: list[str] | None = None) -> list[ExecutorProfile]:
             session = ort.InferenceSession(_matmul_model(MATMUL_N, dtype), providers=chosen)
             a = rng.standard_normal((MATMUL_N, MATMUL_N)).astype(dtype)
 
-            def run(s: Any = session, a: Any = a) -> None:
-                s.run(None, {"a": a, "b": a})
-
+            run = _ort_runner(session, a, device)
             seconds = _timed(run)
         except Exception as exc:  # an EP without this dtype: leave it out
             log.info("onnxruntime %s has no usable %s matmul: %s", device, dtype, exc)
@@ -264,7 +277,10 @@ def cache_key(executor: str | None, device: str | None) -> str:
     use, and the installed versions. Any change means measuring again."""
     from ir.executors.ort import available_providers
 
+    gpu = _nvml()
     parts = {
+        "gpu": (gpu["name"], gpu["driver"], gpu["memory_total"]) if gpu else None,
+        "memory_total": _host_memory()[0],
         "executor": executor or "all",
         "device": device or "auto",
         "ort_providers": available_providers(),
@@ -324,6 +340,23 @@ def _torch_gpu_name() -> str | None:
     except ImportError:
         return None
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def free_memory_now(e: ExecutorProfile) -> int:
+    """Free memory on `e`'s device now (a cached profile's figure may be days old)."""
+    if e.device in ("CUDAExecutionProvider",) or e.device.startswith("cuda"):
+        gpu = _nvml()
+        if gpu is not None:
+            return int(gpu["memory_free"])
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return int(torch.cuda.mem_get_info()[0])
+        except ImportError:
+            pass
+        return e.memory_free_bytes
+    return _host_memory()[1]
 
 
 def load_or_measure(

@@ -37,6 +37,7 @@ from proto.session import (
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
+MAX_SESSION_ID = 128  # characters
 
 
 @dataclass
@@ -107,7 +108,11 @@ class Server:
         kv_budget_bytes: int = 1 << 30,
         idle_timeout_s: float = 300.0,
         fault: Fault | None = None,
+        sessions_per_peer: int = 64,
+        max_sessions: int = 1024,
     ) -> None:
+        self.sessions_per_peer = sessions_per_peer
+        self.max_sessions = max_sessions
         self.max_queue = max_queue
         self.per_peer = per_peer
         self.kv_budget = kv_budget_bytes
@@ -259,6 +264,8 @@ class Server:
         return self._step(peer, request)
 
     def _open(self, peer: str, request: SessionOpen) -> SessionOpened:
+        if not 1 <= len(request.session) <= MAX_SESSION_ID:
+            raise Refused(ErrorCode.REFUSED, f"a session id has 1 to {MAX_SESSION_ID} characters")
         stage = self._stage(request.stage)
         if not stage.cache_inputs:
             raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
@@ -279,6 +286,13 @@ class Server:
                     ErrorCode.BUSY, "this provider is leaving; open the session elsewhere"
                 )
             key = (peer, request.stage, request.session)
+            mine = sum(1 for k in self.sessions if k[0] == peer)
+            if mine >= self.sessions_per_peer or len(self.sessions) >= self.max_sessions:
+                raise Refused(
+                    ErrorCode.BUSY,
+                    f"too many open sessions ({mine} of yours, {len(self.sessions)} in all; "
+                    f"limits {self.sessions_per_peer} and {self.max_sessions}): close some",
+                )
             if key in self.sessions:
                 raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
             self.sessions[key] = _Session(peer, request.stage, request.batch, cache)
@@ -298,6 +312,7 @@ class Server:
         if sent_cache:
             raise Refused(ErrorCode.REFUSED, f"the provider keeps {sent_cache} itself")
         with self._admit(peer) as number, session.lock:
+            session.last_used = time.monotonic()  # in use: not idle, whatever the step takes
             self._apply_fault(number)
             feeds = {**_arrays(request.inputs), **session.cache}
             outputs = _run(stage.executor, feeds)
@@ -328,7 +343,11 @@ class Server:
         """Drop sessions idle longer than the timeout; returns how many."""
         cutoff = time.monotonic() - self.idle_timeout_s
         with self._lock:
-            old = [k for k, s in self.sessions.items() if s.last_used < cutoff]
+            old = [
+                k
+                for k, s in self.sessions.items()
+                if s.last_used < cutoff and not s.lock.locked()  # a step in progress is use
+            ]
             for k in old:
                 del self.sessions[k]
         return len(old)

@@ -92,6 +92,9 @@ def test_an_oversized_stage_is_refused_before_downloading(
     broker.send({"cmd": "assign", "peer": peer, "key": "minilm/1", "stage": 1})
     ack = broker.wait_for("assign_ack")
     assert not ack["accepted"] and "memory budget" in ack["reason"]
+    mark = broker.mark()
+    broker.wait_for("heartbeat", lambda e: e["peer"] == peer, since=mark)  # time for a GET
+    broker.drain_events()
     assert not [e for e in broker.events if e["event"] == "http_get"]
 
 

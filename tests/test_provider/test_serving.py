@@ -165,7 +165,8 @@ async def test_a_provider_without_torch_serves_an_ort_stage(
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('torch is not installed here')\n")
     broker = standin(minilm_package)
-    prov = provider(broker, env={"PYTHONPATH": str(blocker.parent)})
+    no_torch = {"PYTHONPATH": str(blocker.parent)}
+    prov = provider(broker, env=no_torch)
     peer, addr = _serve(broker, prov, {"minilm/2": 2})
     feeds = {
         "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
@@ -178,8 +179,10 @@ async def test_a_provider_without_torch_serves_an_ort_stage(
         )
     expected = _local(minilm_package, 2).run(feeds)["hidden_states_out"]
     np.testing.assert_allclose(result.outputs["hidden_states_out"].to_numpy(), expected, atol=1e-5)
-    join = broker.wait_for("join")
-    assert [e["executor"] for e in join["profile"]["executors"]] == ["ort"]
+    # Asking for the torch executor there fails at start with a clear message.
+    asked = provider(broker, "--executor", "torch", data_dir=tmp_path / "p2", env=no_torch)
+    assert await asyncio.to_thread(asked.wait, 60) == 1
+    assert "torch is not installed" in "".join(asked.stderr)
 
 
 async def test_a_backup_stands_by_until_promoted(

@@ -1,0 +1,83 @@
+"""The artifact cache against a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from provider.artifacts import PARTIAL_MAX_AGE_S, ArtifactCache, ArtifactError
+
+pytestmark = pytest.mark.timeout(60)
+BODY = os.urandom(1000)
+SHA = hashlib.sha256(BODY).hexdigest()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, list[str]]]:
+    ranges: list[str] = []
+
+    async def artifact(request: web.Request) -> web.Response:
+        rng = request.headers.get("Range", "")
+        ranges.append(rng)
+        start = int(rng[6:].split("-")[0]) if rng.startswith("bytes=") else 0
+        return web.Response(body=BODY[start:], status=206 if start else 200)
+
+    app = web.Application()
+    app.router.add_get("/a", artifact)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}/a", ranges
+    await runner.cleanup()
+
+
+async def test_a_resumed_download_needs_room_only_for_what_is_missing(
+    server: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    url, ranges = server
+    cache = ArtifactCache(tmp_path, limit_bytes=1500)
+    (cache.partial / SHA).write_bytes(BODY[:600])  # a download cut past the middle
+    path = await cache.fetch(SHA, url, len(BODY))
+    assert path.read_bytes() == BODY and ranges == ["bytes=600-"]
+
+
+async def test_other_partials_are_evicted_before_objects_and_pinned_objects_stay(
+    server: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    url, _ = server
+    cache = ArtifactCache(tmp_path, limit_bytes=1800)
+    pinned = os.urandom(500)
+    pinned_sha = hashlib.sha256(pinned).hexdigest()
+    (cache.objects / pinned_sha).write_bytes(pinned)
+    cache.pinned.add(pinned_sha)
+    (cache.partial / ("0" * 64)).write_bytes(b"x" * 700)  # someone else's abandoned download
+    await cache.fetch(SHA, url, len(BODY))
+    assert not (cache.partial / ("0" * 64)).exists()
+    assert (cache.objects / pinned_sha).exists() and cache.has(SHA)
+    other = os.urandom(900)
+    cache.pinned.add(SHA)
+    with pytest.raises(ArtifactError, match="no room"):  # 500 + 1000 pinned: 900 more won't fit
+        await cache.fetch(hashlib.sha256(other).hexdigest(), url, len(other))
+
+
+async def test_check_drops_altered_files_and_stale_partials(
+    server: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    url, _ = server
+    cache = ArtifactCache(tmp_path, limit_bytes=10_000)
+    path = await cache.fetch(SHA, url, len(BODY))
+    stale = cache.partial / ("1" * 64)
+    stale.write_bytes(b"old")
+    old = time.time() - PARTIAL_MAX_AGE_S - 60
+    os.utime(stale, (old, old))
+    path.write_bytes(BODY[:10] + b"!" + BODY[11:])  # same size, one byte altered
+    assert ArtifactCache(tmp_path, limit_bytes=10_000).check() == [SHA]
+    assert not path.exists() and not stale.exists()
