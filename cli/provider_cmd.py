@@ -135,7 +135,11 @@ def start(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, on_signal)
             except NotImplementedError:  # Windows: no loop signal handlers
                 signal.signal(sig, lambda *_: loop.call_soon_threadsafe(on_signal))
-        provider = Provider(config)
+        try:
+            provider = Provider(config)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         try:
             await provider.run(stop, now)
         except Exception as exc:  # a clear last word instead of a traceback

@@ -47,5 +47,7 @@ def test_start_refuses_bad_arguments_clearly(tmp_path: Path) -> None:
     addr = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
     bad_fault = _cli("provider", "start", "--broker", addr, "--fault", "explode")
     assert bad_fault.returncode == 2 and "unknown fault" in bad_fault.stderr
+    bad_peer = _cli("provider", "start", "--broker", "/ip4/127.0.0.1/tcp/1/p2p/notapeerid")
+    assert bad_peer.returncode == 2 and "valid peer id" in bad_peer.stderr
     bad_memory = _cli("provider", "start", "--broker", addr, "--max-memory", "-1")
     assert bad_memory.returncode == 2 and "--max-memory must be positive" in bad_memory.stderr
