@@ -221,6 +221,8 @@ class Provider:
         backoff = 0.5
         immediate = True  # one immediate re-join after the broker forgot us, then backoff
         while not stop.is_set():
+            if self.server.draining and not self.joined.is_set():
+                return  # leaving: no point in joining again
             try:
                 await self._join()
                 backoff = 0.5
@@ -243,8 +245,6 @@ class Provider:
                 self.joined.clear()
                 log.exception("membership with the broker failed")
                 _event("broker_error", error=f"{type(exc).__name__}: {exc}")
-            else:
-                immediate = True
             try:
                 await asyncio.wait_for(stop.wait(), backoff)
             except TimeoutError:
