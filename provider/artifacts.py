@@ -14,7 +14,6 @@ Files in use are pinned and never evicted.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import re
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+
+from ir.validate import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,6 @@ class ArtifactError(Exception):
 class _Entry(msgspec.Struct):
     size: int
     mtime_ns: int
-
-
-def _hash_file(path: Path, digest: hashlib._Hash | None = None) -> hashlib._Hash:
-    digest = digest or hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest
 
 
 class ArtifactCache:
@@ -131,7 +124,7 @@ class ArtifactCache:
             entry = self._index.get(name)
             if entry is not None and entry.size == st.st_size and entry.mtime_ns == st.st_mtime_ns:
                 continue  # verified before and unchanged since
-            if _hash_file(p).hexdigest() != name:
+            if sha256_file(p) != name:
                 log.warning("artifact %s fails verification (truncated or altered): dropped", name)
                 _remove(p)
                 self._index.pop(name, None)
@@ -224,7 +217,7 @@ class ArtifactCache:
                     exc,
                 )
                 continue
-            digest = await asyncio.to_thread(lambda: _hash_file(part).hexdigest())
+            digest = await asyncio.to_thread(sha256_file, part)
             if digest != sha:
                 _remove(part)
                 raise ArtifactError(
@@ -314,24 +307,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def progress_printer(label: str, stream: object = None) -> Progress:
-    """A progress callback writing at most a few lines a second: `label: 12.0 of 40.0 MiB`."""
-    import sys
-
-    out = stream or sys.stderr
-    last = [0.0]
-
-    def report(done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - last[0] < 0.5:
-            return
-        last[0] = now
-        pct = 100 * done / total if total else 100.0
-        print(
-            f"{label}: {human_bytes(done)} of {human_bytes(total)} ({pct:.0f}%)",
-            file=out,  # type: ignore[arg-type]
-        )
-
-    return report

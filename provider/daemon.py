@@ -119,7 +119,6 @@ class Provider:
         self._status_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # memory reserved by stages being loaded
         self._pending: dict[str, Assign] = {}  # the assignment each load is for
-        self._net = (0.0, 0.0)  # (upload bytes/s, rtt s) to the broker
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -275,8 +274,7 @@ class Provider:
     async def _join(self) -> None:
         assert self.host is not None and self.profile is not None
         await self.host.connect(self.config.broker)
-        self._net = await self._measure_network()
-        up, rtt = self._net
+        up, rtt = await self._measure_network()
         profile = JoinProfile(
             gpu=self.profile.gpu,
             cpu=self.profile.cpu,

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
+import onnx
 
 from ir.errors import ExecutorError, IRError
 from ir.executors.base import Executor
@@ -62,10 +63,7 @@ def memory_needed(info: StageInfo) -> int:
     return int(max(info.parameter_bytes, info.size_bytes) * LOAD_OVERHEAD)
 
 
-def make_executor(choice: ExecutorChoice, path_or_model: object, info: StageInfo) -> Executor:
-    import onnx
-
-    model = path_or_model
+def make_executor(choice: ExecutorChoice, model: onnx.ModelProto, info: StageInfo) -> Executor:
     if choice.kind == "torch":
         try:
             from ir.executors.torch_exec import TorchExecutor
@@ -74,13 +72,11 @@ def make_executor(choice: ExecutorChoice, path_or_model: object, info: StageInfo
                 f"the torch executor needs torch, which is not installed here ({exc}); "
                 f"start the provider with --executor ort or install fusionai[torch]"
             ) from None
-        assert isinstance(model, onnx.ModelProto)
         return TorchExecutor(
             model, device=choice.device, inputs=list(info.inputs), outputs=list(info.outputs)
         )
     from ir.executors.ort import OrtExecutor
 
-    assert isinstance(model, onnx.ModelProto)
     providers = [choice.device] if choice.device else None
     return OrtExecutor(
         model, providers=providers, inputs=list(info.inputs), outputs=list(info.outputs)

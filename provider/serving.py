@@ -38,6 +38,7 @@ from proto.session import (
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
 MAX_SESSION_ID = 128  # characters
+SWEEP_EVERY_S = 1.0  # idle sessions are looked for at most this often (and every heartbeat)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Server:
         self._in_flight = 0
         self._per_peer: dict[str, int] = {}
         self._served = 0
+        self._last_sweep = 0.0  # when idle sessions were last expired
         self._stopped = threading.Event()  # releases dropped requests at shutdown
 
     # ---- stages ----------------------------------------------------------------------------
@@ -254,7 +256,8 @@ class Server:
     def session(
         self, peer: str, request: SessionOpen | SessionStep | SessionClose
     ) -> SessionOpened | SessionOutput | SessionClosed:
-        self.expire()
+        if time.monotonic() - self._last_sweep >= SWEEP_EVERY_S:  # not a scan per request
+            self.expire()
         if isinstance(request, SessionOpen):
             return self._open(peer, request)
         if isinstance(request, SessionClose):
@@ -341,7 +344,8 @@ class Server:
 
     def expire(self) -> int:
         """Drop sessions idle longer than the timeout; returns how many."""
-        cutoff = time.monotonic() - self.idle_timeout_s
+        self._last_sweep = time.monotonic()
+        cutoff = self._last_sweep - self.idle_timeout_s
         with self._lock:
             old = [
                 k

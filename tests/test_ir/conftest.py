@@ -68,20 +68,9 @@ def gpt2() -> Any:
 
 @pytest.fixture(scope="session")
 def llama() -> Any:
-    torch.manual_seed(2)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    from tests.tiny_models import tiny_llama
+
+    return tiny_llama()
 
 
 @pytest.fixture(scope="session")

@@ -132,24 +132,12 @@ def minilm_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llama_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Llama (4 blocks) split into two provider stages with KV-cache I/O."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from ir.export import build_package
+    from tests.tiny_models import tiny_llama
 
-    torch.manual_seed(2)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        vocab_size=512,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     out = tmp_path_factory.mktemp("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

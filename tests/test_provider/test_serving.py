@@ -54,6 +54,14 @@ def _local(package: Path, index: int) -> OrtExecutor:
     return OrtExecutor(loaded.models[index], inputs=info.inputs, outputs=info.outputs)
 
 
+def _minilm_feeds(seq: int, fill: float) -> dict[str, np.ndarray[Any, Any]]:
+    """Inputs of a MiniLM block stage: one sequence of `seq` tokens, hidden states `fill`."""
+    return {
+        "hidden_states": np.full((1, seq, 384), fill, dtype=np.float32),
+        "attention_mask": np.ones((1, seq), dtype=np.int64),
+    }
+
+
 def _tensors(arrays: dict[str, np.ndarray[Any, Any]]) -> dict[str, Tensor]:
     return {k: Tensor.from_numpy(v) for k, v in arrays.items()}
 
@@ -136,10 +144,7 @@ async def test_sigterm_drains_requests_in_flight_then_leaves(
     broker = standin(minilm_package)
     prov = provider(broker, "--fault", "slow=2000")
     peer, addr = _serve(broker, prov, {"minilm/1": 1})
-    feeds = {
-        "hidden_states": np.zeros((1, 4, 384), dtype=np.float32),
-        "attention_mask": np.ones((1, 4), dtype=np.int64),
-    }
+    feeds = _minilm_feeds(4, 0.0)
     async with Host(HostConfig(listen=LOCAL)) as client:
         await client.connect(addr)
         call = asyncio.create_task(
@@ -168,10 +173,7 @@ async def test_a_provider_without_torch_serves_an_ort_stage(
     no_torch = {"PYTHONPATH": str(blocker.parent)}
     prov = provider(broker, env=no_torch)
     peer, addr = _serve(broker, prov, {"minilm/2": 2})
-    feeds = {
-        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
-        "attention_mask": np.ones((1, 3), dtype=np.int64),
-    }
+    feeds = _minilm_feeds(3, 1.0)
     async with Host(HostConfig(listen=LOCAL)) as client:
         await client.connect(addr)
         result = await client.request(
@@ -196,10 +198,7 @@ async def test_a_backup_stands_by_until_promoted(
     broker.send({"cmd": "assign", "peer": peer, "key": "minilm/1", "stage": 1, "role": "backup"})
     status = broker.wait_for("status", lambda e: e["key"] == "minilm/1")
     assert (status["state"], status["role"]) == ("ready", "backup")
-    feeds = {
-        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
-        "attention_mask": np.ones((1, 3), dtype=np.int64),
-    }
+    feeds = _minilm_feeds(3, 1.0)
     request = Forward(stage="minilm/1", inputs=_tensors(feeds))
     async with Host(HostConfig(listen=LOCAL)) as client:
         await client.connect(addr)
@@ -218,10 +217,7 @@ async def test_die_at_step_kills_the_provider_at_that_request(
     broker = standin(minilm_package)
     prov = provider(broker, "--fault", "die-at-step=2")
     peer, addr = _serve(broker, prov, {"minilm/1": 1})
-    feeds = {
-        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
-        "attention_mask": np.ones((1, 3), dtype=np.int64),
-    }
+    feeds = _minilm_feeds(3, 1.0)
     request = Forward(stage="minilm/1", inputs=_tensors(feeds))
     async with Host(HostConfig(listen=LOCAL)) as client:
         await client.connect(addr)
@@ -232,10 +228,7 @@ async def test_die_at_step_kills_the_provider_at_that_request(
 
 
 def test_wrong_output_fault_changes_every_float_output(minilm_package: Path) -> None:
-    feeds = {
-        "hidden_states": np.ones((1, 3, 384), dtype=np.float32),
-        "attention_mask": np.ones((1, 3), dtype=np.int64),
-    }
+    feeds = _minilm_feeds(3, 1.0)
     request = Forward(stage="m/1", inputs=_tensors(feeds))
     honest = _server_with(minilm_package, 1, "m/1").forward("p", request)
     faulty = _server_with(minilm_package, 1, "m/1", fault=Fault(wrong_output=True))
@@ -265,12 +258,7 @@ def test_a_full_queue_answers_busy_at_once(minilm_package: Path) -> None:
     )
     request = Forward(
         stage="m/1",
-        inputs=_tensors(
-            {
-                "hidden_states": np.zeros((1, 2, 384), dtype=np.float32),
-                "attention_mask": np.ones((1, 2), dtype=np.int64),
-            }
-        ),
+        inputs=_tensors(_minilm_feeds(2, 0.0)),
     )
     threads = [threading.Thread(target=server.forward, args=(f"p{i}", request)) for i in range(2)]
     for t in threads:
