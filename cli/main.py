@@ -35,6 +35,12 @@ def _provider(args: argparse.Namespace) -> int:
     return handler(args)
 
 
+def _broker(args: argparse.Namespace) -> int:
+    from cli import broker_cmd
+
+    return broker_cmd.run(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from cli import demo
 
@@ -89,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import provider_cmd
 
     provider_cmd.add_parser(sub, _provider)
+    from cli import broker_cmd
+
+    broker_cmd.add_parsers(sub, _broker)
     return parser
 
 

@@ -37,6 +37,7 @@ class JoinProfile(msgspec.Struct, frozen=True):
     net_up_bytes_s: float  # measured upload bandwidth towards the broker
     rtt_s: float  # measured round trip to the broker
     version: str  # fusionai version
+    addrs: list[str] = msgspec.field(default_factory=list)  # multiaddrs clients can dial
 
 
 class Join(Message, frozen=True, tag="Join/1"):

@@ -295,6 +295,7 @@ class Provider:
             net_up_bytes_s=up,
             rtt_s=rtt,
             version=_version(),
+            addrs=list(self.host.addrs),
         )
         body = msgspec.json.encode(profile)
         stamp = time.time()

@@ -1,0 +1,48 @@
+"""The broker service's configuration: one frozen dataclass, a unit on every field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    data_dir: Path  # identity, SQLite database, model store
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/7370",)  # p2p multiaddrs for providers
+    http_host: str = "127.0.0.1"  # HTTP API address
+    http_port: int = 7371  # HTTP API port (0: any free port)
+    public_url: str | None = None  # base URL providers fetch artifacts from (None: the HTTP
+    # address, with 127.0.0.1 when listening on all interfaces)
+    db: Path | None = None  # SQLite file (None: data_dir / "broker.db")
+    join_token: str | None = None  # providers must present it to join (None: open)
+    allow: frozenset[str] = frozenset()  # peer ids allowed to join (empty: anyone)
+    deny: frozenset[str] = frozenset()  # peer ids refused
+    heartbeat_s: float = 5.0  # providers send a heartbeat this often; seconds
+    missed_heartbeats: int = 3  # heartbeats missed in a row before a provider is dead
+    queue_policy: str = "fifo"  # "fifo" or "sjf-bsbf"
+    replicas: int | None = 1  # pipeline replicas per model (None: as many as pay)
+    microbatch: int = 32  # sequences per microbatch of a batch job
+    max_attempts: int = 5  # tries of one microbatch before its job fails
+    request_timeout_s: float = 60.0  # one stage request may take this long; seconds
+    in_flight: int = 4  # microbatches of one job in the pipeline at once
+    restart_grace_s: float | None = None  # after a restart, how long placed providers have to
+    # re-join before they count as lost (None: one heartbeat timeout plus a heartbeat)
+    event_log_size: int = 100_000  # events kept in the bounded log
+    max_job_texts: int = 100_000  # sequences one job may carry
+    max_body_bytes: int = 64 * 1024**2  # JSON request bodies; bytes
+    max_artifact_bytes: int = 16 * 1024**3  # one uploaded artifact; bytes
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self.heartbeat_s * self.missed_heartbeats
+
+    @property
+    def db_path(self) -> Path:
+        return self.db if self.db is not None else self.data_dir / "broker.db"
+
+    @property
+    def grace_s(self) -> float:
+        if self.restart_grace_s is not None:
+            return self.restart_grace_s
+        return self.heartbeat_timeout_s + self.heartbeat_s

@@ -1,0 +1,33 @@
+"""The broker's event log: every transition, with an id, kept (bounded) in SQLite.
+
+A job's story is the events that name it; the swarm's is all of them. Each event is also
+logged, and handed to the sinks (the `--json` stdout printer, later the dashboard's stream).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from broker.store import EventRow, Store
+
+log = logging.getLogger("fusionai.broker")
+
+Sink = Callable[[EventRow], None]
+
+
+class EventLog:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.sinks: list[Sink] = []
+
+    def emit(
+        self, kind: str, *, job: str | None = None, peer: str | None = None, **data: Any
+    ) -> EventRow:
+        row = self.store.add_event(kind, data, job=job, peer=peer)
+        log.info("%s %s", kind, json.dumps(row.to_json(), default=str, sort_keys=True))
+        for sink in self.sinks:
+            sink(row)
+        return row

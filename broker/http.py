@@ -1,0 +1,224 @@
+"""The broker's minimal HTTP API (JSON, under `/v1`) and the artifact store over HTTP.
+
+    GET  /healthz                         liveness and a one-line summary
+    GET  /v1/swarm                        providers (pool, hardware, load) and models
+    GET  /v1/providers                    the providers alone
+    GET  /v1/models                       models and whether they are served
+    POST /v1/models                       register a model: its manifest.json as the body
+    GET  /v1/models/{name}                its stages and route (providers, addresses, backups)
+    GET  /v1/models/{name}/route          the same, for a client opening interactive sessions
+    PUT  /v1/artifacts/{sha256}           upload an artifact (verified against its name)
+    GET  /v1/artifacts/{sha256}           download one (range requests supported)
+    POST /v1/jobs                         submit a job: {"model", "texts" | "token_ids", ...}
+    GET  /v1/jobs                         recent jobs
+    GET  /v1/jobs/{id}                    a job's state and progress
+    POST /v1/jobs/{id}/cancel             cancel it
+    GET  /v1/jobs/{id}/results            its results (?offset=&limit= rows), once succeeded
+    DELETE /v1/jobs/{id}/results          forget them (results are kept until then)
+    GET  /v1/jobs/{id}/story              the events that tell what happened to it
+    GET  /v1/events                       the event log (?since=ID&limit=N)
+
+Errors are JSON `{"error": {"message", "field"?}}` with 400 (bad input, naming the field),
+404 (unknown model or job), 409 (not yet possible) or 413 (too large).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from broker.jobs import JobError, NotReady
+from broker.models import ModelStoreError
+from broker.store import JobRow
+
+if TYPE_CHECKING:
+    from broker.service import Broker
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error(status: int, message: str, field: str | None = None) -> web.Response:
+    body: dict[str, Any] = {"message": message}
+    if field is not None:
+        body["field"] = field
+    return web.json_response({"error": body}, status=status)
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes a JSON error; nothing a client sends crashes the broker."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            return error(exc.status, exc.reason if not exc.text else exc.text)
+        raise
+    except JobError as exc:
+        return error(400, str(exc), exc.field)
+    except ModelStoreError as exc:
+        return error(400, str(exc))
+    except LookupError as exc:
+        return error(404, str(exc.args[0]) if exc.args else "not found")
+    except NotReady as exc:
+        return error(409, str(exc))
+
+
+async def json_body(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise JobError("body", f"not valid JSON: {exc}") from None
+
+
+def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise JobError(name, f"must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise JobError(name, f"must be from {low} to {high}")
+    return value
+
+
+def job_json(job: JobRow, done: int) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "kind": job.kind,
+        "model": job.model,
+        "state": job.state,
+        "microbatches": job.microbatches,
+        "done": done,
+        "progress": round(done / job.microbatches, 4) if job.microbatches else 1.0,
+        "created": job.created,
+        "updated": job.updated,
+        "error": job.error or None,
+    }
+
+
+def make_app(broker: Broker) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=broker.config.max_body_bytes)
+    store, jobs, serving = broker.store, broker.jobs, broker.serving
+
+    def job_or_404(job_id: str) -> JobRow:
+        job = store.job(job_id)
+        if job is None:
+            raise LookupError(f"no job {job_id}")
+        return job
+
+    async def healthz(request: web.Request) -> web.Response:
+        providers = broker.registry.summary()
+        return web.json_response(
+            {
+                "ok": True,
+                "peer_id": broker.peer_id,
+                "addrs": broker.addrs,
+                "providers": sum(1 for p in providers if p["pool"] != "dead"),
+                "models": len(serving.plans),
+            }
+        )
+
+    async def swarm(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "broker": {"peer_id": broker.peer_id, "addrs": broker.addrs},
+                "heartbeat_timeout_s": broker.config.heartbeat_timeout_s,
+                "providers": broker.registry.summary(),
+                "models": [serving.describe(name) for name in sorted(serving.plans)],
+            }
+        )
+
+    async def providers(request: web.Request) -> web.Response:
+        return web.json_response({"providers": broker.registry.summary()})
+
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response({"models": [serving.describe(n) for n in sorted(serving.plans)]})
+
+    async def add_model(request: web.Request) -> web.Response:
+        body = await request.read()
+        stored = broker.add_model(body)
+        return web.json_response(serving.describe(stored.name), status=201)
+
+    async def get_model(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in serving.plans:
+            raise LookupError(f"no model named {name!r}")
+        return web.json_response(serving.describe(name))
+
+    async def put_artifact(request: web.Request) -> web.Response:
+        sha = request.match_info["sha"]
+        size = await broker.models.receive(sha, request.content.iter_chunked(1 << 20))
+        return web.json_response({"sha256": sha, "size": size}, status=201)
+
+    async def get_artifact(request: web.Request) -> web.StreamResponse:
+        path = broker.models.artifact_path(request.match_info["sha"])
+        if path is None:
+            raise LookupError("no such artifact")
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+    async def submit(request: web.Request) -> web.Response:
+        job = jobs.submit(await json_body(request))
+        return web.json_response(job_json(job, 0), status=201)
+
+    async def list_jobs(request: web.Request) -> web.Response:
+        limit = int_param(request, "limit", 100, 1, 1000)
+        rows = store.jobs(limit=limit)
+        return web.json_response({"jobs": [job_json(j, store.count_done(j.id)) for j in rows]})
+
+    async def get_job(request: web.Request) -> web.Response:
+        job = job_or_404(request.match_info["id"])
+        return web.json_response(job_json(job, store.count_done(job.id)))
+
+    async def cancel(request: web.Request) -> web.Response:
+        job = jobs.cancel(request.match_info["id"])
+        return web.json_response(job_json(job, store.count_done(job.id)))
+
+    async def results(request: web.Request) -> web.Response:
+        offset = int_param(request, "offset", 0, 0, 10**9)
+        limit = int_param(request, "limit", 100_000, 1, 100_000)
+        return web.json_response(jobs.results(request.match_info["id"], offset, limit))
+
+    async def delete_results(request: web.Request) -> web.Response:
+        job = job_or_404(request.match_info["id"])
+        removed = store.delete_results(job.id)
+        broker.events.emit("job_results_deleted", job=job.id, microbatches=removed)
+        return web.json_response({"job": job.id, "deleted": removed})
+
+    async def story(request: web.Request) -> web.Response:
+        job = job_or_404(request.match_info["id"])
+        events = [e.to_json() for e in store.events(job=job.id, limit=10_000)]
+        return web.json_response({"job": job_json(job, store.count_done(job.id)), "events": events})
+
+    async def events(request: web.Request) -> web.Response:
+        since = int_param(request, "since", 0, 0, 2**62)
+        limit = int_param(request, "limit", 1000, 1, 10_000)
+        rows = store.events(since=since, limit=limit)
+        return web.json_response({"events": [e.to_json() for e in rows]})
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/swarm", swarm)
+    app.router.add_get("/v1/providers", providers)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/models", add_model)
+    app.router.add_get("/v1/models/{name}", get_model)
+    app.router.add_get("/v1/models/{name}/route", get_model)
+    app.router.add_put("/v1/artifacts/{sha}", put_artifact)
+    app.router.add_get("/v1/artifacts/{sha}", get_artifact)
+    app.router.add_post("/v1/jobs", submit)
+    app.router.add_get("/v1/jobs", list_jobs)
+    app.router.add_get("/v1/jobs/{id}", get_job)
+    app.router.add_post("/v1/jobs/{id}/cancel", cancel)
+    app.router.add_get("/v1/jobs/{id}/results", results)
+    app.router.add_delete("/v1/jobs/{id}/results", delete_results)
+    app.router.add_get("/v1/jobs/{id}/story", story)
+    app.router.add_get("/v1/events", events)
+    return app

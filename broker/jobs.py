@@ -1,0 +1,519 @@
+"""Jobs: `dag/` graphs the broker runs through the swarm, persisted in SQLite.
+
+A job's states: queued -> placed (every stage has a route) -> running -> succeeded, failed or
+cancelled. A batch job (embed N texts) is cut into microbatches; each runs the job's graph in
+topological order: the client-side tasks (load, embed, head) through the client package's
+stage code here, each FORWARD task on a provider serving that stage. Several microbatches are
+in the pipeline at once. A microbatch that fails (provider lost, stalled, busy, refused) is
+retried on another route, up to `max_attempts`; results are stored per microbatch as they
+arrive, so a broker restarted mid-job only redoes what was in flight. Which queued job starts
+next is the queue policy's choice (FIFO or SJF-BSBF, `broker.queue`): each model's pipeline
+replicas are its "GPU sets", and a job that may share one starts alongside its host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from broker.config import BrokerConfig
+from broker.events import EventLog
+from broker.models import ModelStore
+from broker.queue import Fifo, Job, QueuePolicy, Running, SjfBsbf
+from broker.serving import Serving
+from broker.store import JobRow, Store
+from client.stages import ClientStageError, ClientStages
+from dag.builders import inference_pipeline
+from dag.cost import Workload
+from dag.tasks import TaskKind, task
+from dag.wire import from_json, to_json
+from ir.pipeline import zero_adapters
+from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
+from proto.forward import FORWARD, Forward, ForwardResult
+
+log = logging.getLogger("fusionai.broker")
+Array = np.ndarray[Any, Any]
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+ACTIVE = ("placed", "running")
+NOMINAL_FLOPS = 1e11  # FLOP/s used only to rank jobs by size (SJF); not a prediction
+
+
+class JobError(ValueError):
+    """A job request is invalid; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    kind: str
+    model: str
+    texts: list[str] | None
+    token_ids: list[list[int]] | None
+    microbatch: int
+
+    @property
+    def count(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids or [])
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "model": self.model,
+            "microbatch": self.microbatch,
+        }
+        if self.texts is not None:
+            out["texts"] = self.texts
+        if self.token_ids is not None:
+            out["token_ids"] = self.token_ids
+        return out
+
+
+def parse_request(body: Any, config: BrokerConfig) -> JobRequest:
+    """Validate a job submission (JSON); raises `JobError` naming the field."""
+    if not isinstance(body, dict):
+        raise JobError("body", "a job is a JSON object")
+    unknown = sorted(set(body) - {"kind", "model", "texts", "token_ids", "microbatch"})
+    if unknown:
+        raise JobError(unknown[0], "unknown field")
+    kind = body.get("kind", "embed")
+    if kind != "embed":
+        raise JobError("kind", f"unknown job kind {kind!r}; this broker runs 'embed' batch jobs")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise JobError("model", "name the model (a string)")
+    texts, ids = body.get("texts"), body.get("token_ids")
+    if (texts is None) == (ids is None):
+        raise JobError("texts", "give either texts (strings) or token_ids (lists of ints)")
+    if texts is not None:
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise JobError("texts", "must be a list of strings")
+        items: Sequence[Any] = texts
+    else:
+        if not isinstance(ids, list) or not all(
+            isinstance(seq, list) and all(type(t) is int for t in seq) for seq in ids
+        ):
+            raise JobError("token_ids", "must be a list of lists of integers")
+        items = ids
+    if not items:
+        raise JobError("texts" if texts is not None else "token_ids", "is empty")
+    if len(items) > config.max_job_texts:
+        raise JobError(
+            "texts" if texts is not None else "token_ids",
+            f"{len(items)} sequences; one job takes at most {config.max_job_texts}",
+        )
+    microbatch = body.get("microbatch", config.microbatch)
+    if type(microbatch) is not int or not 1 <= microbatch <= 1024:
+        raise JobError("microbatch", "must be an integer from 1 to 1024")
+    return JobRequest(kind, model, texts, ids, microbatch)
+
+
+class JobRunner:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        store: Store,
+        events: EventLog,
+        serving: Serving,
+        models: ModelStore,
+        host: Host,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.events = events
+        self.serving = serving
+        self.models = models
+        self.host = host
+        self.policy: QueuePolicy = SjfBsbf() if config.queue_policy == "sjf-bsbf" else Fifo()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.partner: dict[str, str | None] = {}  # running job -> the job sharing its route
+        self.held: dict[str, int] = {}  # running job -> route slots it holds (0: a guest)
+        self.clients: dict[str, ClientStages] = {}
+        self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
+        self._wake = asyncio.Event()
+        serving.busy = self.busy
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, body: Any) -> JobRow:
+        request = parse_request(body, self.config)
+        model = self.models.models.get(request.model)
+        if model is None:
+            raise LookupError(f"no model named {request.model!r}; add it first")
+        client = self.client(request.model)
+        lengths = (
+            [len(t) for t in request.token_ids]
+            if request.token_ids is not None
+            else [min(client.max_tokens, 2 + len(t.split())) for t in request.texts or []]
+        )
+        if request.token_ids is not None:
+            try:
+                client.pad(request.token_ids)  # token range and length checks
+            except ClientStageError as exc:
+                raise JobError("token_ids", str(exc)) from None
+        elif client.tokenizer is None:
+            raise JobError("texts", f"model {request.model} takes token_ids, not texts")
+        plan = self.serving.plans[request.model]
+        units = len(model.units)
+        mb = request.microbatch
+        seq = max(lengths)
+        graph = inference_pipeline(plan.spec, [(i, i + 1) for i in range(units)], batch=mb, seq=seq)
+        microbatches = -(-request.count // mb)
+        flops = sum(task(graph, n).flops for n in graph.nodes) * microbatches
+        job_id = uuid.uuid4().hex[:16]
+        job = self.store.add_job(
+            job_id,
+            request.kind,
+            request.model,
+            request.to_json(),
+            to_json(graph),
+            microbatches,
+            flops / NOMINAL_FLOPS,
+        )
+        self.events.emit(
+            "job_queued",
+            job=job_id,
+            model=request.model,
+            sequences=request.count,
+            microbatches=microbatches,
+        )
+        self._wake.set()
+        return job
+
+    def cancel(self, job_id: str) -> JobRow:
+        job = self.store.job(job_id)
+        if job is None:
+            raise LookupError(f"no job {job_id}")
+        if job.state in TERMINAL:
+            return job
+        self.store.set_job_state(job_id, "cancelled", "cancelled by request")
+        self.events.emit("job_cancelled", job=job_id)
+        task_ = self.tasks.pop(job_id, None)
+        if task_ is not None:
+            task_.cancel()
+        self._wake.set()
+        found = self.store.job(job_id)
+        assert found is not None
+        return found
+
+    def busy(self, model: str) -> bool:
+        return any(
+            (job := self.store.job(j)) is not None and job.model == model for j in self.tasks
+        )
+
+    def client(self, model: str) -> ClientStages:
+        stages = self.clients.get(model)
+        stored = self.models.models[model]
+        if stages is None or stages.manifest.stages != stored.manifest.stages:
+            stages = self.clients[model] = ClientStages(stored.directory)
+        return stages
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        """After a restart: jobs that were placed or running go back to the queue."""
+        for job in self.store.jobs(ACTIVE):
+            done = self.store.count_done(job.id)
+            self.store.set_job_state(job.id, "queued")
+            self.events.emit("job_resumed", job=job.id, done=done, of=job.microbatches)
+
+    async def schedule(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._start_jobs()
+            self.serving.check_restored()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), 0.25)
+            except TimeoutError:
+                pass
+        for t in list(self.tasks.values()):
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    def _start_jobs(self) -> None:
+        queued = [j for j in self.store.jobs(("queued",)) if j.id not in self.tasks]
+        by_model: dict[str, list[JobRow]] = {}
+        for job in queued:
+            by_model.setdefault(job.model, []).append(job)
+        for model, jobs in by_model.items():
+            if model not in self.models.models:
+                for job in jobs:
+                    self._finish(job.id, "failed", f"model {model} is no longer stored")
+                continue
+            route = self.serving.route(model)
+            if route is None or not all(route):
+                continue
+            slots = min(len(peers) for peers in route)
+            running = []
+            for job_id in self.tasks:
+                row = self.store.job(job_id)
+                if row is not None and row.model == model:
+                    done = self.store.count_done(job_id)
+                    left = row.estimate_s * (1 - done / max(1, row.microbatches))
+                    running.append(
+                        Running(
+                            Job(job_id, row.created, 1, max(1e-6, row.estimate_s)),
+                            left,
+                            self.partner.get(job_id),
+                            self.held.get(job_id, 1),
+                        )
+                    )
+            free = max(0, slots - sum(r.held for r in running))
+            candidates = [Job(j.id, j.created, 1, max(1e-6, j.estimate_s)) for j in jobs]
+            for decision in self.policy.decide(time.time(), candidates, running, free):
+                host = getattr(decision, "host", None)
+                self.partner[decision.job.id] = host
+                if host is not None:
+                    self.partner[host] = decision.job.id
+                self._start(decision.job.id, shares=host)
+
+    def _start(self, job_id: str, shares: str | None) -> None:
+        self.held[job_id] = 0 if shares else 1
+        self.store.set_job_state(job_id, "placed")
+        route = self.serving.route(self.store.job(job_id).model)  # type: ignore[union-attr]
+        self.events.emit("job_placed", job=job_id, route=route, shares_with=shares)
+        self.tasks[job_id] = asyncio.create_task(self._run(job_id))
+
+    def _finish(self, job_id: str, state: str, error: str = "") -> None:
+        job = self.store.job(job_id)
+        if job is None or job.state in TERMINAL:
+            return
+        self.store.set_job_state(job_id, state, error)
+        self.events.emit(f"job_{state}", job=job_id, **({"reason": error} if error else {}))
+
+    # ---- running ---------------------------------------------------------------------------
+
+    async def _run(self, job_id: str) -> None:
+        try:
+            job = self.store.job(job_id)
+            assert job is not None
+            await self._execute(job)
+        except asyncio.CancelledError:
+            raise
+        except _JobFailed as exc:
+            self._finish(job_id, "failed", str(exc))
+        except Exception as exc:  # a bug must fail the job loudly, not hang it
+            log.exception("job %s crashed", job_id)
+            self._finish(job_id, "failed", f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            if self.tasks.get(job_id) is asyncio.current_task():
+                del self.tasks[job_id]
+            partner = self.partner.pop(job_id, None)
+            held = self.held.pop(job_id, 1)
+            if partner is not None and partner in self.tasks:  # it carries on, holding the route
+                self.partner[partner] = None
+                self.held[partner] = self.held.get(partner, 0) + held
+            self._wake.set()
+
+    async def _execute(self, job: JobRow) -> None:
+        graph = from_json(job.graph)
+        client = self.client(job.model)
+        request = job.request
+        if "texts" in request:
+            ids, mask = await asyncio.to_thread(client.tokenize, request["texts"])
+        else:
+            ids, mask = client.pad(request["token_ids"])
+        mb = int(request["microbatch"])
+        done = self.store.done_microbatches(job.id)
+        todo = [i for i in range(job.microbatches) if i not in done]
+        self.store.set_job_state(job.id, "running")
+        self.events.emit("job_running", job=job.id, todo=len(todo), done=len(done))
+        gate = asyncio.Semaphore(self.config.in_flight)
+        finished = len(done)
+        step = max(1, job.microbatches // 10)
+
+        async def one(idx: int) -> None:
+            nonlocal finished
+            async with gate:
+                rows = slice(idx * mb, (idx + 1) * mb)
+                used = int(mask[rows].sum(axis=1).max())  # trim padding beyond this microbatch
+                out, attempts = await self._microbatch(
+                    job, graph, client, idx, ids[rows, :used], mask[rows, :used]
+                )
+                self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes())
+                finished += 1
+                if finished % step == 0 or finished == job.microbatches:
+                    self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
+
+        await asyncio.gather(*(one(i) for i in todo))
+        self._finish(job.id, "succeeded")
+
+    async def _microbatch(
+        self,
+        job: JobRow,
+        graph: nx.DiGraph,
+        client: ClientStages,
+        idx: int,
+        ids: Array,
+        mask: Array,
+    ) -> tuple[Array, int]:
+        """Run one microbatch through the job graph; returns (result, attempts)."""
+        attempts = 0
+        avoid: set[str] = set()
+        while True:
+            attempts += 1
+            try:
+                return await self._walk(job, graph, client, ids, mask, avoid), attempts
+            except _StageFailed as exc:
+                avoid.add(exc.peer)
+                if attempts >= self.config.max_attempts:
+                    raise _JobFailed(
+                        f"microbatch {idx} failed {attempts} times; last: {exc}"
+                    ) from None
+                self.events.emit(
+                    "microbatch_retry",
+                    job=job.id,
+                    peer=exc.peer,
+                    microbatch=idx,
+                    attempt=attempts,
+                    stage=exc.key,
+                    reason=exc.reason,
+                )
+
+    async def _walk(
+        self,
+        job: JobRow,
+        graph: nx.DiGraph,
+        client: ClientStages,
+        ids: Array,
+        mask: Array,
+        avoid: set[str],
+    ) -> Array:
+        values: dict[str, dict[str, Array]] = {}
+        result: Array | None = None
+        for node in nx.topological_sort(graph):
+            t = task(graph, node)
+            inputs = {
+                e["into"]: values[src][e["tensor"]] for src, _, e in graph.in_edges(node, data=True)
+            }
+            if t.kind is TaskKind.DATA_LOAD:
+                values[node] = {"ids": ids}
+            elif t.kind is TaskKind.EMBED:
+                values[node] = {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
+            elif t.kind is TaskKind.FORWARD:
+                assert t.stage is not None
+                hidden = await self._forward(job, t.stage, inputs["hidden"], mask, avoid)
+                values[node] = {"hidden": hidden}
+            elif t.kind is TaskKind.HEAD:
+                result = await asyncio.to_thread(client.head, inputs["hidden"], mask)
+            else:
+                raise _JobFailed(f"task {node} ({t.kind}) cannot run in an embedding job")
+        if result is None:
+            raise _JobFailed("the job graph has no head task")
+        return np.ascontiguousarray(result, dtype=np.float32)
+
+    async def _forward(
+        self, job: JobRow, pos: int, hidden: Array, mask: Array, avoid: set[str]
+    ) -> Array:
+        model = self.models.models[job.model]
+        key = model.unit_key(model.units[pos])
+        info = model.manifest.stages[model.units[pos]]
+        peer = await self._pick(job, pos, avoid)
+        feeds = {"hidden_states": hidden, "attention_mask": mask, **zero_adapters(info)}
+        names = {i.name for i in info.inputs}
+        msg = Forward(
+            stage=key, inputs={k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names}
+        )
+        lost = self.serving.registry.lost_event(peer)
+        self.inflight[peer] = self.inflight.get(peer, 0) + 1
+        call = asyncio.ensure_future(
+            self.host.request(peer, FORWARD, msg, timeout=self.config.request_timeout_s)
+        )
+        watch = asyncio.ensure_future(lost.wait())
+        start = time.perf_counter()
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.inflight[peer] -= 1
+            watch.cancel()
+        if not call.done():
+            call.cancel()
+            raise _StageFailed(peer, key, "the provider was declared lost")
+        try:
+            answer: ForwardResult = call.result()
+        except RemoteError as exc:
+            if exc.code == ErrorCode.BUSY:
+                await asyncio.sleep(0.05)
+            else:
+                await self.serving.changed(0.5)  # e.g. promoted but not confirmed yet
+            raise _StageFailed(peer, key, f"{exc.code}: {exc}") from None
+        except RequestTimeout as exc:
+            await self.serving.suspect(peer, "a stage request timed out")
+            raise _StageFailed(peer, key, str(exc)) from None
+        except P2PError as exc:
+            await self.serving.suspect(peer, f"a stage request failed: {exc}")
+            raise _StageFailed(peer, key, str(exc)) from None
+        elapsed = time.perf_counter() - start
+        work = Workload(
+            tokens=int(hidden.shape[0] * hidden.shape[1]),
+            sequences=int(hidden.shape[0]),
+            context=int(hidden.shape[1]),
+            dtype="float32",
+        )
+        self.serving.observe(peer, pos, job.model, work, answer.compute_ms / 1e3 or elapsed)
+        out = answer.outputs.get("hidden_states_out")
+        if out is None:
+            raise _StageFailed(peer, key, "the answer has no hidden_states_out")
+        return out.to_numpy()
+
+    async def _pick(self, job: JobRow, pos: int, avoid: set[str]) -> str:
+        """The least loaded provider serving stage `pos`, preferring those not in `avoid`;
+        waits (up to the request timeout) for a route when there is none."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while True:
+            route = self.serving.route(job.model)
+            peers = route[pos] if route is not None else []
+            if peers:
+                fresh = [p for p in peers if p not in avoid] or peers
+                return min(fresh, key=lambda p: (self.inflight.get(p, 0), p))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _JobFailed(
+                    f"no provider has served stage {pos} of {job.model} for "
+                    f"{self.config.request_timeout_s:.0f} s"
+                )
+            await self.serving.changed(min(left, 1.0))
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def results(self, job_id: str, offset: int, limit: int) -> dict[str, Any]:
+        job = self.store.job(job_id)
+        if job is None:
+            raise LookupError(f"no job {job_id}")
+        if job.state != "succeeded":
+            raise NotReady(f"job {job_id} is {job.state}; results come when it has succeeded")
+        rows: list[list[float]] = []
+        total = 0
+        for _, shape, data in self.store.results(job_id):
+            block = np.frombuffer(data, dtype=np.float32).reshape(shape)
+            first = total
+            total += block.shape[0]
+            lo, hi = max(offset - first, 0), min(offset + limit - first, block.shape[0])
+            if lo < hi:
+                rows.extend(block[lo:hi].tolist())
+        return {"job": job_id, "offset": offset, "total": total, "embeddings": rows}
+
+
+class NotReady(Exception):
+    """The job has no results yet."""
+
+
+class _JobFailed(Exception):
+    pass
+
+
+class _StageFailed(Exception):
+    def __init__(self, peer: str, key: str, reason: str) -> None:
+        super().__init__(f"{key} on {peer}: {reason}")
+        self.peer, self.key, self.reason = peer, key, reason

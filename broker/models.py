@@ -1,0 +1,178 @@
+"""The model store: packages (IR manifest + ONNX files) kept by the broker, addressed by SHA-256.
+
+Artifacts live in `data_dir/artifacts/<sha256>` whatever model they belong to, so two models
+sharing a stage store it once. An upload streams to a temporary file, is hashed on the way and
+renamed into place only if the hash matches. A model is registered from its manifest once every
+file it names is present; the package is then validated as a whole (IR validation: standard
+ONNX operators only, hashes, sizes), so providers are never sent a stage the broker has not
+checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dag.model import ModelSpec
+from ir.errors import IRError
+from ir.manifest import ModelManifest
+from ir.package import load_package
+
+SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ModelStoreError(ValueError):
+    """A model or artifact was refused; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    manifest: ModelManifest
+    manifest_bytes: bytes
+    directory: Path  # a package directory: manifest.json plus links to the artifacts
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def units(self) -> list[int]:
+        """Manifest indices of the stages providers run, in pipeline order."""
+        return [s.index for s in self.manifest.stages if s.placement == "provider"]
+
+    def unit_key(self, index: int) -> str:
+        return f"{self.name}/{index}"
+
+
+def model_spec(manifest: ModelManifest) -> ModelSpec:
+    """The placement's view of a package: each provider stage is one indivisible block.
+
+    Figures are per stage: the mean compute, and the largest weights (memory must fit any)."""
+    stages = [s for s in manifest.stages if s.placement == "provider"]
+    if not stages:
+        raise ModelStoreError(f"model {manifest.name} has no stage for providers to run")
+    n = len(stages)
+    return ModelSpec(
+        name=manifest.name,
+        n_layers=n,
+        layer_flops_per_token=sum(s.flops_per_token for s in stages) / n,
+        layer_attn_flops_per_token_per_context=sum(
+            s.attention_flops_per_token_per_context for s in stages
+        )
+        / n,
+        layer_param_bytes=float(max(max(s.parameter_bytes, s.size_bytes) for s in stages)),
+        layer_kv_bytes_per_token=max(s.kv_bytes_per_token for s in stages),
+        hidden_bytes_per_token=max(s.activation_bytes_per_token for s in stages),
+    )
+
+
+class ModelStore:
+    def __init__(self, root: Path, max_artifact_bytes: int) -> None:
+        self.artifacts = root / "artifacts"
+        self.packages = root / "models"
+        self.incoming = root / "incoming"
+        for d in (self.artifacts, self.packages, self.incoming):
+            d.mkdir(parents=True, exist_ok=True)
+        self.max_artifact_bytes = max_artifact_bytes
+        self.models: dict[str, StoredModel] = {}
+
+    def artifact_path(self, sha: str) -> Path | None:
+        if not SHA_RE.match(sha):
+            return None
+        path = self.artifacts / sha
+        return path if path.is_file() else None
+
+    async def receive(self, sha: str, chunks: AsyncIterator[bytes]) -> int:
+        """Store an uploaded artifact if its bytes hash to `sha`; returns its size."""
+        if not SHA_RE.match(sha):
+            raise ModelStoreError("an artifact is named by its SHA-256: 64 lowercase hex digits")
+        if self.artifact_path(sha) is not None:
+            async for _ in chunks:  # already here: drain the body, keep the stored copy
+                pass
+            return (self.artifacts / sha).stat().st_size
+        digest = hashlib.sha256()
+        size = 0
+        fd, tmp = tempfile.mkstemp(dir=self.incoming, prefix=sha[:16])
+        try:
+            with os.fdopen(fd, "wb") as out:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_artifact_bytes:
+                        raise ModelStoreError(
+                            f"artifact is larger than the broker's limit of "
+                            f"{self.max_artifact_bytes} bytes"
+                        )
+                    digest.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            if digest.hexdigest() != sha:
+                raise ModelStoreError(
+                    f"the uploaded bytes hash to {digest.hexdigest()}, not {sha}; upload again"
+                )
+            os.replace(tmp, self.artifacts / sha)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # left only when refused
+        return size
+
+    def register(self, manifest_bytes: bytes) -> StoredModel:
+        """Validate and register a model whose artifacts are all stored."""
+        try:
+            manifest = ModelManifest.from_json(manifest_bytes)
+        except IRError as exc:
+            raise ModelStoreError(f"manifest: {exc}") from None
+        if not NAME_RE.match(manifest.name):
+            raise ModelStoreError(
+                f"model name {manifest.name!r}: use 1-64 letters, digits, '.', '_' or '-'"
+            )
+        files = {s.file: s.sha256 for s in manifest.stages}
+        if manifest.tokenizer is not None and manifest.tokenizer_sha256 is not None:
+            files[manifest.tokenizer] = manifest.tokenizer_sha256
+        missing = sorted(sha for sha in files.values() if self.artifact_path(sha) is None)
+        if missing:
+            raise ModelStoreError(
+                f"model {manifest.name}: upload these artifacts first (PUT /v1/artifacts/SHA): "
+                f"{', '.join(missing)}"
+            )
+        staging = Path(tempfile.mkdtemp(dir=self.incoming, prefix="pkg-"))
+        try:
+            for file, sha in files.items():
+                if Path(file).name != file:
+                    raise ModelStoreError(f"manifest names {file!r}, which is not a plain file")
+                os.link(self.artifacts / sha, staging / file)
+            (staging / "manifest.json").write_bytes(manifest_bytes)
+            try:
+                load_package(staging)
+            except IRError as exc:
+                raise ModelStoreError(f"model {manifest.name} failed validation: {exc}") from None
+            model_spec(manifest)
+            target = self.packages / manifest.name
+            old = self.packages / f".{manifest.name}.old"
+            if target.exists():
+                os.replace(target, old)
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        stored = StoredModel(manifest, manifest_bytes, self.packages / manifest.name)
+        self.models[manifest.name] = stored
+        return stored
+
+    def load(self, name: str, manifest_bytes: bytes) -> StoredModel | None:
+        """A model registered before a restart (None if its package has gone)."""
+        directory = self.packages / name
+        if not (directory / "manifest.json").is_file():
+            return None
+        manifest = ModelManifest.from_json(manifest_bytes)
+        stored = StoredModel(manifest, manifest_bytes, directory)
+        self.models[name] = stored
+        return stored

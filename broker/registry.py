@@ -1,0 +1,236 @@
+"""The provider registry: the I/O shell around the pure pool-membership core (`broker.pool`).
+
+Joins are checked (signature over the profile, this broker's peer id and a fresh timestamp;
+the join token; allow and deny lists), then become `ProviderJoined` events; heartbeats,
+leaves and stage reports become events too, and a ticker turns silence into deaths. Every
+event goes through `pool.apply`; the actions it returns are handed to the serving layer,
+which places stages and keeps routes. Time is `time.monotonic()` (the pool core's clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from broker.config import BrokerConfig
+from broker.events import EventLog
+from broker.pool import (
+    Action,
+    ClockTicked,
+    DrainStarted,
+    Event,
+    HeartbeatReceived,
+    HeartbeatsMissed,
+    PoolConfig,
+    PoolState,
+    ProviderJoined,
+    ProviderLeft,
+    ProviderLost,
+    Status,
+)
+from broker.pool import apply as pool_apply
+from dag.cost import HardwareProfile
+from p2p import verify
+from proto.heartbeat import Heartbeat, HeartbeatAck
+from proto.join import (
+    JOIN_DOMAIN,
+    MAX_CLOCK_SKEW_S,
+    Join,
+    JoinProfile,
+    JoinReply,
+    Leave,
+    LeaveAck,
+    signed_join_bytes,
+)
+
+log = logging.getLogger("fusionai.broker")
+
+MAX_PROFILE_BYTES = 64 * 1024
+
+
+def hardware(profile: JoinProfile, peer: str) -> HardwareProfile:
+    """The cost model's view of a provider: the executor it runs stages with."""
+    chosen = [e for e in profile.executors if e.executor == profile.executor]
+    if not chosen:
+        raise ValueError(f"the profile lists no measurement of its executor {profile.executor}")
+    best = max(chosen, key=lambda e: max(e.flops.values(), default=0.0))
+    return HardwareProfile(
+        name=profile.gpu or profile.cpu or peer,
+        flops={k: v for k, v in best.flops.items() if v > 0},
+        memory_bytes=float(profile.memory_limit_bytes),
+        mem_bandwidth=max(1.0, best.mem_bandwidth),
+        net_bandwidth=max(1.0, profile.net_up_bytes_s),
+        rtt=max(0.0, profile.rtt_s),
+    )
+
+
+class Registry:
+    def __init__(self, config: BrokerConfig, broker_id: str, events: EventLog) -> None:
+        self.config = config
+        self.broker_id = broker_id
+        self.events = events
+        self.state = PoolState(
+            config=PoolConfig(
+                heartbeat_interval=config.heartbeat_s, missed_heartbeats=config.missed_heartbeats
+            )
+        )
+        self.profiles: dict[str, JoinProfile] = {}
+        self.hardware: dict[str, HardwareProfile] = {}
+        self.loaded: dict[str, set[str]] = {}  # unit keys each provider reports loaded
+        self.load: dict[str, tuple[int, int]] = {}  # peer -> (queued, kv bytes), last heartbeat
+        self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
+        self.on_actions: Callable[[list[Action]], None] = lambda actions: None
+        self.on_joined: Callable[[str], None] = lambda peer: None
+        self.on_loaded: Callable[[str, set[str]], None] = lambda peer, keys: None
+
+    # ---- the one way state changes ---------------------------------------------------------
+
+    def apply(self, event: Event) -> list[Action]:
+        self.state, actions = pool_apply(self.state, event)
+        for action in actions:
+            if isinstance(action, ProviderLost):
+                self.loaded.pop(action.peer_id, None)
+                self.load.pop(action.peer_id, None)
+                self.lost.setdefault(action.peer_id, asyncio.Event()).set()
+                self.events.emit(
+                    "provider_lost",
+                    peer=action.peer_id,
+                    stage=action.stage,
+                    graceful=action.graceful,
+                    cause=type(event).__name__,
+                )
+        if actions:
+            self.on_actions(actions)
+        return actions
+
+    def lost_event(self, peer: str) -> asyncio.Event:
+        """Set once `peer` is declared lost (a fresh one after each join)."""
+        return self.lost.setdefault(peer, asyncio.Event())
+
+    def alive(self, peer: str) -> bool:
+        p = self.state.providers.get(peer)
+        return p is not None and p.status is not Status.DEAD
+
+    def mark_dead(self, peer: str, why: str) -> None:
+        if self.alive(peer):
+            self.events.emit("provider_unreachable", peer=peer, reason=why)
+            self.apply(HeartbeatsMissed(peer, time.monotonic()))
+
+    # ---- protocol handlers -----------------------------------------------------------------
+
+    def _refusal(self, peer: str, msg: Join) -> str:
+        if peer in self.config.deny:
+            return "this provider is on the broker's deny list"
+        if self.config.allow and peer not in self.config.allow:
+            return "this provider is not on the broker's allow list"
+        if msg.broker != self.broker_id:
+            return "this join is signed for another broker"
+        if abs(time.time() - msg.timestamp) > MAX_CLOCK_SKEW_S:
+            return (
+                f"the join's timestamp is more than {MAX_CLOCK_SKEW_S:.0f} s from the broker's "
+                f"clock: set this machine's clock"
+            )
+        if len(msg.profile) > MAX_PROFILE_BYTES:
+            return "the hardware profile is too large"
+        signed = signed_join_bytes(msg.profile, msg.broker, msg.timestamp)
+        if not verify(peer, signed, msg.signature, domain=JOIN_DOMAIN):
+            return "bad signature: the profile was not signed by this peer's key"
+        if self.config.join_token is not None and msg.token != self.config.join_token:
+            return "this broker needs a valid join token (--join-token)"
+        return ""
+
+    async def on_join(self, peer: str, msg: Join | Leave) -> JoinReply | LeaveAck:
+        if isinstance(msg, Leave):
+            if self.alive(peer):
+                self.events.emit("provider_left", peer=peer, reason=msg.reason)
+                self.apply(ProviderLeft(peer, time.monotonic()))
+            return LeaveAck()
+        reason = self._refusal(peer, msg)
+        profile: JoinProfile | None = None
+        hw: HardwareProfile | None = None
+        if not reason:
+            try:
+                profile = msgspec.json.decode(msg.profile, type=JoinProfile)
+                hw = hardware(profile, peer)
+            except (msgspec.DecodeError, ValueError) as exc:
+                reason = f"the hardware profile is not valid: {exc}"
+        if reason or profile is None or hw is None:
+            self.events.emit("join_refused", peer=peer, reason=reason)
+            return JoinReply(accepted=False, reason=reason)
+        self.profiles[peer] = profile
+        self.hardware[peer] = hw
+        self.loaded[peer] = set(msg.loaded)
+        self.lost[peer] = asyncio.Event()
+        self.events.emit(
+            "provider_joined",
+            peer=peer,
+            hardware=hw.name,
+            executor=profile.executor,
+            memory_bytes=profile.memory_limit_bytes,
+            loaded=sorted(msg.loaded),
+        )
+        self.apply(ProviderJoined(peer, hw, time.monotonic()))
+        self.on_joined(peer)
+        return JoinReply(accepted=True, pool="backup", heartbeat_s=self.config.heartbeat_s)
+
+    async def on_heartbeat(self, peer: str, msg: Heartbeat) -> HeartbeatAck:
+        if not self.alive(peer):
+            self.apply(HeartbeatReceived(peer, time.monotonic()))  # the core says: re-join
+            return HeartbeatAck(known=False)
+        now = time.monotonic()
+        self.apply(HeartbeatReceived(peer, now))
+        self.load[peer] = (msg.queued, msg.kv_bytes)
+        provider = self.state.providers[peer]
+        if msg.draining and provider.status is not Status.DRAINING:
+            self.events.emit("provider_draining", peer=peer)
+            self.apply(DrainStarted(peer, now))
+        keys = set(msg.loaded)
+        if keys != self.loaded.get(peer):
+            self.loaded[peer] = keys
+            self.on_loaded(peer, keys)
+        return HeartbeatAck(known=True)
+
+    # ---- the clock -------------------------------------------------------------------------
+
+    async def tick(self, stop: asyncio.Event) -> None:
+        """Turn silence into deaths: a tick four times per heartbeat interval."""
+        every = max(0.05, self.config.heartbeat_s / 4)
+        while not stop.is_set():
+            self.apply(ClockTicked(time.monotonic()))
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except TimeoutError:
+                pass
+
+    def summary(self) -> list[dict[str, Any]]:
+        out = []
+        now = time.monotonic()
+        for peer, p in sorted(self.state.providers.items()):
+            profile = self.profiles.get(peer)
+            queued, kv = self.load.get(peer, (0, 0))
+            out.append(
+                {
+                    "peer_id": peer,
+                    "pool": p.status.value,
+                    "stage": p.stage,
+                    "hardware": p.profile.name,
+                    "executor": profile.executor if profile else None,
+                    "flops": dict(p.profile.flops),
+                    "memory_bytes": int(p.profile.memory_bytes),
+                    "net_up_bytes_s": p.profile.net_bandwidth,
+                    "rtt_s": p.profile.rtt,
+                    "correction": round(p.correction.factor, 3),
+                    "last_seen_s": round(now - p.last_seen, 3),
+                    "queued": queued,
+                    "kv_bytes": kv,
+                    "loaded": sorted(self.loaded.get(peer, ())),
+                    "addrs": list(profile.addrs) if profile else [],
+                    "flapping": p.flapping(self.state.now, self.state.config),
+                }
+            )
+        return out

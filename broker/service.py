@@ -1,0 +1,163 @@
+"""The broker service: p2p host, registry, serving, job runner, HTTP API, SQLite.
+
+    async with Broker(BrokerConfig(data_dir=DIR)) as broker:
+        print(broker.addrs, broker.http_url)
+        await stop.wait()
+
+Starting restores what the database holds: models (from the model store), their placements
+(their providers have a grace period to re-join and re-announce what they have loaded), and
+jobs (placed or running ones go back to the queue; finished microbatches are kept). Closing
+cancels the background tasks, stops HTTP and the host, and closes the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from broker.config import BrokerConfig
+from broker.events import EventLog
+from broker.http import make_app
+from broker.jobs import JobRunner
+from broker.models import ModelStore, StoredModel
+from broker.registry import Registry
+from broker.serving import Serving
+from broker.store import Store
+from p2p import Host, HostConfig
+from proto.assign import STAGE_STATUS
+from proto.heartbeat import HEARTBEAT
+from proto.join import JOIN
+from proto.ping import PING, Ping, Pong
+
+log = logging.getLogger("fusionai.broker")
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.store = Store(config.db_path, event_log_size=config.event_log_size)
+        self.events = EventLog(self.store)
+        self.models = ModelStore(config.data_dir, config.max_artifact_bytes)
+        self.host = Host(HostConfig(listen=config.listen, data_dir=config.data_dir))
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self.http_url = ""
+        # Set in start(): they need the host's peer id and the HTTP address.
+        self.registry: Registry
+        self.serving: Serving
+        self.jobs: JobRunner
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    @property
+    def addrs(self) -> list[str]:
+        return list(self.host.addrs)
+
+    async def start(self) -> None:
+        await self.host.start()
+        self.registry = Registry(self.config, self.host.peer_id, self.events)
+        # HTTP first: assignments name artifact URLs on it.
+        self.serving = Serving(
+            self.config, self.registry, self.store, self.events, self.host, artifact_base=""
+        )
+        self.jobs = JobRunner(
+            self.config, self.store, self.events, self.serving, self.models, self.host
+        )
+        self._runner = web.AppRunner(make_app(self), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        host = self.config.http_host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.http_url = f"http://{shown}:{port}"
+        self.serving.artifact_base = (self.config.public_url or self.http_url).rstrip("/")
+        self.host.add_control_handler(JOIN, self.registry.on_join)
+        self.host.add_control_handler(HEARTBEAT, self.registry.on_heartbeat)
+        self.host.add_control_handler(STAGE_STATUS, self.serving.on_status)
+        self.host.add_control_handler(PING, self._on_ping)
+        self._restore()
+        self._tasks = [
+            asyncio.create_task(self.registry.tick(self._stop)),
+            asyncio.create_task(self.jobs.schedule(self._stop)),
+        ]
+        self.events.emit("broker_started", peer=self.peer_id, addrs=self.addrs, http=self.http_url)
+
+    def _restore(self) -> None:
+        placements = self.store.placements()
+        for name, manifest in sorted(self.store.models().items()):
+            stored = self.models.load(name, manifest)
+            if stored is None:
+                self.events.emit("model_missing", model=name)
+                continue
+            self.serving.add_model(stored, restored=placements.get(name))
+        self.jobs.resume()
+
+    async def _on_ping(self, peer: str, msg: Ping) -> Pong:
+        return Pong(nonce=msg.nonce, payload=msg.payload)
+
+    def add_model(self, manifest: bytes) -> StoredModel:
+        stored = self.models.register(manifest)
+        self.store.put_model(stored.name, manifest)
+        self.jobs.clients.pop(stored.name, None)
+        self.events.emit(
+            "model_added",
+            model=stored.name,
+            stages=len(stored.manifest.stages),
+            provider_stages=len(stored.units),
+        )
+        self.serving.add_model(stored)
+        return stored
+
+    async def close(self) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        serving: Serving | None = getattr(self, "serving", None)
+        if serving is not None:
+            await serving.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.host.close()
+        self.store.close()
+
+    async def __aenter__(self) -> Broker:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def status_line(broker: Broker) -> str:
+    providers = broker.registry.summary()
+    pools: dict[str, int] = {}
+    for p in providers:
+        pools[p["pool"]] = pools.get(p["pool"], 0) + 1
+    jobs = broker.store.jobs(("queued", "placed", "running"))
+    parts = [f"{n} {pool}" for pool, n in sorted(pools.items())] or ["no providers"]
+    return f"providers: {', '.join(parts)} | jobs running or queued: {len(jobs)}"
+
+
+def describe(broker: Broker) -> dict[str, Any]:
+    return {"peer_id": broker.peer_id, "addrs": broker.addrs, "http": broker.http_url}
+
+
+def default_data_dir() -> Path:
+    from p2p import default_data_dir as base
+
+    return base() / "broker"

@@ -1,0 +1,279 @@
+"""The broker's durable state in one SQLite file (WAL): models, placements, jobs, microbatch
+results and the bounded event log.
+
+Everything a restarted broker needs is here; what providers tell it (membership, loaded
+stages) is soft state they re-announce. Writes are small and happen on the event loop
+thread; each is its own transaction, so a broker killed at any moment leaves a consistent
+file. Nothing is pickled: rows hold JSON text and raw little-endian float32 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS models (
+    name TEXT PRIMARY KEY,
+    manifest BLOB NOT NULL,
+    added_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS placements (
+    model TEXT PRIMARY KEY,
+    data TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    model TEXT NOT NULL,
+    state TEXT NOT NULL,
+    request TEXT NOT NULL,
+    graph TEXT NOT NULL,
+    microbatches INTEGER NOT NULL,
+    estimate_s REAL NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    error TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS results (
+    job TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    attempts INTEGER NOT NULL,
+    shape TEXT NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (job, idx)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    job TEXT,
+    peer TEXT,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
+"""
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    seq: int
+    kind: str
+    model: str
+    state: str
+    request: dict[str, Any]
+    graph: bytes
+    microbatches: int
+    estimate_s: float
+    created: float
+    updated: float
+    error: str
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    at: float
+    kind: str
+    job: str | None
+    peer: str | None
+    data: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "at": self.at, "kind": self.kind}
+        if self.job:
+            out["job"] = self.job
+        if self.peer:
+            out["peer"] = self.peer
+        out.update(self.data)
+        return out
+
+
+class Store:
+    """One SQLite connection, used from the event loop thread only."""
+
+    def __init__(self, path: Path, *, event_log_size: int = 100_000) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.event_log_size = event_log_size
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA busy_timeout=5000")
+        self.db.executescript(SCHEMA)
+        self._since_trim = 0
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- models and placements -------------------------------------------------------------
+
+    def put_model(self, name: str, manifest: bytes) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO models (name, manifest, added_at) VALUES (?, ?, ?)",
+            (name, manifest, time.time()),
+        )
+
+    def models(self) -> dict[str, bytes]:
+        return {n: bytes(m) for n, m in self.db.execute("SELECT name, manifest FROM models")}
+
+    def put_placement(self, model: str, data: dict[str, Any]) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO placements (model, data) VALUES (?, ?)",
+            (model, json.dumps(data)),
+        )
+
+    def placements(self) -> dict[str, dict[str, Any]]:
+        return {m: json.loads(d) for m, d in self.db.execute("SELECT model, data FROM placements")}
+
+    # ---- jobs ------------------------------------------------------------------------------
+
+    def add_job(
+        self,
+        job_id: str,
+        kind: str,
+        model: str,
+        request: dict[str, Any],
+        graph: bytes,
+        microbatches: int,
+        estimate_s: float,
+    ) -> JobRow:
+        now = time.time()
+        with self.db:
+            self.db.execute("BEGIN")
+            (seq,) = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
+            self.db.execute(
+                "INSERT INTO jobs (id, seq, kind, model, state, request, graph, microbatches, "
+                "estimate_s, created, updated) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
+                (
+                    job_id,
+                    seq,
+                    kind,
+                    model,
+                    json.dumps(request),
+                    graph.decode(),
+                    microbatches,
+                    estimate_s,
+                    now,
+                    now,
+                ),
+            )
+        job = self.job(job_id)
+        assert job is not None
+        return job
+
+    def set_job_state(self, job_id: str, state: str, error: str = "") -> None:
+        self.db.execute(
+            "UPDATE jobs SET state = ?, error = ?, updated = ? WHERE id = ?",
+            (state, error, time.time(), job_id),
+        )
+
+    @staticmethod
+    def _job(row: tuple[Any, ...]) -> JobRow:
+        return JobRow(
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            json.loads(row[5]),
+            row[6].encode(),
+            row[7],
+            row[8],
+            row[9],
+            row[10],
+            row[11],
+        )
+
+    _JOB_COLUMNS = (
+        "id, seq, kind, model, state, request, graph, microbatches, estimate_s, created, "
+        "updated, error"
+    )
+
+    def job(self, job_id: str) -> JobRow | None:
+        row = self.db.execute(
+            f"SELECT {self._JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
+        ).fetchone()
+        return self._job(row) if row else None
+
+    def jobs(self, states: tuple[str, ...] | None = None, limit: int = 1000) -> list[JobRow]:
+        if states:
+            marks = ",".join("?" * len(states))
+            rows = self.db.execute(
+                f"SELECT {self._JOB_COLUMNS} FROM jobs WHERE state IN ({marks}) "
+                f"ORDER BY seq DESC LIMIT ?",
+                (*states, limit),
+            )
+        else:
+            rows = self.db.execute(
+                f"SELECT {self._JOB_COLUMNS} FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)
+            )
+        return [self._job(r) for r in rows]
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def put_result(
+        self, job_id: str, idx: int, attempts: int, shape: tuple[int, ...], data: bytes
+    ) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO results (job, idx, attempts, shape, data) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (job_id, idx, attempts, json.dumps(list(shape)), data),
+        )
+
+    def done_microbatches(self, job_id: str) -> set[int]:
+        return {i for (i,) in self.db.execute("SELECT idx FROM results WHERE job = ?", (job_id,))}
+
+    def count_done(self, job_id: str) -> int:
+        (n,) = self.db.execute("SELECT COUNT(*) FROM results WHERE job = ?", (job_id,)).fetchone()
+        return int(n)
+
+    def results(self, job_id: str) -> Iterator[tuple[int, list[int], bytes]]:
+        for idx, shape, data in self.db.execute(
+            "SELECT idx, shape, data FROM results WHERE job = ? ORDER BY idx", (job_id,)
+        ):
+            yield idx, json.loads(shape), bytes(data)
+
+    def delete_results(self, job_id: str) -> int:
+        cur = self.db.execute("DELETE FROM results WHERE job = ?", (job_id,))
+        return cur.rowcount
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def add_event(
+        self, kind: str, data: dict[str, Any], job: str | None = None, peer: str | None = None
+    ) -> EventRow:
+        at = time.time()
+        cur = self.db.execute(
+            "INSERT INTO events (at, kind, job, peer, data) VALUES (?, ?, ?, ?, ?)",
+            (at, kind, job, peer, json.dumps(data, default=str)),
+        )
+        event_id = int(cur.lastrowid or 0)
+        self._since_trim += 1
+        if self._since_trim >= max(1, self.event_log_size // 100):
+            self._since_trim = 0
+            self.db.execute("DELETE FROM events WHERE id <= ?", (event_id - self.event_log_size,))
+        return EventRow(event_id, at, kind, job, peer, data)
+
+    def events(
+        self, *, job: str | None = None, since: int = 0, limit: int = 1000
+    ) -> list[EventRow]:
+        if job is not None:
+            rows = self.db.execute(
+                "SELECT id, at, kind, job, peer, data FROM events WHERE job = ? AND id > ? "
+                "ORDER BY id LIMIT ?",
+                (job, since, limit),
+            )
+        else:
+            rows = self.db.execute(
+                "SELECT id, at, kind, job, peer, data FROM events WHERE id > ? ORDER BY id LIMIT ?",
+                (since, limit),
+            )
+        return [EventRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]

@@ -1,0 +1,337 @@
+"""`fusionai broker start`, `fusionai model add|list`, `fusionai job submit|status|...`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:7371"
+
+
+def add_parsers(sub: Any, dispatch: Any) -> None:
+    broker = sub.add_parser("broker", help="run a broker: providers join it, clients use it")
+    bsub = broker.add_subparsers(dest="broker_command", required=True, metavar="SUBCOMMAND")
+    start = bsub.add_parser("start", help="run the broker until Ctrl-C")
+    start.add_argument(
+        "--listen", action="append", help="p2p multiaddr (default /ip4/0.0.0.0/tcp/7370)"
+    )
+    start.add_argument("--http", default="127.0.0.1:7371", help="HTTP API HOST:PORT (port 0: any)")
+    start.add_argument("--public-url", help="base URL providers download artifacts from")
+    start.add_argument("--data-dir", help="identity, database, models (default: user data dir)")
+    start.add_argument("--db", help="SQLite file (default: DATA_DIR/broker.db)")
+    start.add_argument("--join-token", help="providers must present this token to join")
+    start.add_argument("--allow", action="append", default=[], help="peer id allowed to join")
+    start.add_argument("--deny", action="append", default=[], help="peer id refused")
+    start.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat interval")
+    start.add_argument("--missed-heartbeats", type=int, default=3, help="missed before dead")
+    start.add_argument("--queue", choices=["fifo", "sjf-bsbf"], default="fifo")
+    start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
+    start.add_argument("--microbatch", type=int, default=32, help="sequences per microbatch")
+    start.add_argument("--json", action="store_true", help="print events as JSON lines")
+    start.set_defaults(func=dispatch, group="broker", cmd="start")
+
+    url_help = f"the broker's HTTP URL (default: $FUSIONAI_BROKER_URL or {DEFAULT_URL})"
+    model = sub.add_parser("model", help="models stored by a broker")
+    msub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
+    add = msub.add_parser("add", help="upload a model package (a directory from `ir export`)")
+    add.add_argument("directory")
+    add.add_argument("--broker", help=url_help)
+    add.add_argument("--json", action="store_true")
+    add.set_defaults(func=dispatch, group="model", cmd="add")
+    lst = msub.add_parser("list", help="models and their routes")
+    lst.add_argument("--broker", help=url_help)
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=dispatch, group="model", cmd="list")
+
+    job = sub.add_parser("job", help="batch jobs on a broker")
+    jsub = job.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
+    submit = jsub.add_parser("submit", help="embed the lines of a text file through the swarm")
+    submit.add_argument("--model", required=True)
+    submit.add_argument("--texts", required=True, help="a file with one text per line")
+    submit.add_argument("--microbatch", type=int)
+    submit.add_argument("--wait", action="store_true", help="wait for the job, with progress")
+    submit.add_argument("--broker", help=url_help)
+    submit.add_argument("--json", action="store_true")
+    submit.set_defaults(func=dispatch, group="job", cmd="submit")
+    for name, text in (
+        ("status", "a job's state and progress"),
+        ("cancel", "cancel a job"),
+        ("story", "what happened to a job: providers, retries and why"),
+        ("results", "a finished job's results as JSON"),
+    ):
+        p = jsub.add_parser(name, help=text)
+        p.add_argument("id")
+        p.add_argument("--broker", help=url_help)
+        p.add_argument("--json", action="store_true")
+        if name == "results":
+            p.add_argument("--out", help="write to this file instead of stdout")
+        p.set_defaults(func=dispatch, group="job", cmd=name)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.group == "broker":
+        return start(args)
+    try:
+        if args.group == "model":
+            return model_add(args) if args.cmd == "add" else model_list(args)
+        return {
+            "submit": job_submit,
+            "status": job_status,
+            "cancel": job_cancel,
+            "story": job_story,
+            "results": job_results,
+        }[args.cmd](args)
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+# ---- broker start ------------------------------------------------------------------------
+
+
+def start(args: argparse.Namespace) -> int:
+    from broker.config import BrokerConfig
+    from broker.service import Broker, default_data_dir, status_line
+
+    host, _, port = args.http.rpartition(":")
+    if not host or not port.isdigit():
+        print("error: --http must be HOST:PORT, e.g. 127.0.0.1:7371", file=sys.stderr)
+        return 2
+    if args.heartbeat_s <= 0 or args.missed_heartbeats < 1 or args.microbatch < 1:
+        print(
+            "error: --heartbeat-s, --missed-heartbeats, --microbatch must be positive",
+            file=sys.stderr,
+        )
+        return 2
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    config = BrokerConfig(
+        data_dir=data_dir,
+        listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/7370",),
+        http_host=host,
+        http_port=int(port),
+        public_url=args.public_url,
+        db=Path(args.db) if args.db else None,
+        join_token=args.join_token,
+        allow=frozenset(args.allow),
+        deny=frozenset(args.deny),
+        heartbeat_s=args.heartbeat_s,
+        missed_heartbeats=args.missed_heartbeats,
+        queue_policy=args.queue,
+        replicas=args.replicas or None,
+        microbatch=args.microbatch,
+    )
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except NotImplementedError:
+                signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+        try:
+            broker = Broker(config)
+        except Exception as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            broker.events.sinks.append(
+                lambda row: print(
+                    json.dumps({"event": row.kind, "t": row.at, **row.to_json()}, default=str),
+                    flush=True,
+                )
+            )
+        try:
+            async with broker:
+                if not args.json:
+                    print(f"broker {broker.peer_id}", flush=True)
+                    for addr in broker.addrs:
+                        print(f"  providers join: fusionai provider start --broker {addr}")
+                    print(f"  HTTP API:       {broker.http_url}", flush=True)
+                while not stop.is_set():
+                    try:
+                        await asyncio.wait_for(stop.wait(), 30.0)
+                    except TimeoutError:
+                        if not args.json:
+                            print(status_line(broker), file=sys.stderr, flush=True)
+        except OSError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return asyncio.run(main())
+
+
+# ---- HTTP client for the other commands --------------------------------------------------
+
+
+class ApiError(Exception):
+    pass
+
+
+def _url(args: argparse.Namespace) -> str:
+    return (args.broker or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL).rstrip("/")
+
+
+def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        _url(args) + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except Exception:
+            message = exc.reason
+        raise ApiError(f"{exc.code}: {message}") from None
+    except urllib.error.URLError as exc:
+        raise ApiError(f"cannot reach the broker at {_url(args)}: {exc.reason}") from None
+
+
+def _print(args: argparse.Namespace, value: Any, text: str) -> None:
+    print(json.dumps(value, indent=2) if args.json else text)
+
+
+def model_add(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    from ir.manifest import ModelManifest
+
+    directory = Path(args.directory)
+    try:
+        manifest_bytes = (directory / "manifest.json").read_bytes()
+        manifest = ModelManifest.from_json(manifest_bytes)
+    except (OSError, ValueError) as exc:
+        print(f"error: {directory} is not a model package: {exc}", file=sys.stderr)
+        return 2
+    files = [(s.file, s.sha256, s.size_bytes) for s in manifest.stages]
+    if manifest.tokenizer and manifest.tokenizer_sha256:
+        path = directory / manifest.tokenizer
+        files.append((manifest.tokenizer, manifest.tokenizer_sha256, path.stat().st_size))
+    for i, (file, sha, size) in enumerate(files, 1):
+        path = directory / file
+        if not args.json:
+            print(f"[{i}/{len(files)}] uploading {file} ({size / 1e6:.1f} MB)", file=sys.stderr)
+        with path.open("rb") as body:
+            req = urllib.request.Request(
+                f"{_url(args)}/v1/artifacts/{sha}",
+                data=body,
+                method="PUT",
+                headers={"Content-Length": str(path.stat().st_size)},
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=600):
+                    pass
+            except urllib.error.HTTPError as exc:
+                raise ApiError(f"{exc.code} uploading {file}: {exc.read().decode()}") from None
+            except urllib.error.URLError as exc:
+                raise ApiError(f"cannot reach the broker at {_url(args)}: {exc.reason}") from None
+    model = _call_raw(args, "/v1/models", manifest_bytes)
+    state = "served" if model["ready"] else (model["waiting"] or "placing")
+    _print(args, model, f"added {model['model']}: {state}")
+    return 0
+
+
+def _call_raw(args: argparse.Namespace, path: str, body: bytes) -> Any:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(_url(args) + path, data=body, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except Exception:
+            message = exc.reason
+        raise ApiError(f"{exc.code}: {message}") from None
+
+
+def model_list(args: argparse.Namespace) -> int:
+    out = _call(args, "GET", "/v1/models")
+    lines = []
+    for m in out["models"]:
+        lines.append(f"{m['model']}: {'ready' if m['ready'] else m['waiting'] or 'placing'}")
+        for s in m["stages"]:
+            serving = ", ".join(p["peer_id"][-8:] for p in s["providers"]) or "-"
+            backups = ", ".join(p[-8:] for p in s["backups"]) or "-"
+            lines.append(f"  {s['key']:<24} serving: {serving:<20} backups: {backups}")
+    _print(args, out, "\n".join(lines) or "no models")
+    return 0
+
+
+def job_submit(args: argparse.Namespace) -> int:
+    try:
+        texts = [line for line in Path(args.texts).read_text().splitlines() if line.strip()]
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    body: dict[str, Any] = {"model": args.model, "texts": texts}
+    if args.microbatch:
+        body["microbatch"] = args.microbatch
+    job = _call(args, "POST", "/v1/jobs", body)
+    if not args.wait:
+        _print(args, job, job["id"])
+        return 0
+    while job["state"] not in ("succeeded", "failed", "cancelled"):
+        if not args.json:
+            print(f"\r{job['id']}: {job['state']} {job['progress']:.0%}", end="", file=sys.stderr)
+        time.sleep(0.5)
+        job = _call(args, "GET", f"/v1/jobs/{job['id']}")
+    if not args.json:
+        print(file=sys.stderr)
+    _print(
+        args, job, f"{job['id']}: {job['state']}" + (f" ({job['error']})" if job["error"] else "")
+    )
+    return 0 if job["state"] == "succeeded" else 1
+
+
+def job_status(args: argparse.Namespace) -> int:
+    job = _call(args, "GET", f"/v1/jobs/{args.id}")
+    text = f"{job['id']}: {job['state']}, {job['done']}/{job['microbatches']} microbatches"
+    _print(args, job, text + (f" ({job['error']})" if job["error"] else ""))
+    return 0
+
+
+def job_cancel(args: argparse.Namespace) -> int:
+    job = _call(args, "POST", f"/v1/jobs/{args.id}/cancel")
+    _print(args, job, f"{job['id']}: {job['state']}")
+    return 0
+
+
+def job_story(args: argparse.Namespace) -> int:
+    out = _call(args, "GET", f"/v1/jobs/{args.id}/story")
+    start = out["events"][0]["at"] if out["events"] else 0.0
+    lines = [f"job {out['job']['id']} ({out['job']['state']})"]
+    for e in out["events"]:
+        fields = {k: v for k, v in e.items() if k not in ("id", "at", "kind", "job")}
+        detail = " ".join(f"{k}={v}" for k, v in fields.items())
+        lines.append(f"  +{e['at'] - start:8.3f}s #{e['id']:<6} {e['kind']:<18} {detail}")
+    _print(args, out, "\n".join(lines))
+    return 0
+
+
+def job_results(args: argparse.Namespace) -> int:
+    out = _call(args, "GET", f"/v1/jobs/{args.id}/results")
+    text = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {out['total']} rows to {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
