@@ -87,7 +87,7 @@ class EventRow:
     data: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "at": self.at, "kind": self.kind}
+        out: dict[str, Any] = {"id": self.id, "at": round(self.at, 6), "kind": self.kind}
         if self.job:
             out["job"] = self.job
         if self.peer:

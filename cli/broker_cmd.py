@@ -144,8 +144,7 @@ def start(args: argparse.Namespace) -> int:
         if args.json:
             broker.events.sinks.append(
                 lambda row: print(
-                    json.dumps({"event": row.kind, "t": row.at, **row.to_json()}, default=str),
-                    flush=True,
+                    json.dumps({"event": row.kind, **row.to_json()}, default=str), flush=True
                 )
             )
         try:

