@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/placement.py
 	$(PY) benchmarks/sim.py
 	$(PY) benchmarks/provider.py
+	$(PY) benchmarks/broker.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

@@ -195,7 +195,7 @@ def make_app(broker: Broker) -> web.Application:
 
     async def story(request: web.Request) -> web.Response:
         job = job_or_404(request.match_info["id"])
-        events = [e.to_json() for e in store.events(job=job.id, limit=10_000)]
+        events = [e.to_json() for e in store.story(job.id)]
         return web.json_response({"job": job_json(job, store.count_done(job.id)), "events": events})
 
     async def events(request: web.Request) -> web.Response:

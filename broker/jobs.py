@@ -363,8 +363,9 @@ class JobRunner:
         avoid: set[str] = set()
         while True:
             attempts += 1
+            used: list[str] = []
             try:
-                return await self._walk(job, graph, client, ids, mask, avoid), attempts
+                out = await self._walk(job, graph, client, ids, mask, avoid, used)
             except _StageFailed as exc:
                 avoid.add(exc.peer)
                 if attempts >= self.config.max_attempts:
@@ -380,6 +381,16 @@ class JobRunner:
                     stage=exc.key,
                     reason=exc.reason,
                 )
+                continue
+            if attempts > 1:
+                self.events.emit(
+                    "microbatch_recovered",
+                    job=job.id,
+                    microbatch=idx,
+                    attempts=attempts,
+                    route=used,
+                )
+            return out, attempts
 
     async def _walk(
         self,
@@ -389,6 +400,7 @@ class JobRunner:
         ids: Array,
         mask: Array,
         avoid: set[str],
+        used: list[str],
     ) -> Array:
         values: dict[str, dict[str, Array]] = {}
         result: Array | None = None
@@ -403,7 +415,7 @@ class JobRunner:
                 values[node] = {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
             elif t.kind is TaskKind.FORWARD:
                 assert t.stage is not None
-                hidden = await self._forward(job, t.stage, inputs["hidden"], mask, avoid)
+                hidden = await self._forward(job, t.stage, inputs["hidden"], mask, avoid, used)
                 values[node] = {"hidden": hidden}
             elif t.kind is TaskKind.HEAD:
                 result = await asyncio.to_thread(client.head, inputs["hidden"], mask)
@@ -414,12 +426,13 @@ class JobRunner:
         return np.ascontiguousarray(result, dtype=np.float32)
 
     async def _forward(
-        self, job: JobRow, pos: int, hidden: Array, mask: Array, avoid: set[str]
+        self, job: JobRow, pos: int, hidden: Array, mask: Array, avoid: set[str], used: list[str]
     ) -> Array:
         model = self.models.models[job.model]
         key = model.unit_key(model.units[pos])
         info = model.manifest.stages[model.units[pos]]
         peer = await self._pick(job, pos, avoid)
+        used.append(peer)
         feeds = {"hidden_states": hidden, "attention_mask": mask, **zero_adapters(info)}
         names = {i.name for i in info.inputs}
         msg = Forward(

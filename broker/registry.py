@@ -86,7 +86,6 @@ class Registry:
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
         self.on_actions: Callable[[list[Action]], None] = lambda actions: None
         self.on_joined: Callable[[str], None] = lambda peer: None
-        self.on_loaded: Callable[[str, set[str]], None] = lambda peer, keys: None
 
     # ---- the one way state changes ---------------------------------------------------------
 
@@ -164,6 +163,8 @@ class Registry:
             return JoinReply(accepted=False, reason=reason)
         self.profiles[peer] = profile
         self.hardware[peer] = hw
+        # A provider we thought alive joining again restarted: the core loses it first.
+        self.apply(ProviderJoined(peer, hw, time.monotonic()))
         self.loaded[peer] = set(msg.loaded)
         self.lost[peer] = asyncio.Event()
         self.events.emit(
@@ -174,7 +175,6 @@ class Registry:
             memory_bytes=profile.memory_limit_bytes,
             loaded=sorted(msg.loaded),
         )
-        self.apply(ProviderJoined(peer, hw, time.monotonic()))
         self.on_joined(peer)
         return JoinReply(accepted=True, pool="backup", heartbeat_s=self.config.heartbeat_s)
 
@@ -189,10 +189,7 @@ class Registry:
         if msg.draining and provider.status is not Status.DRAINING:
             self.events.emit("provider_draining", peer=peer)
             self.apply(DrainStarted(peer, now))
-        keys = set(msg.loaded)
-        if keys != self.loaded.get(peer):
-            self.loaded[peer] = keys
-            self.on_loaded(peer, keys)
+        self.loaded[peer] = set(msg.loaded)  # for display: stage reports drive serving
         return HeartbeatAck(known=True)
 
     # ---- the clock -------------------------------------------------------------------------

@@ -116,7 +116,6 @@ class Serving:
         )
         registry.on_actions = self.on_actions
         registry.on_joined = self.on_joined
-        registry.on_loaded = self.on_loaded
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -374,15 +373,6 @@ class Serving:
         if plan.placement is None:
             return set()
         return plan.placement.providers() | set(plan.placement.backups.values())
-
-    def on_loaded(self, peer: str, keys: set[str]) -> None:
-        for (p, key), _ in list(self.confirmed.items()):
-            if p == peer and key not in keys:
-                self.confirmed.pop((p, key), None)  # it dropped the stage (evicted, restarted)
-                self.sent.pop((p, key), None)
-        for plan in self.plans.values():
-            if plan.placement is not None and peer in self._desired(plan):
-                self._sync(plan)
 
     async def on_status(self, peer: str, msg: StageStatus) -> StatusAck:
         if (peer, msg.key) not in self.sent:

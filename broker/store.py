@@ -277,3 +277,26 @@ class Store:
                 (since, limit),
             )
         return [EventRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+    def story(self, job: str, limit: int = 10_000) -> list[EventRow]:
+        """The job's events, with the swarm events about the providers it used (losses,
+        promotions, repairs) that happened while it ran, in order."""
+        own = self.events(job=job, limit=limit)
+        if not own:
+            return []
+        peers: set[str] = set()
+        for e in own:
+            if e.peer:
+                peers.add(e.peer)
+            for stage in e.data.get("route") or []:
+                peers.update(p for p in (stage if isinstance(stage, list) else [stage]))
+        if not peers:
+            return own
+        marks = ",".join("?" * len(peers))
+        rows = self.db.execute(
+            f"SELECT id, at, kind, job, peer, data FROM events WHERE job IS NULL AND peer IN "
+            f"({marks}) AND id > ? AND id < ? ORDER BY id LIMIT ?",
+            (*sorted(peers), own[0].id, own[-1].id, limit),
+        )
+        swarm = [EventRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+        return sorted(own + swarm, key=lambda e: e.id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import statistics
 import sys
 import time
@@ -50,6 +51,8 @@ from provider.profile import MachineProfile, free_memory_now, load_or_measure
 from provider.serving import Fault, LoadedStage, Server
 
 log = logging.getLogger("fusionai.provider")
+
+FAST_RETRY_S = 30.0  # seconds of an outage during which joins are retried about every second
 
 
 @dataclass(frozen=True)
@@ -219,12 +222,14 @@ class Provider:
         """Join, then heartbeat; on any failure join again with backoff."""
         backoff = 0.5
         immediate = True  # one immediate re-join after the broker forgot us, then backoff
+        outage_since: float | None = None
         while not stop.is_set():
             if self.server.draining and not self.joined.is_set():
                 return  # leaving: no point in joining again
             try:
                 await self._join()
                 backoff = 0.5
+                outage_since = None
                 await self._heartbeats(stop)
             except (P2PError, OSError) as exc:
                 self.joined.clear()
@@ -244,8 +249,14 @@ class Provider:
                 self.joined.clear()
                 log.exception("membership with the broker failed")
                 _event("broker_error", error=f"{type(exc).__name__}: {exc}")
+            if outage_since is None:
+                outage_since = time.monotonic()
+            # Retry about once a second for the first FAST_RETRY_S of an outage (a broker
+            # restart takes seconds), then back off exponentially; jitter spreads the swarm.
+            fast = time.monotonic() - outage_since < FAST_RETRY_S
+            delay = min(1.0, backoff) if fast else backoff
             try:
-                await asyncio.wait_for(stop.wait(), backoff)
+                await asyncio.wait_for(stop.wait(), delay * random.uniform(0.5, 1.0))
             except TimeoutError:
                 pass
             backoff = min(self.config.backoff_max_s, backoff * 2)

@@ -4,9 +4,13 @@ restart. Every wait has a deadline; faults are signals sent at chosen moments.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from tests.procs import Proc
+from tests.procs import ROOT, Proc
 from tests.test_broker.conftest import (
     HEARTBEAT_S,
     BrokerProc,
@@ -193,6 +197,33 @@ def test_model_is_uploaded_placed_and_a_batch_job_equals_local(
     # Results stay until fetched and deleted.
     status, out = api(b.http, "DELETE", f"/v1/jobs/{job['id']}/results")
     assert status == 200 and out["deleted"] == 5
+    told = subprocess.run(
+        [sys.executable, "-m", "cli.main", "job", "story", job["id"], "--broker", b.http],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert told.returncode == 0 and "job_succeeded" in told.stdout, told.stderr
+
+    # Artifacts are served by SHA-256 with range requests.
+    manifest = json.loads((minilm_package / "manifest.json").read_bytes())
+    stage = manifest["stages"][1]
+    req = urllib.request.Request(
+        f"{b.http}/v1/artifacts/{stage['sha256']}", headers={"Range": "bytes=100-163"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 206
+        part = resp.read()
+    assert part == (minilm_package / stage["file"]).read_bytes()[100:164]
+
+    # A queued or running job can be cancelled; a cancelled job stays cancelled.
+    _, big = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(400)})
+    status, out = api(b.http, "POST", f"/v1/jobs/{big['id']}/cancel")
+    assert status == 200 and out["state"] == "cancelled"
+    time.sleep(1.0)
+    _, out = api(b.http, "GET", f"/v1/jobs/{big['id']}")
+    assert out["state"] == "cancelled"
 
 
 def _failover(
@@ -238,8 +269,12 @@ def test_sigkill_of_an_active_provider_mid_job_fails_over_to_its_backup(
     b, victim, events = _failover(broker, provider, minilm_package, signal.SIGKILL)
     lost = b.proc.wait_for("provider_lost", lambda e: e["peer"] == victim, timeout=5)
     assert lost["graceful"] is False
+    # The job's story tells who failed, who took over, and which microbatches were retried.
     retries = [e for e in events if e["kind"] == "microbatch_retry"]
-    assert all(e["peer"] == victim for e in retries)
+    assert retries and all(e["peer"] == victim for e in retries)
+    assert any(e["kind"] == "provider_lost" and e["peer"] == victim for e in events)
+    assert any(e["kind"] == "stage_promoted" for e in events)
+    assert any(e["kind"] == "microbatch_recovered" for e in events)
 
 
 def test_sigstop_of_an_active_provider_is_caught_by_missed_heartbeats(
