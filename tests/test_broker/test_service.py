@@ -323,3 +323,21 @@ def test_broker_sigkill_mid_job_then_restart_completes_the_job(
 def _members(http: str) -> set[str]:
     _, out = api(http, "GET", "/v1/models/minilm")
     return {p["peer_id"] for s in out["stages"] for p in s["providers"]}
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sjf-bsbf"])
+def test_queue_policy_orders_jobs_waiting_for_a_route(
+    broker: Spawner, provider: Spawner, minilm_package: Path, policy: str
+) -> None:
+    b: BrokerProc = broker("--queue", policy)
+    model = add_model(b.http, minilm_package)  # no providers yet: placed later
+    assert not model["ready"] and "no providers" in model["waiting"]
+    _, long = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(64)})
+    _, short = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(8)})
+    procs = [provider(b.addr) for _ in range(2)]
+    for p in procs:
+        peer_of(p)
+    first = b.proc.wait_for("job_placed", timeout=120)
+    assert first["job"] == (long["id"] if policy == "fifo" else short["id"])
+    for job in (long, short):
+        assert wait_job(b.http, job["id"])["state"] == "succeeded"
