@@ -24,13 +24,15 @@ Errors are JSON `{"error": {"message", "field"?}}` with 400 (bad input, naming t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from broker.jobs import JobError, NotReady
+from broker.errors import Conflict, NotFound
+from broker.jobs import JobError
 from broker.models import ModelStoreError
 from broker.store import JobRow
 
@@ -60,9 +62,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error(400, str(exc), exc.field)
     except ModelStoreError as exc:
         return error(400, str(exc))
-    except LookupError as exc:
-        return error(404, str(exc.args[0]) if exc.args else "not found")
-    except NotReady as exc:
+    except NotFound as exc:
+        return error(404, str(exc))
+    except Conflict as exc:
         return error(409, str(exc))
 
 
@@ -72,7 +74,7 @@ async def json_body(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise
     try:
-        return json.loads(raw)
+        return await asyncio.to_thread(json.loads, raw)  # up to max_body_bytes: off the loop
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise JobError("body", f"not valid JSON: {exc}") from None
 
@@ -110,9 +112,9 @@ def make_app(broker: Broker) -> web.Application:
     store, jobs, serving = broker.store, broker.jobs, broker.serving
 
     def job_or_404(job_id: str) -> JobRow:
-        job = store.job(job_id)
+        job = store.job(job_id, full=False)
         if job is None:
-            raise LookupError(f"no job {job_id}")
+            raise NotFound(f"no job {job_id}")
         return job
 
     async def healthz(request: web.Request) -> web.Response:
@@ -145,13 +147,13 @@ def make_app(broker: Broker) -> web.Application:
 
     async def add_model(request: web.Request) -> web.Response:
         body = await request.read()
-        stored = broker.add_model(body)
+        stored = await broker.add_model(body)
         return web.json_response(serving.describe(stored.name), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in serving.plans:
-            raise LookupError(f"no model named {name!r}")
+            raise NotFound(f"no model named {name!r}")
         return web.json_response(serving.describe(name))
 
     async def put_artifact(request: web.Request) -> web.Response:
@@ -162,11 +164,11 @@ def make_app(broker: Broker) -> web.Application:
     async def get_artifact(request: web.Request) -> web.StreamResponse:
         path = broker.models.artifact_path(request.match_info["sha"])
         if path is None:
-            raise LookupError("no such artifact")
+            raise NotFound("no such artifact")
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
     async def submit(request: web.Request) -> web.Response:
-        job = jobs.submit(await json_body(request))
+        job = await jobs.submit(await json_body(request))
         return web.json_response(job_json(job, 0), status=201)
 
     async def list_jobs(request: web.Request) -> web.Response:
@@ -184,7 +186,7 @@ def make_app(broker: Broker) -> web.Application:
 
     async def results(request: web.Request) -> web.Response:
         offset = int_param(request, "offset", 0, 0, 10**9)
-        limit = int_param(request, "limit", 100_000, 1, 100_000)
+        limit = int_param(request, "limit", 10_000, 1, 10_000)
         return web.json_response(jobs.results(request.match_info["id"], offset, limit))
 
     async def delete_results(request: web.Request) -> web.Response:

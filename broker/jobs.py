@@ -25,6 +25,7 @@ import networkx as nx
 import numpy as np
 
 from broker.config import BrokerConfig
+from broker.errors import Conflict, NotFound
 from broker.events import EventLog
 from broker.models import ModelStore
 from broker.queue import Fifo, Job, QueuePolicy, Running, SjfBsbf
@@ -44,6 +45,7 @@ Array = np.ndarray[Any, Any]
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 ACTIVE = ("placed", "running")
+BUSY_WAIT_S = 0.2  # pause before trying again after a "busy" answer; seconds
 NOMINAL_FLOPS = 1e11  # FLOP/s used only to rank jobs by size (SJF); not a prediction
 
 
@@ -102,9 +104,9 @@ def parse_request(body: Any, config: BrokerConfig) -> JobRequest:
         items: Sequence[Any] = texts
     else:
         if not isinstance(ids, list) or not all(
-            isinstance(seq, list) and all(type(t) is int for t in seq) for seq in ids
+            isinstance(seq, list) and seq and all(type(t) is int for t in seq) for seq in ids
         ):
-            raise JobError("token_ids", "must be a list of lists of integers")
+            raise JobError("token_ids", "must be a list of non-empty lists of integers")
         items = ids
     if not items:
         raise JobError("texts" if texts is not None else "token_ids", "is empty")
@@ -139,6 +141,7 @@ class JobRunner:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.partner: dict[str, str | None] = {}  # running job -> the job sharing its route
         self.held: dict[str, int] = {}  # running job -> route slots it holds (0: a guest)
+        self.models_of: dict[str, str] = {}  # running job -> its model
         self.clients: dict[str, ClientStages] = {}
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
         self._wake = asyncio.Event()
@@ -146,12 +149,13 @@ class JobRunner:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, body: Any) -> JobRow:
-        request = parse_request(body, self.config)
+    async def submit(self, body: Any) -> JobRow:
+        """Validate and queue a job (the heavy checks run off the event loop)."""
+        request = await asyncio.to_thread(parse_request, body, self.config)
         model = self.models.models.get(request.model)
         if model is None:
-            raise LookupError(f"no model named {request.model!r}; add it first")
-        client = self.client(request.model)
+            raise NotFound(f"no model named {request.model!r}; add it first")
+        client = await asyncio.to_thread(self.client, request.model)
         lengths = (
             [len(t) for t in request.token_ids]
             if request.token_ids is not None
@@ -159,7 +163,7 @@ class JobRunner:
         )
         if request.token_ids is not None:
             try:
-                client.pad(request.token_ids)  # token range and length checks
+                await asyncio.to_thread(client.pad, request.token_ids)  # range, length checks
             except ClientStageError as exc:
                 raise JobError("token_ids", str(exc)) from None
         elif client.tokenizer is None:
@@ -192,9 +196,9 @@ class JobRunner:
         return job
 
     def cancel(self, job_id: str) -> JobRow:
-        job = self.store.job(job_id)
+        job = self.store.job(job_id, full=False)
         if job is None:
-            raise LookupError(f"no job {job_id}")
+            raise NotFound(f"no job {job_id}")
         if job.state in TERMINAL:
             return job
         self.store.set_job_state(job_id, "cancelled", "cancelled by request")
@@ -202,15 +206,14 @@ class JobRunner:
         task_ = self.tasks.pop(job_id, None)
         if task_ is not None:
             task_.cancel()
+            self._release(job_id)
         self._wake.set()
-        found = self.store.job(job_id)
+        found = self.store.job(job_id, full=False)
         assert found is not None
         return found
 
     def busy(self, model: str) -> bool:
-        return any(
-            (job := self.store.job(j)) is not None and job.model == model for j in self.tasks
-        )
+        return model in self.models_of.values()
 
     def client(self, model: str) -> ClientStages:
         stages = self.clients.get(model)
@@ -229,20 +232,27 @@ class JobRunner:
             self.events.emit("job_resumed", job=job.id, done=done, of=job.microbatches)
 
     async def schedule(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            self._start_jobs()
-            self.serving.check_restored()
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), 0.25)
-            except TimeoutError:
-                pass
-        for t in list(self.tasks.values()):
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        try:
+            while not stop.is_set():
+                try:
+                    self._start_jobs()
+                    self.serving.check_restored()
+                except Exception:  # a bug here must not stop scheduling for good
+                    log.exception("scheduling failed; trying again")
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.25)
+                except TimeoutError:
+                    pass
+        finally:  # shutting down (or cancelled): running jobs stop; they resume on restart
+            for t in list(self.tasks.values()):
+                t.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     def _start_jobs(self) -> None:
-        queued = [j for j in self.store.jobs(("queued",)) if j.id not in self.tasks]
+        queued = [
+            j for j in self.store.jobs(("queued",), oldest_first=True) if j.id not in self.tasks
+        ]
         by_model: dict[str, list[JobRow]] = {}
         for job in queued:
             by_model.setdefault(job.model, []).append(job)
@@ -257,7 +267,7 @@ class JobRunner:
             slots = min(len(peers) for peers in route)
             running = []
             for job_id in self.tasks:
-                row = self.store.job(job_id)
+                row = self.store.job(job_id, full=False)
                 if row is not None and row.model == model:
                     done = self.store.count_done(job_id)
                     left = row.estimate_s * (1 - done / max(1, row.microbatches))
@@ -276,17 +286,18 @@ class JobRunner:
                 self.partner[decision.job.id] = host
                 if host is not None:
                     self.partner[host] = decision.job.id
-                self._start(decision.job.id, shares=host)
+                self._start(decision.job.id, model, shares=host)
 
-    def _start(self, job_id: str, shares: str | None) -> None:
+    def _start(self, job_id: str, model: str, shares: str | None) -> None:
         self.held[job_id] = 0 if shares else 1
+        self.models_of[job_id] = model
         self.store.set_job_state(job_id, "placed")
-        route = self.serving.route(self.store.job(job_id).model)  # type: ignore[union-attr]
+        route = self.serving.route(model)
         self.events.emit("job_placed", job=job_id, route=route, shares_with=shares)
         self.tasks[job_id] = asyncio.create_task(self._run(job_id))
 
     def _finish(self, job_id: str, state: str, error: str = "") -> None:
-        job = self.store.job(job_id)
+        job = self.store.job(job_id, full=False)
         if job is None or job.state in TERMINAL:
             return
         self.store.set_job_state(job_id, state, error)
@@ -309,21 +320,26 @@ class JobRunner:
         finally:
             if self.tasks.get(job_id) is asyncio.current_task():
                 del self.tasks[job_id]
-            partner = self.partner.pop(job_id, None)
-            held = self.held.pop(job_id, 1)
-            if partner is not None and partner in self.tasks:  # it carries on, holding the route
-                self.partner[partner] = None
-                self.held[partner] = self.held.get(partner, 0) + held
+                self._release(job_id)
             self._wake.set()
+
+    def _release(self, job_id: str) -> None:
+        """A job stopped: a job sharing its route carries on, holding the route."""
+        self.models_of.pop(job_id, None)
+        partner = self.partner.pop(job_id, None)
+        held = self.held.pop(job_id, 0)
+        if partner is not None and partner in self.tasks:
+            self.partner[partner] = None
+            self.held[partner] = self.held.get(partner, 0) + held
 
     async def _execute(self, job: JobRow) -> None:
         graph = from_json(job.graph)
-        client = self.client(job.model)
         request = job.request
+        client = await asyncio.to_thread(self.client, job.model)
         if "texts" in request:
             ids, mask = await asyncio.to_thread(client.tokenize, request["texts"])
         else:
-            ids, mask = client.pad(request["token_ids"])
+            ids, mask = await asyncio.to_thread(client.pad, request["token_ids"])
         mb = int(request["microbatch"])
         done = self.store.done_microbatches(job.id)
         todo = [i for i in range(job.microbatches) if i not in done]
@@ -346,7 +362,13 @@ class JobRunner:
                 if finished % step == 0 or finished == job.microbatches:
                     self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
 
-        await asyncio.gather(*(one(i) for i in todo))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the others
+                for i in todo:
+                    group.create_task(one(i))
+        except ExceptionGroup as group:  # report the job's own failure, else the first error
+            errors: list[BaseException] = list(group.exceptions)
+            raise next((e for e in errors if isinstance(e, _JobFailed)), errors[0]) from None
         self._finish(job.id, "succeeded")
 
     async def _microbatch(
@@ -361,6 +383,7 @@ class JobRunner:
         """Run one microbatch through the job graph; returns (result, attempts)."""
         attempts = 0
         avoid: set[str] = set()
+        busy_until: float | None = None
         while True:
             attempts += 1
             used: list[str] = []
@@ -368,6 +391,11 @@ class JobRunner:
                 out = await self._walk(job, graph, client, ids, mask, avoid, used)
             except _StageFailed as exc:
                 avoid.add(exc.peer)
+                if exc.busy and busy_until is None:
+                    busy_until = time.monotonic() + self.config.request_timeout_s
+                if exc.busy and busy_until is not None and time.monotonic() < busy_until:
+                    attempts -= 1  # busy answers do not count, for up to a request timeout
+                    continue
                 if attempts >= self.config.max_attempts:
                     raise _JobFailed(
                         f"microbatch {idx} failed {attempts} times; last: {exc}"
@@ -445,21 +473,24 @@ class JobRunner:
         )
         watch = asyncio.ensure_future(lost.wait())
         start = time.perf_counter()
+        abandoned = True
         try:
             await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            abandoned = not call.done()
         finally:
             self.inflight[peer] -= 1
             watch.cancel()
-        if not call.done():
-            call.cancel()
+            if abandoned:
+                call.cancel()  # lost, or we were cancelled: the request is abandoned
+        if abandoned:
             raise _StageFailed(peer, key, "the provider was declared lost")
         try:
             answer: ForwardResult = call.result()
         except RemoteError as exc:
-            if exc.code == ErrorCode.BUSY:
-                await asyncio.sleep(0.05)
-            else:
-                await self.serving.changed(0.5)  # e.g. promoted but not confirmed yet
+            if exc.code == ErrorCode.BUSY:  # full or leaving: wait, it is not a failure
+                await asyncio.sleep(BUSY_WAIT_S)
+                raise _StageFailed(peer, key, f"{exc.code}: {exc}", busy=True) from None
+            await self.serving.changed(0.5)  # e.g. promoted but not confirmed yet
             raise _StageFailed(peer, key, f"{exc.code}: {exc}") from None
         except RequestTimeout as exc:
             await self.serving.suspect(peer, "a stage request timed out")
@@ -501,9 +532,9 @@ class JobRunner:
     # ---- results ---------------------------------------------------------------------------
 
     def results(self, job_id: str, offset: int, limit: int) -> dict[str, Any]:
-        job = self.store.job(job_id)
+        job = self.store.job(job_id, full=False)
         if job is None:
-            raise LookupError(f"no job {job_id}")
+            raise NotFound(f"no job {job_id}")
         if job.state != "succeeded":
             raise NotReady(f"job {job_id} is {job.state}; results come when it has succeeded")
         rows: list[list[float]] = []
@@ -518,7 +549,7 @@ class JobRunner:
         return {"job": job_id, "offset": offset, "total": total, "embeddings": rows}
 
 
-class NotReady(Exception):
+class NotReady(Conflict):
     """The job has no results yet."""
 
 
@@ -527,6 +558,6 @@ class _JobFailed(Exception):
 
 
 class _StageFailed(Exception):
-    def __init__(self, peer: str, key: str, reason: str) -> None:
+    def __init__(self, peer: str, key: str, reason: str, busy: bool = False) -> None:
         super().__init__(f"{key} on {peer}: {reason}")
-        self.peer, self.key, self.reason = peer, key, reason
+        self.peer, self.key, self.reason, self.busy = peer, key, reason, busy

@@ -27,6 +27,7 @@ from ir.package import load_package
 
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 class ModelStoreError(ValueError):
@@ -143,11 +144,15 @@ class ModelStore:
                 f"model {manifest.name}: upload these artifacts first (PUT /v1/artifacts/SHA): "
                 f"{', '.join(missing)}"
             )
+        for file in files:
+            if not FILE_RE.match(file) or file == "manifest.json":
+                raise ModelStoreError(
+                    f"manifest names the file {file!r}: use a plain name of letters, digits, "
+                    f"'.', '_' or '-' (the export tools use <sha256>.onnx), not manifest.json"
+                )
         staging = Path(tempfile.mkdtemp(dir=self.incoming, prefix="pkg-"))
         try:
             for file, sha in files.items():
-                if Path(file).name != file:
-                    raise ModelStoreError(f"manifest names {file!r}, which is not a plain file")
                 os.link(self.artifacts / sha, staging / file)
             (staging / "manifest.json").write_bytes(manifest_bytes)
             try:

@@ -59,6 +59,10 @@ def hardware(profile: JoinProfile, peer: str) -> HardwareProfile:
     if not chosen:
         raise ValueError(f"the profile lists no measurement of its executor {profile.executor}")
     best = max(chosen, key=lambda e: max(e.flops.values(), default=0.0))
+    if not any(v > 0 for v in best.flops.values()):
+        raise ValueError("the profile has no positive FLOP/s figure for its executor")
+    if profile.memory_limit_bytes <= 0:
+        raise ValueError("the profile's memory limit must be positive")
     return HardwareProfile(
         name=profile.gpu or profile.cpu or peer,
         flops={k: v for k, v in best.flops.items() if v > 0},
@@ -86,6 +90,8 @@ class Registry:
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
         self.on_actions: Callable[[list[Action]], None] = lambda actions: None
         self.on_joined: Callable[[str], None] = lambda peer: None
+        self.on_draining: Callable[[str], None] = lambda peer: None
+        self.on_loaded: Callable[[str, set[str]], None] = lambda peer, keys: None
 
     # ---- the one way state changes ---------------------------------------------------------
 
@@ -189,7 +195,9 @@ class Registry:
         if msg.draining and provider.status is not Status.DRAINING:
             self.events.emit("provider_draining", peer=peer)
             self.apply(DrainStarted(peer, now))
-        self.loaded[peer] = set(msg.loaded)  # for display: stage reports drive serving
+            self.on_draining(peer)
+        self.loaded[peer] = set(msg.loaded)
+        self.on_loaded(peer, self.loaded[peer])
         return HeartbeatAck(known=True)
 
     # ---- the clock -------------------------------------------------------------------------
@@ -198,7 +206,10 @@ class Registry:
         """Turn silence into deaths: a tick four times per heartbeat interval."""
         every = max(0.05, self.config.heartbeat_s / 4)
         while not stop.is_set():
-            self.apply(ClockTicked(time.monotonic()))
+            try:
+                self.apply(ClockTicked(time.monotonic()))
+            except Exception:  # a bug must not stop failure detection for good
+                log.exception("the membership tick failed; trying again")
             try:
                 await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:

@@ -13,6 +13,7 @@ cancels the background tasks, stops HTTP and the host, and closes the database.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from broker.config import BrokerConfig
+from broker.errors import Conflict
 from broker.events import EventLog
 from broker.http import make_app
 from broker.jobs import JobRunner
@@ -105,8 +107,16 @@ class Broker:
     async def _on_ping(self, peer: str, msg: Ping) -> Pong:
         return Pong(nonce=msg.nonce, payload=msg.payload)
 
-    def add_model(self, manifest: bytes) -> StoredModel:
-        stored = self.models.register(manifest)
+    async def add_model(self, manifest: bytes) -> StoredModel:
+        """Register (or replace) a model; the same manifest again changes nothing. A new
+        version is refused while a job runs on the model."""
+        known = self.models.models.get(_name_of(manifest))
+        if known is not None and known.manifest_bytes == manifest:
+            return known
+        if known is not None and self.jobs.busy(known.name):
+            raise Conflict(f"a job is running on {known.name}; add the new version after it")
+        # Hashing and validating multi-GB stages happens off the event loop.
+        stored = await asyncio.to_thread(self.models.register, manifest)
         self.store.put_model(stored.name, manifest)
         self.jobs.clients.pop(stored.name, None)
         self.events.emit(
@@ -141,6 +151,15 @@ class Broker:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _name_of(manifest: bytes) -> str:
+    """The model name a manifest claims ("" if it is not readable; `register` says why)."""
+    try:
+        name = json.loads(manifest).get("name", "")
+    except (ValueError, AttributeError):
+        return ""
+    return name if isinstance(name, str) else ""
 
 
 def status_line(broker: Broker) -> str:

@@ -88,6 +88,26 @@ def placement_from_json(d: dict[str, Any]) -> Placement:
     return Placement(replicas, backups, tuple(d["spares"]), int(d["tokens"]))
 
 
+def _checked(data: dict[str, Any], units: int) -> Placement | None:
+    """A stored placement, if it still fits a model of `units` provider stages."""
+    try:
+        placement = placement_from_json(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+    for rep in placement.replicas:
+        ends = [(s.first, s.end) for s in rep.stages]
+        if [e for _, e in ends][-1:] != [units] or any(
+            a != (ends[i - 1][1] if i else 0) or b <= a for i, (a, b) in enumerate(ends)
+        ):
+            return None
+    if any(
+        r >= len(placement.replicas) or s >= len(placement.replicas[r].stages)
+        for r, s in placement.backups
+    ):
+        return None
+    return placement
+
+
 class Serving:
     def __init__(
         self,
@@ -116,6 +136,8 @@ class Serving:
         )
         registry.on_actions = self.on_actions
         registry.on_joined = self.on_joined
+        registry.on_draining = self.on_draining
+        registry.on_loaded = self.on_loaded
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -125,8 +147,12 @@ class Serving:
         if old is not None and old.placement is not None:
             self._drop(old)  # a new version replaces the old one's assignments
         if restored is not None:
-            plan.placement = placement_from_json(restored)
-            plan.restored_until = time.monotonic() + self.config.grace_s
+            placement = _checked(restored, len(model.units))
+            if placement is None:
+                self.events.emit("placement_discarded", model=model.name)
+            else:
+                plan.placement = placement
+                plan.restored_until = time.monotonic() + self.config.grace_s
         self.plans[model.name] = plan
         if plan.placement is None:
             self._place(plan)
@@ -136,6 +162,7 @@ class Serving:
     def _drop(self, plan: Plan) -> None:
         plan.placement = None
         self._sync_removals(plan, {})
+        self.store.delete_placement(plan.model.name)
 
     def unit_keys(self, plan: Plan) -> list[str]:
         return [plan.model.unit_key(i) for i in plan.model.units]
@@ -211,9 +238,8 @@ class Serving:
         fixed = on_leave(plan.placement, gone, plan.spec, profiles, self.pcfg)
         moves = [[m.first, m.end, m.source, m.target] for m in fixed.moves]
         if not fixed.placement.replicas:
-            plan.placement = None
             self.events.emit("model_unplaced", model=plan.model.name, lost=gone, reason=why)
-            self._sync_removals(plan, {})
+            self._drop(plan)
             self._place(plan)
             return
         self._adopt(plan, fixed.placement, "repaired", lost=gone, reason=why, moves=moves)
@@ -354,10 +380,11 @@ class Serving:
 
     def on_joined(self, peer: str) -> None:
         for plan in self.plans.values():
-            if plan.placement is not None and peer in self._members(plan):
-                self._sync(plan)  # a member re-joined (after a restart): re-send its stages
-                return
-        for plan in self.plans.values():
+            plan.cannot.pop(peer, None)  # a fresh start: let it try again
+        member = [p for p in self.plans.values() if peer in self._members(p)]
+        for plan in member:
+            self._sync(plan)  # a member re-joined (after a restart): re-send its stages
+        for plan in self.plans.values() if not member else []:
             if plan.placement is None:
                 self._place(plan)
                 continue
@@ -367,6 +394,30 @@ class Serving:
             if updated != plan.placement:
                 self._adopt(plan, updated)
             self._maybe_rebalance(plan)
+        # Stages it still holds that no placement wants (it was repaired away while cut
+        # off, or a model changed) are dropped, so their memory is free for new ones.
+        for key in sorted(self.registry.loaded.get(peer, set())):
+            if (peer, key) not in self.sent:
+                self._send(peer, Unassign(key=key))
+
+    def on_draining(self, peer: str) -> None:
+        """A provider is leaving: its backup takes over now, while it finishes what it has."""
+        for plan in list(self.plans.values()):
+            if peer in self._members(plan):
+                self.repair(plan, peer, "draining")
+
+    def on_loaded(self, peer: str, keys: set[str]) -> None:
+        """A heartbeat lists what is loaded: a stage whose ready report was lost counts."""
+        changed = False
+        for key in keys:
+            role = self.sent.get((peer, key))
+            if role is not None and (peer, key) not in self.confirmed:
+                self.confirmed[(peer, key)] = role
+                changed = True
+        if changed:
+            for plan in self.plans.values():
+                self._check_ready(plan, peer)
+            self.notify()
 
     @staticmethod
     def _members(plan: Plan) -> set[str]:
@@ -378,6 +429,8 @@ class Serving:
         if (peer, msg.key) not in self.sent:
             return StatusAck()  # an assignment since withdrawn
         if msg.state == "ready":
+            if self.sent[(peer, msg.key)] != msg.role and self.confirmed.get((peer, msg.key)):
+                return StatusAck()  # a late report from before a role change
             self.confirmed[(peer, msg.key)] = msg.role
             self.registry.loaded.setdefault(peer, set()).add(msg.key)
             self.events.emit(

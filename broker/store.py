@@ -130,6 +130,9 @@ class Store:
             (model, json.dumps(data)),
         )
 
+    def delete_placement(self, model: str) -> None:
+        self.db.execute("DELETE FROM placements WHERE model = ?", (model,))
+
     def placements(self) -> dict[str, dict[str, Any]]:
         return {m: json.loads(d) for m, d in self.db.execute("SELECT model, data FROM placements")}
 
@@ -192,29 +195,39 @@ class Store:
             row[11],
         )
 
-    _JOB_COLUMNS = (
-        "id, seq, kind, model, state, request, graph, microbatches, estimate_s, created, "
-        "updated, error"
-    )
+    @staticmethod
+    def _columns(full: bool) -> str:
+        """The job columns; without `full`, the (large) request and graph are left empty."""
+        body = "request, graph" if full else "'{}', ''"
+        return (
+            f"id, seq, kind, model, state, {body}, microbatches, estimate_s, created, updated, "
+            f"error"
+        )
 
-    def job(self, job_id: str) -> JobRow | None:
+    def job(self, job_id: str, *, full: bool = True) -> JobRow | None:
         row = self.db.execute(
-            f"SELECT {self._JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)
+            f"SELECT {self._columns(full)} FROM jobs WHERE id = ?", (job_id,)
         ).fetchone()
         return self._job(row) if row else None
 
-    def jobs(self, states: tuple[str, ...] | None = None, limit: int = 1000) -> list[JobRow]:
+    def jobs(
+        self,
+        states: tuple[str, ...] | None = None,
+        limit: int = 1000,
+        *,
+        oldest_first: bool = False,
+    ) -> list[JobRow]:
+        """Jobs without their request and graph, newest first (or oldest first)."""
+        order = "ASC" if oldest_first else "DESC"
+        where = ""
+        args: tuple[str, ...] = ()
         if states:
-            marks = ",".join("?" * len(states))
-            rows = self.db.execute(
-                f"SELECT {self._JOB_COLUMNS} FROM jobs WHERE state IN ({marks}) "
-                f"ORDER BY seq DESC LIMIT ?",
-                (*states, limit),
-            )
-        else:
-            rows = self.db.execute(
-                f"SELECT {self._JOB_COLUMNS} FROM jobs ORDER BY seq DESC LIMIT ?", (limit,)
-            )
+            where = f"WHERE state IN ({','.join('?' * len(states))})"
+            args = states
+        rows = self.db.execute(
+            f"SELECT {self._columns(False)} FROM jobs {where} ORDER BY seq {order} LIMIT ?",
+            (*args, limit),
+        )
         return [self._job(r) for r in rows]
 
     # ---- results ---------------------------------------------------------------------------

@@ -1,0 +1,11 @@
+"""Errors the broker's API reports to clients (the HTTP layer maps each to a status)."""
+
+from __future__ import annotations
+
+
+class NotFound(Exception):
+    """An unknown model, job or artifact (404)."""
+
+
+class Conflict(Exception):
+    """Not possible in the current state; the message says when it will be (409)."""
