@@ -258,7 +258,7 @@ def _failover(
     finally:
         if fault == signal.SIGSTOP:
             by_peer[victim].signal(signal.SIGCONT)
-    if fault == signal.SIGKILL:
+    if fault in (signal.SIGKILL, signal.SIGTERM):
         assert gone(by_peer[victim])
     return b, victim, story(b.http, job["id"])
 
@@ -284,6 +284,18 @@ def test_sigstop_of_an_active_provider_is_caught_by_missed_heartbeats(
     lost = b.proc.wait_for("provider_lost", lambda e: e["peer"] == victim, timeout=5)
     assert lost["cause"] in ("ClockTicked", "HeartbeatsMissed")
     assert lost["graceful"] is False
+
+
+def test_graceful_leave_mid_job_hands_over_to_the_backup_at_once(
+    broker: Spawner, provider: Spawner, minilm_package: Path
+) -> None:
+    b, victim, events = _failover(broker, provider, minilm_package, signal.SIGTERM)
+    draining = b.proc.wait_for("provider_draining", lambda e: e["peer"] == victim, timeout=5)
+    repaired = b.proc.wait_for("model_repaired", lambda e: e["lost"] == victim, timeout=5)
+    assert repaired["reason"] == "draining" and draining["id"] < repaired["id"]
+    lost = b.proc.wait_for("provider_lost", lambda e: e["peer"] == victim, timeout=30)
+    assert lost["graceful"] is True
+    assert not any(e["kind"] == "job_failed" for e in events)
 
 
 def test_broker_sigkill_mid_job_then_restart_completes_the_job(
