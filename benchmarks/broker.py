@@ -47,7 +47,13 @@ sys.path.insert(0, str(ROOT))  # tests.procs: the child-process helper the tests
 
 import msgspec  # noqa: E402
 
-from tests.procs import Proc  # noqa: E402
+from tests.procs import (  # noqa: E402
+    Proc,
+    broker_command,
+    fusionai,
+    provider_command,
+    sample_texts,
+)
 
 MB = 1e6
 
@@ -90,55 +96,18 @@ class Swarm:
     def __init__(self, tmp: Path, heartbeat_s: float) -> None:
         self.tmp, self.heartbeat_s = tmp, heartbeat_s
         self.procs: list[Proc] = []
-        self.port = 0
         self.broker: Proc | None = None
         self.addr = self.http = ""
 
     def start_broker(self, data: Path, port: int = 0) -> Proc:
-        proc = Proc(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "broker",
-                "start",
-                "--listen",
-                f"/ip4/127.0.0.1/tcp/{port}",
-                "--http",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(data),
-                "--heartbeat-s",
-                str(self.heartbeat_s),
-                "--microbatch",
-                "8",
-                "--json",
-            ]
-        )
+        proc = Proc(broker_command(data, port=port, heartbeat_s=self.heartbeat_s))
         self.procs.append(proc)
         started = proc.wait_for("broker_started", timeout=60)
         self.broker, self.addr, self.http = proc, started["addrs"][0], started["http"]
         return proc
 
     def provider(self, n: int) -> Proc:
-        proc = Proc(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "provider",
-                "start",
-                "--broker",
-                self.addr,
-                "--data-dir",
-                str(self.tmp / f"provider-{n}"),
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--max-memory",
-                "2",
-                "--json",
-            ]
-        )
+        proc = Proc(provider_command(self.addr, self.tmp / f"provider-{n}", "--max-memory", "2"))
         self.procs.append(proc)
         return proc
 
@@ -146,7 +115,7 @@ class Swarm:
         import subprocess
 
         subprocess.run(
-            [sys.executable, "-m", "cli.main", "model", "add", str(package), "--broker", self.http],
+            fusionai("model", "add", str(package), "--broker", self.http),
             cwd=ROOT,
             check=True,
             capture_output=True,
@@ -169,10 +138,6 @@ class Swarm:
                 proc.stop()
 
 
-def _texts(n: int) -> list[str]:
-    return [f"text {i}: gaming PCs serving {i % 7} stages to strangers" for i in range(n)]
-
-
 def failover(tmp: Path, package: Path, heartbeat_s: float, sig: int) -> float:
     swarm = Swarm(tmp, heartbeat_s)
     try:
@@ -188,7 +153,7 @@ def failover(tmp: Path, package: Path, heartbeat_s: float, sig: int) -> float:
         route = swarm.ready(backups=1)
         victim = route["stages"][0]["providers"][0]["peer_id"]
         backup = route["stages"][0]["backups"][0]
-        job = _api(swarm.http, "POST", "/v1/jobs", {"model": "minilm", "texts": _texts(400)})
+        job = _api(swarm.http, "POST", "/v1/jobs", {"model": "minilm", "texts": sample_texts(400)})
         assert swarm.broker is not None
         swarm.broker.wait_for("job_progress", lambda e: e["job"] == job["id"], timeout=120)
         killed = time.time()
@@ -220,7 +185,7 @@ def restart_recovery(tmp: Path, package: Path, heartbeat_s: float) -> float:
         )
         swarm.add_model(package)
         swarm.ready(backups=0)
-        job = _api(swarm.http, "POST", "/v1/jobs", {"model": "minilm", "texts": _texts(400)})
+        job = _api(swarm.http, "POST", "/v1/jobs", {"model": "minilm", "texts": sample_texts(400)})
         broker.wait_for("job_progress", lambda e: e["job"] == job["id"], timeout=120)
         killed = time.time()
         broker.proc.send_signal(signal.SIGKILL)

@@ -69,10 +69,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def json_body(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise
+    raw = await request.read()  # over client_max_size: 413, answered by the middleware
     try:
         return await asyncio.to_thread(json.loads, raw)  # up to max_body_bytes: off the loop
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

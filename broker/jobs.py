@@ -216,10 +216,10 @@ class JobRunner:
         return model in self.models_of.values()
 
     def client(self, model: str) -> ClientStages:
+        """The model's client-side stages, loaded once (a new version of the model drops them)."""
         stages = self.clients.get(model)
-        stored = self.models.models[model]
-        if stages is None or stages.manifest.stages != stored.manifest.stages:
-            stages = self.clients[model] = ClientStages(stored.directory)
+        if stages is None:
+            stages = self.clients[model] = ClientStages(self.models.models[model].directory)
         return stages
 
     # ---- scheduling ------------------------------------------------------------------------
@@ -505,7 +505,7 @@ class JobRunner:
             context=int(hidden.shape[1]),
             dtype="float32",
         )
-        self.serving.observe(peer, pos, job.model, work, answer.compute_ms / 1e3 or elapsed)
+        self.serving.observe(peer, job.model, work, answer.compute_ms / 1e3 or elapsed)
         out = answer.outputs.get("hidden_states_out")
         if out is None:
             raise _StageFailed(peer, key, "the answer has no hidden_states_out")

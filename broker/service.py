@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -170,10 +169,6 @@ def status_line(broker: Broker) -> str:
     jobs = broker.store.jobs(("queued", "placed", "running"))
     parts = [f"{n} {pool}" for pool, n in sorted(pools.items())] or ["no providers"]
     return f"providers: {', '.join(parts)} | jobs running or queued: {len(jobs)}"
-
-
-def describe(broker: Broker) -> dict[str, Any]:
-    return {"peer_id": broker.peer_id, "addrs": broker.addrs, "http": broker.http_url}
 
 
 def default_data_dir() -> Path:

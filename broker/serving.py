@@ -461,7 +461,7 @@ class Serving:
             if p is not None and want[0] not in p.ready:
                 self.registry.apply(StageReady(peer, want[0], time.monotonic()))
 
-    def observe(self, peer: str, unit_pos: int, model: str, work: Workload, seconds: float) -> None:
+    def observe(self, peer: str, model: str, work: Workload, seconds: float) -> None:
         """A stage took `seconds` on `peer`: correct its profile towards what we see."""
         plan = self.plans.get(model)
         hw = self.registry.hardware.get(peer)

@@ -179,16 +179,21 @@ def _url(args: argparse.Namespace) -> str:
     return (args.broker or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL).rstrip("/")
 
 
-def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+def _request(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    data: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> Any:
+    """One call to the broker's HTTP API; its JSON answer, or `ApiError` saying why not."""
     import urllib.error
     import urllib.request
 
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        _url(args) + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(_url(args) + path, data=data, method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -200,14 +205,16 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
         raise ApiError(f"cannot reach the broker at {_url(args)}: {exc.reason}") from None
 
 
+def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    return _request(args, method, path, data, {"Content-Type": "application/json"})
+
+
 def _print(args: argparse.Namespace, value: Any, text: str) -> None:
     print(json.dumps(value, indent=2) if args.json else text)
 
 
 def model_add(args: argparse.Namespace) -> int:
-    import urllib.error
-    import urllib.request
-
     from ir.manifest import ModelManifest
 
     directory = Path(args.directory)
@@ -226,39 +233,15 @@ def model_add(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"[{i}/{len(files)}] uploading {file} ({size / 1e6:.1f} MB)", file=sys.stderr)
         with path.open("rb") as body:
-            req = urllib.request.Request(
-                f"{_url(args)}/v1/artifacts/{sha}",
-                data=body,
-                method="PUT",
-                headers={"Content-Length": str(path.stat().st_size)},
-            )
+            headers = {"Content-Length": str(path.stat().st_size)}
             try:
-                with urllib.request.urlopen(req, timeout=600):
-                    pass
-            except urllib.error.HTTPError as exc:
-                raise ApiError(f"{exc.code} uploading {file}: {exc.read().decode()}") from None
-            except urllib.error.URLError as exc:
-                raise ApiError(f"cannot reach the broker at {_url(args)}: {exc.reason}") from None
-    model = _call_raw(args, "/v1/models", manifest_bytes)
+                _request(args, "PUT", f"/v1/artifacts/{sha}", body, headers, timeout=600)
+            except ApiError as exc:
+                raise ApiError(f"uploading {file}: {exc}") from None
+    model = _request(args, "POST", "/v1/models", manifest_bytes, timeout=300)
     state = "served" if model["ready"] else (model["waiting"] or "placing")
     _print(args, model, f"added {model['model']}: {state}")
     return 0
-
-
-def _call_raw(args: argparse.Namespace, path: str, body: bytes) -> Any:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(_url(args) + path, data=body, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except Exception:
-            message = exc.reason
-        raise ApiError(f"{exc.code}: {message}") from None
 
 
 def model_list(args: argparse.Namespace) -> int:

@@ -59,9 +59,6 @@ class ClientStages:
             else:
                 self.tokenizer = Tokenizer.from_file(str(directory / manifest.tokenizer))
 
-    def provider_stages(self) -> list[StageInfo]:
-        return [s for s in self.manifest.stages if s.placement == "provider"]
-
     def tokenize(self, texts: Sequence[str]) -> tuple[Array, Array]:
         """(input_ids, attention_mask), padded to the longest text, cut at `max_tokens`."""
         if self.tokenizer is None:

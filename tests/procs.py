@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -103,3 +104,50 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def fusionai(*args: str) -> list[str]:
+    """The command line of `fusionai ARGS`, run by this interpreter from the repository."""
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def broker_command(
+    data_dir: Path, *extra: str, port: int = 0, http_port: int = 0, heartbeat_s: float = 0.5
+) -> list[str]:
+    """A broker on 127.0.0.1 printing its events as JSON lines (microbatches of 8)."""
+    return fusionai(
+        "broker",
+        "start",
+        "--listen",
+        f"/ip4/127.0.0.1/tcp/{port}",
+        "--http",
+        f"127.0.0.1:{http_port}",
+        "--data-dir",
+        str(data_dir),
+        "--heartbeat-s",
+        str(heartbeat_s),
+        "--microbatch",
+        "8",
+        "--json",
+        *extra,
+    )
+
+
+def provider_command(broker_addr: str, data_dir: Path, *extra: str) -> list[str]:
+    """A provider daemon on 127.0.0.1 joining `broker_addr`, printing JSON event lines."""
+    return fusionai(
+        "provider",
+        "start",
+        "--broker",
+        broker_addr,
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "/ip4/127.0.0.1/tcp/0",
+        "--json",
+        *extra,
+    )
+
+
+def sample_texts(n: int) -> list[str]:
+    return [f"text {i}: gaming PCs serving {i % 7} stages to strangers" for i in range(n)]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.procs import ROOT, Proc
+from tests.procs import ROOT, Proc, broker_command, provider_command
 
 HEARTBEAT_S = 0.5  # fast heartbeats keep failure detection within a second or two
 
@@ -124,10 +124,6 @@ def local_embeddings(package: Path, texts: list[str]) -> np.ndarray[Any, Any]:
     return out
 
 
-def texts(n: int) -> list[str]:
-    return [f"text {i}: gaming PCs serving {i % 7} stages to strangers" for i in range(n)]
-
-
 @pytest.fixture
 def broker(spawn: Callable[..., Proc], tmp_path: Path) -> Callable[..., BrokerProc]:
     def _broker(
@@ -135,25 +131,7 @@ def broker(spawn: Callable[..., Proc], tmp_path: Path) -> Callable[..., BrokerPr
     ) -> BrokerProc:
         data = data_dir or tmp_path / "broker"
         proc = spawn(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "broker",
-                "start",
-                "--listen",
-                f"/ip4/127.0.0.1/tcp/{port}",
-                "--http",
-                f"127.0.0.1:{http_port}",
-                "--data-dir",
-                str(data),
-                "--heartbeat-s",
-                str(HEARTBEAT_S),
-                "--microbatch",
-                "8",
-                "--json",
-                *extra,
-            ]
+            broker_command(data, *extra, port=port, http_port=http_port, heartbeat_s=HEARTBEAT_S)
         )
         started = proc.wait_for("broker_started", timeout=30)
         return BrokerProc(proc, started["addrs"][0], started["http"])
@@ -167,26 +145,7 @@ def provider(spawn: Callable[..., Proc], tmp_path: Path) -> Callable[..., Proc]:
 
     def _provider(addr: str, *extra: str, data_dir: Path | None = None) -> Proc:
         count[0] += 1
-        return spawn(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "provider",
-                "start",
-                "--broker",
-                addr,
-                "--data-dir",
-                str(data_dir or tmp_path / f"provider-{count[0]}"),
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--max-memory",
-                "2",
-                "--drain",
-                "5",
-                "--json",
-                *extra,
-            ]
-        )
+        data = data_dir or tmp_path / f"provider-{count[0]}"
+        return spawn(provider_command(addr, data, "--max-memory", "2", "--drain", "5", *extra))
 
     return _provider

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.procs import ROOT, Proc
+from tests.procs import sample_texts as texts
 from tests.test_broker.conftest import (
     HEARTBEAT_S,
     BrokerProc,
@@ -28,7 +29,6 @@ from tests.test_broker.conftest import (
     free_port,
     local_embeddings,
     pools,
-    texts,
     wait_job,
     wait_ready,
     wait_until,

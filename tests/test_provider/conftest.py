@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import Proc
+from tests.procs import Proc, provider_command
 
 STANDIN = Path(__file__).with_name("standin.py")
 
@@ -41,25 +41,6 @@ def provider(spawn: Callable[..., Proc], tmp_path: Path) -> Callable[..., Proc]:
     ) -> Proc:
         addr = broker.wait_for("ready")["addr"]
         data = data_dir or tmp_path / "provider"
-        return spawn(
-            [
-                sys.executable,
-                "-m",
-                "cli.main",
-                "provider",
-                "start",
-                "--broker",
-                addr,
-                "--data-dir",
-                str(data),
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--json",
-                "--drain",
-                "10",
-                *extra,
-            ],
-            env,
-        )
+        return spawn(provider_command(addr, data, "--drain", "10", *extra), env)
 
     return _provider
