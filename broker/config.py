@@ -32,6 +32,10 @@ class BrokerConfig:
     max_job_texts: int = 100_000  # sequences one job may carry
     max_body_bytes: int = 64 * 1024**2  # JSON request bodies; bytes
     max_artifact_bytes: int = 16 * 1024**3  # one uploaded artifact; bytes
+    api_keys: tuple[str, ...] = ()  # HTTP clients must present one (empty: the API is open)
+    tls_cert: Path | None = None  # PEM certificate for HTTPS (with tls_key)
+    tls_key: Path | None = None  # its PEM private key
+    max_interactive: int = 64  # embedding and completion requests served at once (then 429)
 
     @property
     def heartbeat_timeout_s(self) -> float:

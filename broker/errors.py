@@ -9,3 +9,11 @@ class NotFound(Exception):
 
 class Conflict(Exception):
     """Not possible in the current state; the message says when it will be (409)."""
+
+
+class Unavailable(Exception):
+    """The swarm cannot serve this now (no provider serves a stage in time): 503."""
+
+
+class TooBusy(Exception):
+    """Too many requests in progress: 429, try again shortly."""

@@ -1,11 +1,13 @@
 """The broker's event log: every transition, with an id, kept (bounded) in SQLite.
 
 A job's story is the events that name it; the swarm's is all of them. Each event is also
-logged, and handed to the sinks (the `--json` stdout printer, later the dashboard's stream).
+logged and handed to the sinks (the `--json` stdout printer, the metrics); streams wait
+for the next one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -22,6 +24,7 @@ class EventLog:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.sinks: list[Sink] = []
+        self._next = asyncio.Event()  # set by the next event (streams wait on it)
 
     def emit(
         self, kind: str, *, job: str | None = None, peer: str | None = None, **data: Any
@@ -30,4 +33,13 @@ class EventLog:
         log.info("%s %s", kind, json.dumps(row.to_json(), default=str, sort_keys=True))
         for sink in self.sinks:
             sink(row)
+        self._next.set()
+        self._next = asyncio.Event()
         return row
+
+    async def wait(self, timeout: float) -> None:
+        """Until the next event is emitted, or `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._next.wait(), timeout)
+        except TimeoutError:
+            pass

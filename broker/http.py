@@ -16,23 +16,36 @@
     GET  /v1/jobs/{id}/results            its results (?offset=&limit= rows), once succeeded
     DELETE /v1/jobs/{id}/results          forget them (results are kept until then)
     GET  /v1/jobs/{id}/story              the events that tell what happened to it
+    GET  /v1/jobs/{id}/events             its progress, then its results, as server-sent events
     GET  /v1/events                       the event log (?since=ID&limit=N)
+    GET  /v1/stream                       the dashboard's feed: snapshots and events (SSE)
+    POST /v1/embeddings                   OpenAI-style embeddings (`broker.gateway`)
+    POST /v1/completions                  OpenAI-style completions, `stream` as SSE
+    GET  /metrics                         Prometheus metrics (`broker.metrics`)
+    GET  /openapi.json                    this API as an OpenAPI 3.1 document
+    GET  /                                the dashboard (static files in broker/dashboard/)
 
-Errors are JSON `{"error": {"message", "field"?}}` with 400 (bad input, naming the field),
-404 (unknown model or job), 409 (not yet possible) or 413 (too large).
+With API keys configured, everything but `/healthz`, `/openapi.json` and the dashboard's
+static files needs `Authorization: Bearer KEY` (`broker.auth`). Errors are JSON
+`{"error": {"message", "field"?}}` with 400 (bad input, naming the field), 401 (no valid key),
+404 (unknown model or job), 409 (not yet possible), 413 (too large), 429 (too many requests
+in progress) or 503 (no provider serves the model in time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from broker.errors import Conflict, NotFound
-from broker.jobs import JobError
+from broker.errors import Conflict, NotFound, TooBusy, Unavailable
+from broker.gateway import Gateway
+from broker.jobs import TERMINAL, JobError
 from broker.models import ModelStoreError
 from broker.store import JobRow
 
@@ -66,6 +79,35 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error(404, str(exc))
     except Conflict as exc:
         return error(409, str(exc))
+    except TooBusy as exc:
+        response = error(429, str(exc))
+        response.headers["Retry-After"] = "1"
+        return response
+    except Unavailable as exc:
+        return error(503, str(exc))
+
+
+DASHBOARD = Path(__file__).parent / "dashboard"
+OPENAPI = Path(__file__).parent / "openapi.json"
+PUBLIC = ("/healthz", "/openapi.json", "/", "/dashboard/")  # no key needed
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
+
+
+def _public(path: str) -> bool:
+    return path in PUBLIC[:3] or path.startswith(PUBLIC[3])
+
+
+def presented_key(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.headers.get("X-API-Key")
+
+
+async def sse(response: web.StreamResponse, event: str, data: Any) -> None:
+    await response.write(f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode())
 
 
 async def json_body(request: web.Request) -> Any:
@@ -105,8 +147,43 @@ def job_json(job: JobRow, done: int) -> dict[str, Any]:
 
 
 def make_app(broker: Broker) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=broker.config.max_body_bytes)
+    keys, tokens, metrics = broker.keys, broker.tokens, broker.metrics
+
+    @web.middleware
+    async def measure(request: web.Request, handler: Handler) -> web.StreamResponse:
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            info = request.match_info.route.resource
+            route = info.canonical if info is not None else "unmatched"
+            metrics.http(request.method, route, status, time.perf_counter() - start)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not keys.required or _public(request.path) or request.method == "OPTIONS":
+            return await handler(request)
+        if request.method in ("GET", "HEAD") and request.path.startswith("/v1/artifacts/"):
+            sha = request.path.rsplit("/", 1)[-1]
+            if tokens.valid(sha, request.query.get("token")):
+                return await handler(request)
+        if not keys.valid(presented_key(request)):
+            response = error(401, "a valid API key is needed: Authorization: Bearer KEY")
+            response.headers["WWW-Authenticate"] = 'Bearer realm="fusionai"'
+            return response
+        return await handler(request)
+
+    app = web.Application(
+        middlewares=[measure, errors, auth], client_max_size=broker.config.max_body_bytes
+    )
     store, jobs, serving = broker.store, broker.jobs, broker.serving
+    gateway = Gateway(broker)
 
     def job_or_404(job_id: str) -> JobRow:
         job = store.job(job_id, full=False)
@@ -203,6 +280,92 @@ def make_app(broker: Broker) -> web.Application:
         rows = store.events(since=since, limit=limit)
         return web.json_response({"events": [e.to_json() for e in rows]})
 
+    async def job_events(request: web.Request) -> web.StreamResponse:
+        """A job's events as they happen; once it has succeeded, its results in blocks of up
+        to 1000 rows (`results` events), then `end`."""
+        job = job_or_404(request.match_info["id"])
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        since = 0
+        while True:
+            for row in store.events(since=since, limit=1000, job=job.id):
+                since = row.id
+                await sse(response, row.kind, row.to_json())
+            current = store.job(job.id, full=False)
+            if current is None or current.state in TERMINAL:
+                break
+            await broker.events.wait(KEEPALIVE_S)
+            await response.write(b": waiting\n\n")
+        if current is not None and current.state == "succeeded":
+            offset = 0
+            while True:
+                block = jobs.results(job.id, offset, 1000)
+                if not block["embeddings"]:
+                    break
+                await sse(response, "results", block)
+                offset += len(block["embeddings"])
+        final = job_json(current, store.count_done(job.id)) if current is not None else None
+        await sse(response, "end", final)
+        await response.write_eof()
+        return response
+
+    def snapshot() -> dict[str, Any]:
+        rows = store.jobs(limit=50)
+        return {
+            "broker": {"peer_id": broker.peer_id, "addrs": broker.addrs},
+            "providers": broker.registry.summary(),
+            "models": [serving.describe(n) for n in sorted(serving.plans)],
+            "jobs": [job_json(j, store.count_done(j.id)) for j in rows],
+        }
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        """The dashboard's feed: a `snapshot` whenever the swarm changes (at most one per
+        `interval` seconds) and each new `event`."""
+        interval = int_param(request, "interval_ms", 500, 100, 60_000) / 1000
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        last: str | None = None
+        since = max(0, store.last_event_id() - 50)  # the page starts with recent history
+        quiet = 0.0
+        while True:
+            for row in store.events(since=since, limit=200):
+                since = row.id
+                await sse(response, "event", row.to_json())
+            current = json.dumps(snapshot(), default=str)
+            if current != last:
+                await response.write(f"event: snapshot\ndata: {current}\n\n".encode())
+                last, quiet = current, 0.0
+            elif quiet >= KEEPALIVE_S:
+                await response.write(b": idle\n\n")
+                quiet = 0.0
+            await asyncio.sleep(interval)
+            quiet += interval
+            await broker.events.wait(max(0.0, 2.0 - interval))  # load changes without events
+
+    async def embeddings(request: web.Request) -> web.Response:
+        return await gateway.embeddings(request)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await gateway.completions(request)
+
+    async def prometheus(request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(metrics.render)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def openapi(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(OPENAPI, headers={"Content-Type": "application/json"})
+
+    async def dashboard(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(DASHBOARD / "index.html")
+
+    app.router.add_get("/", dashboard)
+    app.router.add_static("/dashboard/", DASHBOARD)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/metrics", prometheus)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/stream", stream)
+    app.router.add_get("/v1/jobs/{id}/events", job_events)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/swarm", swarm)
     app.router.add_get("/v1/providers", providers)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import networkx as nx
 import numpy as np
 
 from broker.config import BrokerConfig
-from broker.errors import Conflict, NotFound
+from broker.errors import Conflict, NotFound, Unavailable
 from broker.events import EventLog
 from broker.models import ModelStore
 from broker.queue import Fifo, Job, QueuePolicy, Running, SjfBsbf
@@ -145,6 +145,7 @@ class JobRunner:
         self.clients: dict[str, ClientStages] = {}
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
         self._wake = asyncio.Event()
+        self.on_stage: Callable[[str, float], None] = lambda model, seconds: None  # metrics
         serving.busy = self.busy
 
     # ---- requests --------------------------------------------------------------------------
@@ -211,6 +212,55 @@ class JobRunner:
         found = self.store.job(job_id, full=False)
         assert found is not None
         return found
+
+    async def embed_now(
+        self, model: str, texts: list[str] | None, token_ids: list[list[int]] | None
+    ) -> tuple[Array, int]:
+        """An interactive embedding request, run at once through the same graph and retries
+        as a batch job but neither queued nor stored: (embeddings in input order, tokens)."""
+        if model not in self.models.models:
+            raise NotFound(f"no model named {model!r}")
+        client = await asyncio.to_thread(self.client, model)
+        if client.decoder:
+            raise JobError("model", f"{model} is a decoder; embeddings come from encoder models")
+        try:
+            if texts is not None:
+                ids, mask = await asyncio.to_thread(client.tokenize, texts)
+            else:
+                ids, mask = await asyncio.to_thread(client.pad, token_ids or [])
+        except ClientStageError as exc:
+            raise JobError("input", str(exc)) from None
+        units = len(self.models.models[model].units)
+        mb = self.config.microbatch
+        graph = inference_pipeline(
+            self.serving.plans[model].spec,
+            [(i, i + 1) for i in range(units)],
+            batch=mb,
+            seq=ids.shape[1],
+        )
+        ref = Ref("request-" + uuid.uuid4().hex[:12], model)
+        parts: dict[int, Array] = {}
+        gate = asyncio.Semaphore(self.config.in_flight)
+
+        async def one(idx: int) -> None:
+            async with gate:
+                rows = slice(idx * mb, (idx + 1) * mb)
+                used = int(mask[rows].sum(axis=1).max())
+                parts[idx], _ = await self._microbatch(
+                    ref, graph, client, idx, ids[rows, :used], mask[rows, :used]
+                )
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i in range(-(-len(ids) // mb)):
+                    group.create_task(one(i))
+        except ExceptionGroup as group:
+            errors: list[BaseException] = list(group.exceptions)
+            first = next((e for e in errors if isinstance(e, _JobFailed)), errors[0])
+            if isinstance(first, _JobFailed):
+                raise Unavailable(str(first)) from None
+            raise first from None
+        return np.concatenate([parts[i] for i in sorted(parts)]), int(mask.sum())
 
     def busy(self, model: str) -> bool:
         return model in self.models_of.values()
@@ -355,7 +405,7 @@ class JobRunner:
                 rows = slice(idx * mb, (idx + 1) * mb)
                 used = int(mask[rows].sum(axis=1).max())  # trim padding beyond this microbatch
                 out, attempts = await self._microbatch(
-                    job, graph, client, idx, ids[rows, :used], mask[rows, :used]
+                    Ref(job.id, job.model), graph, client, idx, ids[rows, :used], mask[rows, :used]
                 )
                 self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes())
                 finished += 1
@@ -373,7 +423,7 @@ class JobRunner:
 
     async def _microbatch(
         self,
-        job: JobRow,
+        job: Ref,
         graph: nx.DiGraph,
         client: ClientStages,
         idx: int,
@@ -422,7 +472,7 @@ class JobRunner:
 
     async def _walk(
         self,
-        job: JobRow,
+        job: Ref,
         graph: nx.DiGraph,
         client: ClientStages,
         ids: Array,
@@ -454,7 +504,7 @@ class JobRunner:
         return np.ascontiguousarray(result, dtype=np.float32)
 
     async def _forward(
-        self, job: JobRow, pos: int, hidden: Array, mask: Array, avoid: set[str], used: list[str]
+        self, job: Ref, pos: int, hidden: Array, mask: Array, avoid: set[str], used: list[str]
     ) -> Array:
         model = self.models.models[job.model]
         key = model.unit_key(model.units[pos])
@@ -506,28 +556,22 @@ class JobRunner:
             dtype="float32",
         )
         self.serving.observe(peer, job.model, work, answer.compute_ms / 1e3 or elapsed)
+        self.on_stage(job.model, elapsed)
         out = answer.outputs.get("hidden_states_out")
         if out is None:
             raise _StageFailed(peer, key, "the answer has no hidden_states_out")
         return out.to_numpy()
 
-    async def _pick(self, job: JobRow, pos: int, avoid: set[str]) -> str:
+    async def _pick(self, job: Ref, pos: int, avoid: set[str]) -> str:
         """The least loaded provider serving stage `pos`, preferring those not in `avoid`;
         waits (up to the request timeout) for a route when there is none."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        while True:
-            route = self.serving.route(job.model)
-            peers = route[pos] if route is not None else []
-            if peers:
-                fresh = [p for p in peers if p not in avoid] or peers
-                return min(fresh, key=lambda p: (self.inflight.get(p, 0), p))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _JobFailed(
-                    f"no provider has served stage {pos} of {job.model} for "
-                    f"{self.config.request_timeout_s:.0f} s"
-                )
-            await self.serving.changed(min(left, 1.0))
+        timeout = self.config.request_timeout_s
+        peer = await self.serving.pick(job.model, pos, avoid, self.inflight, timeout)
+        if peer is None:
+            raise _JobFailed(
+                f"no provider has served stage {pos} of {job.model} for {timeout:.0f} s"
+            )
+        return peer
 
     # ---- results ---------------------------------------------------------------------------
 
@@ -547,6 +591,14 @@ class JobRunner:
             if lo < hi:
                 rows.extend(block[lo:hi].tolist())
         return {"job": job_id, "offset": offset, "total": total, "embeddings": rows}
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What running a microbatch needs to know of its job (or interactive request)."""
+
+    id: str
+    model: str
 
 
 class NotReady(Conflict):

@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from pathlib import Path
 
 from aiohttp import web
 
+from broker.auth import ArtifactTokens, Keys, fingerprint
 from broker.config import BrokerConfig
 from broker.errors import Conflict
 from broker.events import EventLog
 from broker.http import make_app
 from broker.jobs import JobRunner
+from broker.metrics import Metrics
 from broker.models import ModelStore, StoredModel
 from broker.registry import Registry
 from broker.serving import Serving
@@ -44,6 +47,10 @@ class Broker:
         self.events = EventLog(self.store)
         self.models = ModelStore(config.data_dir, config.max_artifact_bytes)
         self.host = Host(HostConfig(listen=config.listen, data_dir=config.data_dir))
+        self.keys = Keys(config.api_keys)
+        self.tokens = ArtifactTokens(config.data_dir)
+        self.metrics = Metrics()
+        self.tls_sha256 = ""  # the certificate's fingerprint when serving HTTPS
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -71,17 +78,25 @@ class Broker:
         self.jobs = JobRunner(
             self.config, self.store, self.events, self.serving, self.models, self.host
         )
+        self.jobs.on_stage = self.metrics.stage
+        self.metrics.watch(self)
+        context = self._tls()
         self._runner = web.AppRunner(make_app(self), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.http_host, self.config.http_port)
+        site = web.TCPSite(
+            self._runner, self.config.http_host, self.config.http_port, ssl_context=context
+        )
         await site.start()
         server = site._server
         assert server is not None
         port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         host = self.config.http_host
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.http_url = f"http://{shown}:{port}"
+        self.http_url = f"{'https' if context else 'http'}://{shown}:{port}"
         self.serving.artifact_base = (self.config.public_url or self.http_url).rstrip("/")
+        self.serving.tls_sha256 = self.tls_sha256
+        if self.keys.required:  # providers have no API key: their URLs carry a token
+            self.serving.artifact_token = self.tokens.token
         self.host.add_control_handler(JOIN, self.registry.on_join)
         self.host.add_control_handler(HEARTBEAT, self.registry.on_heartbeat)
         self.host.add_control_handler(STAGE_STATUS, self.serving.on_status)
@@ -92,6 +107,23 @@ class Broker:
             asyncio.create_task(self.jobs.schedule(self._stop)),
         ]
         self.events.emit("broker_started", peer=self.peer_id, addrs=self.addrs, http=self.http_url)
+
+    def _tls(self) -> ssl.SSLContext | None:
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            raise ValueError("TLS needs both a certificate and its key")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(
+                f"cannot load the TLS certificate {cert} and key {key}: {exc}"
+            ) from None
+        self.tls_sha256 = fingerprint(cert)
+        return context
 
     def _restore(self) -> None:
         placements = self.store.placements()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +124,8 @@ class Serving:
         self.events = events
         self.host = host
         self.artifact_base = artifact_base
+        self.artifact_token: Callable[[str], str] = lambda sha: ""  # set when keys are needed
+        self.tls_sha256 = ""  # the HTTP server's certificate, when it serves TLS
         self.plans: dict[str, Plan] = {}
         self.sent: dict[tuple[str, str], str] = {}  # (peer, unit key) -> role sent
         self.confirmed: dict[tuple[str, str], str] = {}  # role the provider reported ready in
@@ -169,17 +171,21 @@ class Serving:
 
     # ---- placing ---------------------------------------------------------------------------
 
-    def _taken_elsewhere(self, plan: Plan | None) -> set[str]:
-        """Providers serving or backing up another model (any model, for None)."""
+    def _taken_elsewhere(self, plan: Plan | None, backups: bool = True) -> set[str]:
+        """Providers serving (or, with `backups`, backing up) another model (any model, for
+        None)."""
         taken: set[str] = set()
         for other in self.plans.values():
-            if other is not plan:
-                taken |= self._members(other)
+            if other is not plan and other.placement is not None:
+                taken |= other.placement.providers()
+                if backups:
+                    taken |= set(other.placement.backups.values())
         return taken
 
-    def candidates(self, plan: Plan) -> dict[str, HardwareProfile]:
-        """Profiles (corrected by observed times) of the providers this model may use."""
-        taken = self._taken_elsewhere(plan)
+    def candidates(self, plan: Plan, backups: bool = True) -> dict[str, HardwareProfile]:
+        """Profiles (corrected by observed times) of the providers this model may use; without
+        `backups`, other models' backups count as free (serving a model beats a warm spare)."""
+        taken = self._taken_elsewhere(plan, backups)
         out = {}
         for peer, p in sorted(self.registry.state.providers.items()):
             if p.status in (Status.DEAD, Status.DRAINING) or peer in taken or peer in plan.cannot:
@@ -190,7 +196,7 @@ class Serving:
         return out
 
     def _place(self, plan: Plan) -> None:
-        profiles = self.candidates(plan)
+        profiles = self.candidates(plan, backups=False)
         try:
             placement = place(plan.spec, profiles, self.pcfg)
         except PlacementError as exc:
@@ -200,21 +206,35 @@ class Serving:
                 self.events.emit("model_waiting", model=plan.model.name, reason=reason)
             return
         plan.waiting_reason = ""
+        standby = self._taken_elsewhere(plan) - self._taken_elsewhere(plan, backups=False)
+        if standby:  # other models' backups may serve this one, not stand by for it
+            placement = Placement(
+                placement.replicas,
+                {k: p for k, p in placement.backups.items() if p not in standby},
+                tuple(p for p in placement.spares if p not in standby),
+                placement.tokens,
+            )
         self._adopt(plan, placement, "placed")
 
     def _adopt(self, plan: Plan, placement: Placement, why: str = "", **extra: Any) -> None:
         plan.placement = placement
         used = self._members(plan)
-        for other in self.plans.values():  # providers it takes are no one else's spares
+        lost_backups: list[Plan] = []
+        for other in self.plans.values():  # providers it takes are no one's spares or backups
             if other is not plan and other.placement is not None:
                 spares = tuple(s for s in other.placement.spares if s not in used)
-                if spares != other.placement.spares:
+                kept = {k: p for k, p in other.placement.backups.items() if p not in used}
+                if kept != other.placement.backups:
+                    lost_backups.append(other)
+                if spares != other.placement.spares or kept != other.placement.backups:
                     other.placement = Placement(
-                        other.placement.replicas,
-                        other.placement.backups,
-                        spares,
-                        other.placement.tokens,
+                        other.placement.replicas, kept, spares, other.placement.tokens
                     )
+        for other in lost_backups:  # their standby stages are withdrawn
+            self.events.emit(
+                "backups_taken", model=other.model.name, by=plan.model.name, peers=sorted(used)
+            )
+            self._sync(other)
         if not why:
             self._sync(plan)
             return
@@ -321,8 +341,9 @@ class Serving:
                             key=key,
                             manifest=plan.model.manifest_bytes,
                             stage=index,
-                            url=f"{self.artifact_base}/v1/artifacts/{sha}",
+                            url=self.artifact_url(sha),
                             role=role,
+                            tls_sha256=self.tls_sha256,
                         ),
                     )
                 self.sent[(peer, key)] = role
@@ -330,6 +351,10 @@ class Serving:
         if plan.placement is not None:
             self.store.put_placement(plan.model.name, placement_to_json(plan.placement))
         self.notify()
+
+    def artifact_url(self, sha: str) -> str:
+        token = self.artifact_token(sha)
+        return f"{self.artifact_base}/v1/artifacts/{sha}" + (f"?token={token}" if token else "")
 
     def _send(self, peer: str, msg: Assign | Unassign | Promote) -> None:
         """Queue `msg` for `peer`; one sender per provider keeps the order."""
@@ -506,6 +531,23 @@ class Serving:
             await asyncio.wait_for(self._changed.wait(), timeout)
         except TimeoutError:
             pass
+
+    async def pick(
+        self, model: str, pos: int, avoid: set[str], load: Mapping[str, int], timeout: float
+    ) -> str | None:
+        """The least loaded provider serving stage `pos` of `model`, preferring those not in
+        `avoid`; waits up to `timeout` seconds for one (None if none comes)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            route = self.route(model)
+            peers = route[pos] if route is not None and pos < len(route) else []
+            if peers:
+                fresh = [p for p in peers if p not in avoid] or peers
+                return min(fresh, key=lambda p: (load.get(p, 0), p))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await self.changed(min(left, 1.0))
 
     def route(self, model: str) -> list[list[str]] | None:
         """Per provider stage (pipeline order), the providers serving it now; None if the

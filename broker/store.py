@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, seq);
 """
 
 
@@ -244,6 +245,18 @@ class Store:
     def done_microbatches(self, job_id: str) -> set[int]:
         return {i for (i,) in self.db.execute("SELECT idx FROM results WHERE job = ?", (job_id,))}
 
+    def count_jobs(self) -> dict[str, int]:
+        """Jobs per state."""
+        rows = self.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")
+        return {state: int(n) for state, n in rows}
+
+    def count_queued(self) -> dict[str, int]:
+        """Queued jobs per model."""
+        rows = self.db.execute(
+            "SELECT model, COUNT(*) FROM jobs WHERE state = 'queued' GROUP BY model"
+        )
+        return {model: int(n) for model, n in rows}
+
     def count_done(self, job_id: str) -> int:
         (n,) = self.db.execute("SELECT COUNT(*) FROM results WHERE job = ?", (job_id,)).fetchone()
         return int(n)
@@ -290,6 +303,10 @@ class Store:
                 (since, limit),
             )
         return [EventRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+    def last_event_id(self) -> int:
+        (n,) = self.db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()
+        return int(n)
 
     def story(self, job: str, limit: int = 10_000) -> list[EventRow]:
         """The job's events, with the swarm events about the providers it used (losses,

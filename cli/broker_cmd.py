@@ -7,12 +7,21 @@ import asyncio
 import json
 import os
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:7371"
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--broker", help=f"the broker's HTTP URL (default: $FUSIONAI_BROKER_URL or {DEFAULT_URL})"
+    )
+    p.add_argument("--api-key", help="the broker's API key (default: $FUSIONAI_API_KEY)")
+    p.add_argument("--cacert", help="trust this certificate for https (default: $FUSIONAI_CACERT)")
 
 
 def add_parsers(sub: Any, dispatch: Any) -> None:
@@ -35,18 +44,32 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
     start.add_argument("--microbatch", type=int, default=32, help="sequences per microbatch")
     start.add_argument("--json", action="store_true", help="print events as JSON lines")
+    start.add_argument(
+        "--max-body-mb", type=float, default=64, help="largest JSON request body (MiB)"
+    )
+    start.add_argument(
+        "--api-key", action="append", default=[], help="HTTP clients must present this key"
+    )
+    start.add_argument("--api-keys-file", help="a file of API keys, one per line")
+    start.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate (and --tls-key)")
+    start.add_argument("--tls-key", help="the certificate's PEM private key")
+    start.add_argument(
+        "--tls-self-signed",
+        action="store_true",
+        help="serve HTTPS with a self-signed certificate made in DATA_DIR/tls (clients trust it "
+        "with --cacert; providers pin it automatically)",
+    )
     start.set_defaults(func=dispatch, group="broker", cmd="start")
 
-    url_help = f"the broker's HTTP URL (default: $FUSIONAI_BROKER_URL or {DEFAULT_URL})"
     model = sub.add_parser("model", help="models stored by a broker")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
     add = msub.add_parser("add", help="upload a model package (a directory from `ir export`)")
     add.add_argument("directory")
-    add.add_argument("--broker", help=url_help)
+    _client_options(add)
     add.add_argument("--json", action="store_true")
     add.set_defaults(func=dispatch, group="model", cmd="add")
     lst = msub.add_parser("list", help="models and their routes")
-    lst.add_argument("--broker", help=url_help)
+    _client_options(lst)
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=dispatch, group="model", cmd="list")
 
@@ -57,7 +80,7 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     submit.add_argument("--texts", required=True, help="a file with one text per line")
     submit.add_argument("--microbatch", type=int)
     submit.add_argument("--wait", action="store_true", help="wait for the job, with progress")
-    submit.add_argument("--broker", help=url_help)
+    _client_options(submit)
     submit.add_argument("--json", action="store_true")
     submit.set_defaults(func=dispatch, group="job", cmd="submit")
     for name, text in (
@@ -68,7 +91,7 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     ):
         p = jsub.add_parser(name, help=text)
         p.add_argument("id")
-        p.add_argument("--broker", help=url_help)
+        _client_options(p)
         p.add_argument("--json", action="store_true")
         if name == "results":
             p.add_argument("--out", help="write to this file instead of stdout")
@@ -97,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
+    from broker.auth import KeyFileError, check_key, load_keys, self_signed
     from broker.config import BrokerConfig
     from broker.service import Broker, default_data_dir, status_line
 
@@ -104,13 +128,38 @@ def start(args: argparse.Namespace) -> int:
     if not host or not port.isdigit():
         print("error: --http must be HOST:PORT, e.g. 127.0.0.1:7371", file=sys.stderr)
         return 2
-    if args.heartbeat_s <= 0 or args.missed_heartbeats < 1 or args.microbatch < 1:
+    if (
+        args.heartbeat_s <= 0
+        or args.missed_heartbeats < 1
+        or args.microbatch < 1
+        or args.max_body_mb <= 0
+    ):
         print(
-            "error: --heartbeat-s, --missed-heartbeats, --microbatch must be positive",
+            "error: --heartbeat-s, --missed-heartbeats, --microbatch, --max-body-mb must be "
+            "positive",
             file=sys.stderr,
         )
         return 2
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    try:
+        keys = list(args.api_key)
+        for key in keys:
+            check_key(key)
+        if args.api_keys_file:
+            keys += load_keys(Path(args.api_keys_file))
+    except KeyFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cert = Path(args.tls_cert) if args.tls_cert else None
+    key_file = Path(args.tls_key) if args.tls_key else None
+    if args.tls_self_signed:
+        if cert or key_file:
+            print("error: --tls-self-signed or --tls-cert/--tls-key, not both", file=sys.stderr)
+            return 2
+        cert, key_file = self_signed(data_dir / "tls", [host])
+    elif (cert is None) != (key_file is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     config = BrokerConfig(
         data_dir=data_dir,
         listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/7370",),
@@ -126,6 +175,10 @@ def start(args: argparse.Namespace) -> int:
         queue_policy=args.queue,
         replicas=args.replicas or None,
         microbatch=args.microbatch,
+        max_body_bytes=int(args.max_body_mb * 1024**2),
+        api_keys=tuple(keys),
+        tls_cert=cert,
+        tls_key=key_file,
     )
 
     async def main() -> int:
@@ -154,13 +207,17 @@ def start(args: argparse.Namespace) -> int:
                     for addr in broker.addrs:
                         print(f"  providers join: fusionai provider start --broker {addr}")
                     print(f"  HTTP API:       {broker.http_url}", flush=True)
+                    if broker.tls_sha256:
+                        print(f"  TLS certificate SHA-256: {broker.tls_sha256} ({cert})")
+                    if broker.keys.required:
+                        print(f"  API keys: {len(keys)} (clients send Authorization: Bearer KEY)")
                 while not stop.is_set():
                     try:
                         await asyncio.wait_for(stop.wait(), 30.0)
                     except TimeoutError:
                         if not args.json:
                             print(status_line(broker), file=sys.stderr, flush=True)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
@@ -191,9 +248,15 @@ def _request(
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(_url(args) + path, data=data, method=method, headers=headers or {})
+    headers = dict(headers or {})
+    key = getattr(args, "api_key", None) or os.environ.get("FUSIONAI_API_KEY")
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    cacert = getattr(args, "cacert", None) or os.environ.get("FUSIONAI_CACERT")
+    context = ssl.create_default_context(cafile=cacert) if cacert else None
+    req = urllib.request.Request(_url(args) + path, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         try:

@@ -50,6 +50,11 @@ class ClientStages:
             )
             for i in client
         }
+        self.decoder = any(
+            i.name.startswith("past_") for s in manifest.stages for i in s.inputs
+        )  # keeps a KV cache: generates text
+        eos = manifest.config.get("eos_token_id")
+        self.eos: int | None = eos if isinstance(eos, int) else None
         self.tokenizer: Any = None
         if manifest.tokenizer is not None:
             try:
@@ -95,14 +100,21 @@ class ClientStages:
             mask[row, : len(seq)] = 1
         return ids, mask
 
-    def embed(self, input_ids: Array) -> Array:
-        """The first stage: token ids to hidden states."""
-        out = self.executors[self.first.index].run({"input_ids": input_ids})
+    def embed(self, input_ids: Array, positions: Array | None = None) -> Array:
+        """The first stage: token ids (and their positions, for models that take them; by
+        default 0, 1, ...) to hidden states."""
+        feeds = {"input_ids": input_ids}
+        if any(i.name == "position_ids" for i in self.first.inputs):
+            if positions is None:
+                positions = np.arange(input_ids.shape[1], dtype=np.int64)[None, :]
+            feeds["position_ids"] = np.broadcast_to(positions, input_ids.shape).copy()
+        out = self.executors[self.first.index].run(feeds)
         hidden: Array = out["hidden_states"]
         return hidden
 
     def head(self, hidden: Array, attention_mask: Array) -> Array:
-        """The last stage of an encoder: pooled, normalized sentence embeddings."""
+        """The last stage: pooled, normalized sentence embeddings for an encoder, logits for a
+        decoder."""
         names = {i.name for i in self.last.inputs}
         feeds: dict[str, Array] = {"hidden_states": hidden.astype(np.float32, copy=False)}
         if "attention_mask" in names:

@@ -17,6 +17,7 @@ class Assign(Message, frozen=True, tag="Assign/1"):
     stage: int  # index of the stage in the manifest
     url: str  # where to GET the artifact (range requests supported)
     role: str = "active"  # "active" (serve) or "backup" (load, stand by)
+    tls_sha256: str = ""  # SHA-256 of the broker's certificate when `url` is https: pin it
 
 
 class Unassign(Message, frozen=True, tag="Unassign/1"):

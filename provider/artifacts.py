@@ -154,9 +154,11 @@ class ArtifactCache:
         *,
         session: aiohttp.ClientSession | None = None,
         progress: Progress | None = None,
+        pin: str = "",
     ) -> Path:
         """The verified file for `sha256`, downloading it from `url` if needed (resuming an
-        interrupted download). Raises `ArtifactError` when it cannot."""
+        interrupted download). `pin` is the SHA-256 (hex) of the server's TLS certificate to
+        accept (a self-signed broker). Raises `ArtifactError` when it cannot."""
         sha = _checked(sha256)
         if size < 0:
             raise ArtifactError(f"artifact {sha[:12]}: negative size {size}")
@@ -179,7 +181,7 @@ class ArtifactCache:
                 timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s)
             )
             try:
-                await self._download(session, sha, url, size, progress)
+                await self._download(session, sha, url, size, progress, pin)
             finally:
                 if own:
                     await session.close()
@@ -193,6 +195,7 @@ class ArtifactCache:
         url: str,
         size: int,
         progress: Progress | None,
+        pin: str = "",
     ) -> None:
         part = self.partial / sha
         last: BaseException | None = None
@@ -205,7 +208,7 @@ class ArtifactCache:
                 have = 0
             try:
                 if have < size:
-                    await self._get(session, url, part, have, size, progress)
+                    await self._get(session, url, part, have, size, progress, pin)
             except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
                 last = exc
                 got = part.stat().st_size if part.exists() else 0
@@ -239,9 +242,16 @@ class ArtifactCache:
         have: int,
         size: int,
         progress: Progress | None,
+        pin: str = "",
     ) -> None:
         headers = {"Range": f"bytes={have}-"} if have else {}
-        async with session.get(url, headers=headers) as resp:
+        ssl: bool | aiohttp.Fingerprint = True
+        if pin:
+            try:
+                ssl = aiohttp.Fingerprint(bytes.fromhex(pin))
+            except ValueError as exc:
+                raise ArtifactError(f"bad certificate fingerprint {pin!r}: {exc}") from None
+        async with session.get(url, headers=headers, ssl=ssl) as resp:
             if resp.status == 404:
                 raise ArtifactError(f"{url} does not have this artifact (HTTP 404)")
             if resp.status not in (200, 206):

@@ -104,7 +104,12 @@ async def host(
         )
     try:
         path = await cache.fetch(
-            info.sha256, assign.url, info.size_bytes, session=session, progress=progress
+            info.sha256,
+            assign.url,
+            info.size_bytes,
+            session=session,
+            progress=progress,
+            pin=assign.tls_sha256,
         )
     except ArtifactError as exc:
         raise StageRefused(f"stage {assign.key}: {exc}") from None

@@ -33,17 +33,20 @@ def minilm_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small random Llama (4 blocks) split into two provider stages with KV-cache I/O."""
+    """A small random Llama (4 blocks) split into two provider stages with KV-cache I/O,
+    with a small byte-level BPE tokenizer."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from ir.export import build_package
-    from tests.tiny_models import tiny_llama
+    from tests.tiny_models import tiny_llama, tiny_tokenizer
 
     model = tiny_llama()
     out = tmp_path_factory.mktemp("llama")
+    tokenizer = tmp_path_factory.mktemp("llama-tokenizer") / "tokenizer.json"
+    tiny_tokenizer(tokenizer, model.config.vocab_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(model, 2, out, name="tiny-llama")
+        build_package(model, 2, out, name="tiny-llama", tokenizer_file=tokenizer)
     return out
 
 

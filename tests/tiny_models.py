@@ -24,3 +24,29 @@ def tiny_llama() -> Any:
         eos_token_id=0,
     )
     return transformers.LlamaForCausalLM(config).eval()
+
+
+CORPUS = [
+    "The swarm runs each stage on a gaming PC and sends hidden states to the next one.",
+    "A broker keeps a pool of providers; a backup takes over when one quits.",
+    "Models travel as ONNX, so one job can span machines with different GPUs.",
+    "Hello world! Generation streams tokens one at a time through the pipeline.",
+]
+
+
+def tiny_tokenizer(path: Any, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer with `vocab_size` entries, "<|endoftext|>" at id 0, trained
+    on a few sentences (deterministic), written as a tokenizers JSON file at `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.save(str(path))

@@ -176,3 +176,11 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """(batch, heads, seq, head_dim) -> (batch, seq, heads * head_dim)."""
     x = x.transpose(1, 2)
     return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3])
+
+
+def eos_of(config: Any) -> dict[str, int]:
+    """The end-of-sequence token id, if the model names one (generation stops after it)."""
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    return {"eos_token_id": eos} if isinstance(eos, int) else {}

@@ -19,6 +19,7 @@ from ir.families.base import (
     StageModule,
     attention,
     causal_mask,
+    eos_of,
     head_stage,
     heads,
     merge_heads,
@@ -39,6 +40,7 @@ def config_of(model: Any) -> dict[str, int | float | str]:
         "vocab_size": c.vocab_size,
         "max_positions": c.n_positions,
         "layer_norm_eps": c.layer_norm_epsilon,
+        **eos_of(c),
     }
 
 

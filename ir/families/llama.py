@@ -17,6 +17,7 @@ from ir.families.base import (
     StageModule,
     attention,
     causal_mask,
+    eos_of,
     head_stage,
     heads,
     merge_heads,
@@ -36,6 +37,7 @@ def config_of(model: Any) -> dict[str, int | float | str]:
         "vocab_size": c.vocab_size,
         "max_positions": c.max_position_embeddings,
         "rms_norm_eps": c.rms_norm_eps,
+        **eos_of(c),
     }
 
 

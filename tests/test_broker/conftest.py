@@ -63,7 +63,7 @@ def pools(http: str) -> dict[str, str]:
     return {p["peer_id"]: p["pool"] for p in out["providers"]}
 
 
-def add_model(http: str, package: Path) -> dict[str, Any]:
+def add_model(http: str, package: Path, *extra: str) -> dict[str, Any]:
     done = subprocess.run(
         [
             sys.executable,
@@ -75,6 +75,7 @@ def add_model(http: str, package: Path) -> dict[str, Any]:
             "--broker",
             http,
             "--json",
+            *extra,
         ],
         cwd=ROOT,
         capture_output=True,

@@ -1,0 +1,428 @@
+"""OpenAI-style endpoints: `POST /v1/embeddings` and `POST /v1/completions` (with `stream`).
+
+Requests and answers have the shapes the `openai` Python package sends and reads, so an
+OpenAI client works by changing its base URL. Embeddings run at once through the swarm (the
+job runner's graph walk, with its retries; nothing queued or stored). Completions open a
+generation session along the model's route (`client.session`): the broker runs the tokenizer,
+the embedding stage, the head and the sampling, providers run the blocks with their KV caches,
+and a provider lost mid-answer is replaced without changing the text.
+
+Fields the swarm does not implement (`logprobs`, `echo`, penalties, `n` > 1, ...) are refused
+with 400 naming the field, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from aiohttp import web
+
+from broker.errors import NotFound, TooBusy, Unavailable
+from broker.jobs import JobError
+from client.sampling import Sampler
+from client.session import GenerationError, GenerationSession, generate
+from client.stages import ClientStageError, ClientStages
+from client.text import TextStream
+
+if TYPE_CHECKING:
+    from broker.service import Broker
+
+MAX_INPUTS = 2048  # texts in one embeddings request, as OpenAI allows
+MAX_PROMPTS = 16  # prompts in one completions request
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def parse_input(value: Any, field: str) -> tuple[list[str] | None, list[list[int]] | None]:
+    """OpenAI's input forms: a string, strings, token ids, or lists of token ids."""
+    if isinstance(value, str) or _is_ids(value):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise JobError(field, "give a string, a list of strings, or token ids")
+    if len(value) > MAX_INPUTS:
+        raise JobError(field, f"{len(value)} inputs; at most {MAX_INPUTS} per request")
+    if all(isinstance(v, str) for v in value):
+        if any(not v for v in value):
+            raise JobError(field, "an input is the empty string")
+        return value, None
+    if all(_is_ids(v) for v in value):
+        return None, value
+    raise JobError(field, "mixes strings and token ids, or holds an empty list")
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise JobError(name, f"must be a number from {low:g} to {high:g}")
+    return float(value)
+
+
+def _require(body: dict[str, Any], name: str, ok: Any, why: str) -> None:
+    """Refuse a field the swarm does not implement unless it has its neutral value."""
+    if name in body and body[name] is not None and body[name] != ok:
+        raise JobError(name, why)
+
+
+def _model(body: Any) -> str:
+    if not isinstance(body, dict):
+        raise JobError("body", "the request is a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise JobError("model", "name the model (a string)")
+    return model
+
+
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "echo",
+    "logprobs",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "suffix",
+    "user",
+}
+
+
+def _unknown(body: dict[str, Any], known: set[str]) -> None:
+    extra = sorted(set(body) - known)
+    if extra:
+        raise JobError(extra[0], "unrecognized request argument")
+
+
+@dataclass(frozen=True)
+class Completion:
+    model: str
+    prompts: list[str] | None
+    prompt_ids: list[list[int]] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    seed: int | None
+
+
+def parse_completion(body: Any) -> Completion:
+    model = _model(body)
+    _unknown(body, COMPLETION_FIELDS)
+    prompts, ids = parse_input(body.get("prompt"), "prompt")
+    if len(prompts or ids or []) > MAX_PROMPTS:
+        raise JobError("prompt", f"at most {MAX_PROMPTS} prompts per request")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if type(max_tokens) is not int or not 1 <= max_tokens <= 4096:
+        raise JobError("max_tokens", "must be an integer from 1 to 4096")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise JobError("stream", "must be true or false")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
+        raise JobError("stream_options", 'only {"include_usage": bool} is supported')
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
+        raise JobError("stop", "a string or a list of up to 4 strings")
+    seed = body.get("seed")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise JobError("seed", "must be a non-negative integer")
+    _require(body, "n", 1, "only n=1 is supported")
+    _require(body, "best_of", 1, "only best_of=1 is supported")
+    _require(body, "echo", False, "echo is not supported")
+    _require(body, "logprobs", None, "logprobs are not supported")
+    _require(body, "suffix", None, "suffix is not supported")
+    _require(body, "presence_penalty", 0, "penalties are not supported")
+    _require(body, "frequency_penalty", 0, "penalties are not supported")
+    if body.get("logit_bias"):
+        raise JobError("logit_bias", "logit_bias is not supported")
+    if "user" in body and not isinstance(body["user"], str | type(None)):
+        raise JobError("user", "must be a string")
+    return Completion(
+        model=model,
+        prompts=prompts,
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        stream=bool(stream),
+        include_usage=bool(options.get("include_usage", False)),
+        stop=stop,
+        seed=seed,
+    )
+
+
+class BrokerRouter:
+    """Routes for generation sessions the broker runs itself (`client.session.Router`)."""
+
+    def __init__(self, broker: Broker, model: str, load: dict[str, int]) -> None:
+        self.broker = broker
+        self.model = model
+        self.load = load
+
+    async def pick(self, pos: int, avoid: set[str]) -> str:
+        timeout = self.broker.config.request_timeout_s
+        peer = await self.broker.serving.pick(self.model, pos, avoid, self.load, timeout)
+        if peer is None:
+            raise GenerationError(
+                f"no provider has served stage {pos} of {self.model} for {timeout:.0f} s"
+            )
+        return peer
+
+    async def failed(self, pos: int, peer: str, reason: str) -> None:
+        await self.broker.serving.suspect(peer, f"a generation step failed: {reason}")
+
+    def lost(self, peer: str) -> asyncio.Event | None:
+        return self.broker.registry.lost_event(peer)
+
+
+class Gateway:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.running = 0  # interactive requests in progress
+
+    def _admit(self) -> None:
+        if self.running >= self.broker.config.max_interactive:
+            raise TooBusy(
+                f"{self.running} embedding and completion requests are in progress "
+                f"(limit {self.broker.config.max_interactive}); try again shortly"
+            )
+
+    # ---- embeddings ------------------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        from broker.http import json_body
+
+        body = await json_body(request)
+        model = _model(body)
+        _unknown(body, EMBEDDING_FIELDS)
+        texts, ids = parse_input(body.get("input"), "input")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise JobError("encoding_format", "must be 'float' or 'base64'")
+        dims = body.get("dimensions")
+        self._admit()
+        self.running += 1
+        start = time.perf_counter()
+        try:
+            vectors, tokens = await self.broker.jobs.embed_now(model, texts, ids)
+        finally:
+            self.running -= 1
+        self.broker.metrics.interactive("embeddings", time.perf_counter() - start)
+        if dims is not None and dims != vectors.shape[1]:
+            raise JobError("dimensions", f"{model} gives {vectors.shape[1]} dimensions only")
+        data = []
+        for i, row in enumerate(vectors):
+            value: Any = (
+                base64.b64encode(np.ascontiguousarray(row, dtype="<f4").tobytes()).decode()
+                if fmt == "base64"
+                else row.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    # ---- completions -----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        from broker.http import json_body
+
+        req = parse_completion(await json_body(request))
+        stored = self.broker.models.models.get(req.model)
+        if stored is None:
+            raise NotFound(f"no model named {req.model!r}")
+        client = await asyncio.to_thread(self.broker.jobs.client, req.model)
+        if not client.decoder:
+            raise JobError("model", f"{req.model} is an encoder; use /v1/embeddings")
+        if client.tokenizer is None:
+            raise JobError(
+                "model", f"{req.model} ships no tokenizer (or `tokenizers` is missing): no text"
+            )
+        prompts = await asyncio.to_thread(self._prompt_ids, client, req)
+        limit = int(client.manifest.config.get("max_positions", 0) or 0)
+        longest = max(len(p) for p in prompts)
+        if limit and longest + req.max_tokens > limit:
+            raise JobError(
+                "max_tokens",
+                f"the prompt ({longest} tokens) plus max_tokens ({req.max_tokens}) exceeds "
+                f"the model's context of {limit} tokens",
+            )
+        self._admit()
+        self.running += 1
+        try:
+            cid = "cmpl-" + uuid.uuid4().hex[:24]
+            created = int(time.time())
+            if req.stream:
+                return await self._stream(request, req, client, prompts, cid, created)
+            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+            for index, prompt in enumerate(prompts):
+                text, reason, n = "", "length", 0
+                async for piece, finish, count in self._run(req, client, prompt):
+                    text += piece
+                    reason, n = finish or reason, count
+                choices.append(
+                    {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
+                )
+                usage["prompt_tokens"] += len(prompt)
+                usage["completion_tokens"] += n
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            return web.json_response(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "choices": choices,
+                    "usage": usage,
+                }
+            )
+        finally:
+            self.running -= 1
+
+    def _prompt_ids(self, client: ClientStages, req: Completion) -> list[list[int]]:
+        if req.prompt_ids is not None:
+            try:
+                client.pad(req.prompt_ids)  # checks the ids are in the vocabulary
+            except ClientStageError as exc:
+                raise JobError("prompt", str(exc)) from None
+            return req.prompt_ids
+        out = [e.ids for e in client.tokenizer.encode_batch(req.prompts or [])]
+        if any(not ids for ids in out):
+            raise JobError("prompt", "a prompt encodes to no tokens")
+        return out
+
+    async def _run(
+        self, req: Completion, client: ClientStages, prompt: list[int]
+    ) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text piece, finish reason once finished, tokens so far) as the answer grows."""
+        broker = self.broker
+        keys = [
+            broker.models.models[req.model].unit_key(u)
+            for u in broker.models.models[req.model].units
+        ]
+        sid = uuid.uuid4().hex[:12]
+
+        def on_failover(pos: int, peer: str, reason: str) -> None:
+            broker.events.emit(
+                "session_failover", peer=peer, session=sid, stage=keys[pos], reason=reason
+            )
+            broker.metrics.failover("session_moved")
+
+        session = GenerationSession(
+            broker.host,
+            client,
+            keys,
+            BrokerRouter(broker, req.model, broker.jobs.inflight),
+            timeout=broker.config.request_timeout_s,
+            max_attempts=broker.config.max_attempts,
+            on_failover=on_failover,
+        )
+        text = TextStream(client.tokenizer, req.stop)
+        sampler = Sampler(req.temperature, req.top_p, req.seed)
+        count = 0
+        try:
+            async for token in generate(session, prompt, req.max_tokens, sampler, eos=client.eos):
+                count += 1
+                piece = text.push(token)
+                if token == client.eos or text.stopped:
+                    yield piece + text.finish(), "stop", count
+                    return
+                yield piece, None, count
+            yield text.finish(), "length", count
+        except GenerationError as exc:
+            raise Unavailable(str(exc)) from None
+        finally:
+            await session.close()
+            broker.metrics.tokens(req.model, count)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: Completion,
+        client: ClientStages,
+        prompts: list[list[int]],
+        cid: str,
+        created: int,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+
+        async def send(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await resp.write(f"data: {data}\n\n".encode())
+
+        def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [
+                    {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        try:
+            for index, prompt in enumerate(prompts):
+                n = 0
+                async for piece, finish, count in self._run(req, client, prompt):
+                    n = count
+                    if piece or finish:
+                        await send(chunk(index, piece, finish))
+                usage["prompt_tokens"] += len(prompt)
+                usage["completion_tokens"] += n
+        except (Unavailable, OSError) as exc:  # headers are sent: report in the stream
+            await send({"error": {"message": str(exc), "type": "unavailable"}})
+            return resp
+        if req.include_usage:
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            await send(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": req.model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,139 @@
+"""`/metrics` for Prometheus: the swarm's state and the broker's traffic.
+
+Counters and histograms are updated as things happen; the gauges (providers per pool, queue
+lengths, models served) are read from the registry and the store when Prometheus scrapes.
+Each broker has its own collector registry, so several brokers can live in one process.
+
+    fusionai_providers{pool}                      providers per pool (active, backup, ...)
+    fusionai_jobs{state}                          jobs per state (queued, running, ...)
+    fusionai_queue_length{model}                  queued jobs per model
+    fusionai_model_stages_served{model}           provider stages with at least one route
+    fusionai_job_outcomes_total{outcome}          finished jobs: succeeded, failed, cancelled
+    fusionai_failovers_total{kind}                providers lost, microbatch retries, session moves
+    fusionai_stage_requests_total{model}          stage requests answered by providers
+    fusionai_stage_seconds{model}                 their latency (histogram)
+    fusionai_generated_tokens_total{model}        tokens generated through /v1/completions
+    fusionai_interactive_seconds{endpoint}        embeddings and completions latency (histogram)
+    fusionai_http_request_seconds{method,route,status}   every HTTP request (histogram)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from broker.service import Broker
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+POOLS = ("active", "backup", "draining", "dead")
+STATES = ("queued", "placed", "running", "succeeded", "failed", "cancelled")
+FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _State(Collector):
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.broker
+        pools = GaugeMetricFamily("fusionai_providers", "Providers per pool", labels=["pool"])
+        counts = dict.fromkeys(POOLS, 0)
+        for p in b.registry.summary():
+            counts[p["pool"]] = counts.get(p["pool"], 0) + 1
+        for pool, n in sorted(counts.items()):
+            pools.add_metric([pool], n)
+        yield pools
+        jobs = GaugeMetricFamily("fusionai_jobs", "Jobs per state", labels=["state"])
+        by_state = b.store.count_jobs()
+        for state in STATES:
+            jobs.add_metric([state], by_state.get(state, 0))
+        yield jobs
+        queue = GaugeMetricFamily(
+            "fusionai_queue_length", "Queued jobs per model", labels=["model"]
+        )
+        served = GaugeMetricFamily(
+            "fusionai_model_stages_served",
+            "Provider stages of a model with at least one serving provider",
+            labels=["model"],
+        )
+        queued = b.store.count_queued()
+        for name in sorted(b.serving.plans):
+            queue.add_metric([name], queued.get(name, 0))
+            route = b.serving.route(name) or []
+            served.add_metric([name], sum(1 for peers in route if peers))
+        yield queue
+        yield served
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.outcomes = Counter("fusionai_job_outcomes", "Finished jobs", ["outcome"], registry=r)
+        self.failovers = Counter(
+            "fusionai_failovers",
+            "Providers lost, microbatches retried, generation sessions moved",
+            ["kind"],
+            registry=r,
+        )
+        self.stage_requests = Counter(
+            "fusionai_stage_requests", "Stage requests answered by providers", ["model"], registry=r
+        )
+        self.stage_seconds = Histogram(
+            "fusionai_stage_seconds", "Stage request latency", ["model"], buckets=FAST, registry=r
+        )
+        self.generated = Counter(
+            "fusionai_generated_tokens", "Tokens generated for completions", ["model"], registry=r
+        )
+        self.interactive_seconds = Histogram(
+            "fusionai_interactive_seconds",
+            "Embeddings and completions request latency",
+            ["endpoint"],
+            buckets=FAST,
+            registry=r,
+        )
+        self.http_seconds = Histogram(
+            "fusionai_http_request_seconds",
+            "HTTP request latency",
+            ["method", "route", "status"],
+            buckets=FAST,
+            registry=r,
+        )
+
+    def watch(self, broker: Broker) -> None:
+        """Read the swarm's state from `broker` at each scrape; count its events."""
+        self.registry.register(_State(broker))
+        broker.events.sinks.append(self._event)
+
+    def _event(self, row: object) -> None:
+        kind = getattr(row, "kind", "")
+        if kind in ("job_succeeded", "job_failed", "job_cancelled"):
+            self.outcomes.labels(kind.removeprefix("job_")).inc()
+        elif kind == "provider_lost":
+            self.failovers.labels("provider_lost").inc()
+        elif kind == "microbatch_retry":
+            self.failovers.labels("microbatch_retry").inc()
+
+    def failover(self, kind: str) -> None:
+        self.failovers.labels(kind).inc()
+
+    def stage(self, model: str, seconds: float) -> None:
+        self.stage_requests.labels(model).inc()
+        self.stage_seconds.labels(model).observe(seconds)
+
+    def tokens(self, model: str, n: int) -> None:
+        self.generated.labels(model).inc(n)
+
+    def interactive(self, endpoint: str, seconds: float) -> None:
+        self.interactive_seconds.labels(endpoint).observe(seconds)
+
+    def http(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.http_seconds.labels(method, route, str(status)).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

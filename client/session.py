@@ -1,0 +1,243 @@
+"""Interactive generation through the swarm: a KV-cache session on each provider stage.
+
+The client runs the tokenizer, the embedding stage and the head itself (`ClientStages`) and
+sends only hidden states along the route, one `SessionStep` per stage per step. It keeps each
+stage's inputs so far; when a provider dies, stalls past the request deadline or loses the
+session, the session is opened on a replacement (the router names one) and that history is
+replayed into it in one step, so the output equals an uninterrupted run.
+
+    session = GenerationSession(host, stages, keys, router, timeout=10)
+    async for token in generate(session, prompt_ids, max_new_tokens=32):
+        ...
+    await session.close()
+
+`Router` is where routes come from: the broker passes its own route table, the SDK asks the
+broker over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from client.sampling import Sampler
+from client.stages import ClientStageError, ClientStages
+from ir.manifest import StageInfo
+from ir.pipeline import zero_adapters
+from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
+from proto.session import SESSION, SessionClose, SessionOpen, SessionOutput, SessionStep
+
+log = logging.getLogger("fusionai.client")
+Array = np.ndarray[Any, Any]
+BUSY_WAIT_S = 0.2  # pause before asking again after a "busy" answer; seconds
+
+
+class GenerationError(RuntimeError):
+    """A generation step could not be completed on any provider; the message says why."""
+
+
+class Router(Protocol):
+    async def pick(self, pos: int, avoid: set[str]) -> str:
+        """A provider serving provider stage `pos`, not in `avoid` if there is another;
+        waits for one (raising `GenerationError` when none comes)."""
+        ...
+
+    async def failed(self, pos: int, peer: str, reason: str) -> None:
+        """A request to `peer` failed (connection, deadline): the broker may declare it lost."""
+        ...
+
+    def lost(self, peer: str) -> asyncio.Event | None:
+        """Set when the broker declares `peer` lost, if this router can tell (else None)."""
+        ...
+
+
+@dataclass
+class _Stage:
+    key: str
+    info: StageInfo
+    peer: str | None = None
+    opened: bool = False
+    history: list[dict[str, Array]] = field(default_factory=list)  # inputs of past steps
+
+
+class GenerationSession:
+    """One sequence's sessions along a model's provider stages (batch 1)."""
+
+    def __init__(
+        self,
+        host: Host,
+        stages: ClientStages,
+        keys: Sequence[str],
+        router: Router,
+        *,
+        timeout: float = 30.0,
+        max_attempts: int = 5,
+        on_failover: Callable[[int, str, str], None] | None = None,
+    ) -> None:
+        provider = [s for s in stages.manifest.stages if s.placement == "provider"]
+        if len(provider) != len(keys):
+            raise ValueError(f"{len(provider)} provider stages but {len(keys)} stage keys")
+        if not any(i.name.startswith("past_") for s in provider for i in s.inputs):
+            raise ClientStageError(
+                f"model {stages.manifest.name} keeps no KV cache: it is not a decoder"
+            )
+        self.host = host
+        self.client = stages
+        self.router = router
+        self.timeout = timeout
+        self.max_attempts = max_attempts
+        self.on_failover = on_failover
+        self.id = uuid.uuid4().hex
+        self.stages = [_Stage(k, s) for k, s in zip(keys, provider, strict=True)]
+        self.past = 0  # tokens fed so far
+        self.failovers = 0
+
+    async def feed(self, tokens: Sequence[int]) -> Array:
+        """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
+        ids = np.array([list(tokens)], dtype=np.int64)
+        positions = np.arange(self.past, self.past + ids.shape[1], dtype=np.int64)[None, :]
+        hidden = await asyncio.to_thread(self.client.embed, ids, positions)
+        for pos, stage in enumerate(self.stages):
+            names = {i.name for i in stage.info.inputs}
+            feeds: dict[str, Array] = {"hidden_states": hidden}
+            if "position_ids" in names:
+                feeds["position_ids"] = positions
+            hidden = await self._step(pos, stage, feeds)
+            stage.history.append(feeds)
+        self.past += ids.shape[1]
+        logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
+        return np.asarray(logits[0, -1], dtype=np.float32)
+
+    async def _step(self, pos: int, stage: _Stage, feeds: dict[str, Array]) -> Array:
+        avoid: set[str] = set()
+        failures = 0
+        busy_until: float | None = None
+        while True:
+            if stage.peer is None:
+                stage.peer = await self.router.pick(pos, avoid)
+                stage.opened = False
+            peer = stage.peer
+            try:
+                if not stage.opened:
+                    await self._open(stage, peer)
+                out = await self._request(stage, peer, feeds)
+            except RemoteError as exc:
+                now = asyncio.get_running_loop().time()
+                if exc.code == ErrorCode.BUSY and (busy_until is None or now < busy_until):
+                    busy_until = busy_until or now + self.timeout  # full for now: wait a while
+                    await asyncio.sleep(BUSY_WAIT_S)
+                    continue
+                busy_until = None
+                if exc.code == ErrorCode.NOT_FOUND and stage.opened:  # expired: reopen, replay
+                    stage.opened = False
+                    failures += 1
+                else:
+                    failures += 1
+                    avoid.add(peer)
+                    stage.peer = None
+                reason = f"{exc.code}: {exc}"
+            except (RequestTimeout, P2PError, _Lost) as exc:
+                failures += 1
+                avoid.add(peer)
+                stage.peer = None
+                reason = str(exc) or type(exc).__name__
+                if not isinstance(exc, _Lost):
+                    await self.router.failed(pos, peer, reason)
+            else:
+                hidden = out.outputs.get("hidden_states_out")
+                if hidden is None:
+                    raise GenerationError(f"{stage.key} on {peer} answered no hidden_states_out")
+                return hidden.to_numpy()
+            self.failovers += 1
+            if self.on_failover is not None:
+                self.on_failover(pos, peer, reason)
+            log.info("session %s: stage %s on %s failed (%s)", self.id, stage.key, peer, reason)
+            if failures >= self.max_attempts:
+                raise GenerationError(
+                    f"stage {stage.key} failed {failures} times; last on {peer}: {reason}"
+                )
+
+    async def _open(self, stage: _Stage, peer: str) -> None:
+        await self._call(peer, SessionOpen(session=self.id, stage=stage.key))
+        stage.opened = True
+        if stage.history:  # a replacement: replay everything this stage has seen
+            replay = {
+                name: np.concatenate([h[name] for h in stage.history], axis=1)
+                for name in stage.history[0]
+            }
+            await self._request(stage, peer, replay)
+
+    async def _request(self, stage: _Stage, peer: str, feeds: dict[str, Array]) -> SessionOutput:
+        inputs = {**feeds, **zero_adapters(stage.info)}
+        names = {i.name for i in stage.info.inputs}
+        msg = SessionStep(
+            session=self.id,
+            stage=stage.key,
+            inputs={k: Tensor.from_numpy(v) for k, v in inputs.items() if k in names},
+        )
+        answer = await self._call(peer, msg)
+        assert isinstance(answer, SessionOutput)
+        return answer
+
+    async def _call(self, peer: str, msg: SessionOpen | SessionStep | SessionClose) -> Any:
+        call = asyncio.ensure_future(self.host.request(peer, SESSION, msg, timeout=self.timeout))
+        lost = self.router.lost(peer)
+        if lost is None:
+            return await call
+        watch = asyncio.ensure_future(lost.wait())
+        abandoned = True
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            abandoned = not call.done()
+        finally:
+            watch.cancel()
+            if abandoned:
+                call.cancel()  # lost, or we were cancelled
+        if abandoned:
+            raise _Lost(f"{peer} was declared lost")
+        return call.result()
+
+    async def close(self) -> None:
+        """Close the sessions (best effort: a provider that is gone has dropped them)."""
+
+        async def one(stage: _Stage) -> None:
+            if stage.peer is None or not stage.opened:
+                return
+            try:
+                await self.host.request(
+                    stage.peer, SESSION, SessionClose(session=self.id, stage=stage.key), timeout=5
+                )
+            except P2PError:
+                pass
+
+        await asyncio.gather(*(one(s) for s in self.stages))
+
+
+class _Lost(Exception):
+    pass
+
+
+async def generate(
+    session: GenerationSession,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    sampler: Sampler,
+    *,
+    eos: int | None = None,
+) -> AsyncIterator[int]:
+    """Yield up to `max_new_tokens` sampled tokens (stopping after `eos`, which is yielded)."""
+    if not prompt:
+        raise ClientStageError("the prompt has no tokens")
+    logits = await session.feed(prompt)
+    for i in range(max_new_tokens):
+        token = sampler.pick(logits)
+        yield token
+        if token == eos or i + 1 == max_new_tokens:
+            return
+        logits = await session.feed([token])
