@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -51,6 +52,8 @@ from broker.store import JobRow
 
 if TYPE_CHECKING:
     from broker.service import Broker
+
+log = logging.getLogger("fusionai.broker")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -85,6 +88,9 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return response
     except Unavailable as exc:
         return error(503, str(exc))
+    except Exception:  # a bug: logged with its traceback, answered without one
+        log.exception("%s %s failed", request.method, request.path)
+        return error(500, "internal error; the broker's log has the details")
 
 
 DASHBOARD = Path(__file__).parent / "dashboard"
@@ -116,6 +122,8 @@ async def json_body(request: web.Request) -> Any:
         return await asyncio.to_thread(json.loads, raw)  # up to max_body_bytes: off the loop
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise JobError("body", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise JobError("body", "JSON nested too deeply") from None
 
 
 def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:

@@ -188,7 +188,7 @@ def _name_of(manifest: bytes) -> str:
     """The model name a manifest claims ("" if it is not readable; `register` says why)."""
     try:
         name = json.loads(manifest).get("name", "")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return ""
     return name if isinstance(name, str) else ""
 

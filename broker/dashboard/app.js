@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
-const short = (peer) => (peer ? peer.slice(0, 6) + "…" + peer.slice(-6) : "");
+const short = (peer) => (peer ? "…" + peer.slice(-10) : "");  // peer ids share their first characters
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 const bytes = (n) => (n >= 2 ** 30 ? (n / 2 ** 30).toFixed(1) + " GiB" : (n / 2 ** 20).toFixed(0) + " MiB");
 const state = { events: [] };
