@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/sim.py
 	$(PY) benchmarks/provider.py
 	$(PY) benchmarks/broker.py
+	$(PY) benchmarks/http_api.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)
