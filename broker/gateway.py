@@ -408,7 +408,9 @@ class Gateway:
                         await send(chunk(index, piece, finish))
                 usage["prompt_tokens"] += len(prompt)
                 usage["completion_tokens"] += n
-        except (Unavailable, OSError) as exc:  # headers are sent: report in the stream
+        except ConnectionResetError:  # the client went away; its sessions are closed
+            return resp
+        except Unavailable as exc:  # headers are sent: report the error in the stream
             await send({"error": {"message": str(exc), "type": "unavailable"}})
             return resp
         if req.include_usage:

@@ -294,8 +294,16 @@ def make_app(broker: Broker) -> web.Application:
         job = job_or_404(request.match_info["id"])
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        try:
+            await _job_events(response, job)
+        except ConnectionResetError:  # the client went away
+            pass
+        return response
+
+    async def _job_events(response: web.StreamResponse, job: JobRow) -> None:
         since = 0
-        while True:
+        current: JobRow | None = job
+        while not broker.stopping:
             for row in store.events(since=since, limit=1000, job=job.id):
                 since = row.id
                 await sse(response, row.kind, row.to_json())
@@ -315,7 +323,6 @@ def make_app(broker: Broker) -> web.Application:
         final = job_json(current, store.count_done(job.id)) if current is not None else None
         await sse(response, "end", final)
         await response.write_eof()
-        return response
 
     def snapshot() -> dict[str, Any]:
         rows = store.jobs(limit=50)
@@ -332,10 +339,17 @@ def make_app(broker: Broker) -> web.Application:
         interval = int_param(request, "interval_ms", 500, 100, 60_000) / 1000
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
+        try:
+            await _stream(response, interval)
+        except ConnectionResetError:  # the page was closed
+            pass
+        return response
+
+    async def _stream(response: web.StreamResponse, interval: float) -> None:
         last: str | None = None
         since = max(0, store.last_event_id() - 50)  # the page starts with recent history
         quiet = 0.0
-        while True:
+        while not broker.stopping:
             for row in store.events(since=since, limit=200):
                 since = row.id
                 await sse(response, "event", row.to_json())

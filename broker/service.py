@@ -53,7 +53,7 @@ class Broker:
         self.tls_sha256 = ""  # the certificate's fingerprint when serving HTTPS
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._stop = asyncio.Event()
+        self._stop = asyncio.Event()  # set when closing: loops and open streams end
         self.http_url = ""
         # Set in start(): they need the host's peer id and the HTTP address.
         self.registry: Registry
@@ -159,7 +159,14 @@ class Broker:
         self.serving.add_model(stored)
         return stored
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     async def close(self) -> None:
+        if not self._stop.is_set() and self._runner is not None:
+            self._stop.set()
+            self.events.emit("broker_stopping")  # wakes open event streams, which end
         self._stop.set()
         for task in self._tasks:
             task.cancel()
