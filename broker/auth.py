@@ -68,7 +68,7 @@ class Keys:
     def valid(self, key: str | None) -> bool:
         if key is None:
             return False
-        digest = hashlib.sha256(key.encode()).digest()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
         found = False
         for d in self._digests:  # compare with every key: the time does not tell which matched
             found |= hmac.compare_digest(d, digest)
@@ -95,10 +95,13 @@ class ArtifactTokens:
         self._secret = secret
 
     def token(self, sha: str) -> str:
-        return hmac.new(self._secret, sha.encode(), hashlib.sha256).hexdigest()
+        return hmac.new(self._secret, sha.encode("utf-8", "surrogateescape"), "sha256").hexdigest()
 
     def valid(self, sha: str, token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(self.token(sha), token)
+        if token is None:
+            return False
+        given = token.encode("utf-8", "surrogateescape")  # any bytes: compared, never decoded
+        return hmac.compare_digest(self.token(sha).encode(), given)
 
 
 def self_signed(directory: Path, hosts: Iterable[str]) -> tuple[Path, Path]:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,8 @@ from client.text import TextStream
 
 if TYPE_CHECKING:
     from broker.service import Broker
+
+log = logging.getLogger("fusionai.broker")
 
 MAX_INPUTS = 2048  # texts in one embeddings request, as OpenAI allows
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -172,7 +176,7 @@ def parse_completion(body: Any) -> Completion:
         prompt_ids=ids,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
         stop=stop,
@@ -236,7 +240,7 @@ class Gateway:
             vectors, tokens = await self.broker.jobs.embed_now(model, texts, ids)
         finally:
             self.running -= 1
-        self.broker.metrics.interactive("embeddings", time.perf_counter() - start)
+            self.broker.metrics.interactive("embeddings", time.perf_counter() - start)
         if dims is not None and dims != vectors.shape[1]:
             raise JobError("dimensions", f"{model} gives {vectors.shape[1]} dimensions only")
         data = []
@@ -283,6 +287,7 @@ class Gateway:
             )
         self._admit()
         self.running += 1
+        start = time.perf_counter()
         try:
             cid = "cmpl-" + uuid.uuid4().hex[:24]
             created = int(time.time())
@@ -291,9 +296,10 @@ class Gateway:
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
             for index, prompt in enumerate(prompts):
                 text, reason, n = "", "length", 0
-                async for piece, finish, count in self._run(req, client, prompt):
-                    text += piece
-                    reason, n = finish or reason, count
+                async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
+                    async for piece, finish, count in pieces:
+                        text += piece
+                        reason, n = finish or reason, count
                 choices.append(
                     {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
                 )
@@ -312,6 +318,7 @@ class Gateway:
             )
         finally:
             self.running -= 1
+            self.broker.metrics.interactive("completions", time.perf_counter() - start)
 
     def _prompt_ids(self, client: ClientStages, req: Completion) -> list[list[int]]:
         if req.prompt_ids is not None:
@@ -327,7 +334,7 @@ class Gateway:
 
     async def _run(
         self, req: Completion, client: ClientStages, prompt: list[int]
-    ) -> AsyncIterator[tuple[str, str | None, int]]:
+    ) -> AsyncGenerator[tuple[str, str | None, int]]:
         """(text piece, finish reason once finished, tokens so far) as the answer grows."""
         broker = self.broker
         keys = [
@@ -340,7 +347,7 @@ class Gateway:
             broker.events.emit(
                 "session_failover", peer=peer, session=sid, stage=keys[pos], reason=reason
             )
-            broker.metrics.failover("session_moved")
+            broker.metrics.failover("session_retry")
 
         session = GenerationSession(
             broker.host,
@@ -351,21 +358,26 @@ class Gateway:
             max_attempts=broker.config.max_attempts,
             on_failover=on_failover,
         )
-        text = TextStream(client.tokenizer, req.stop)
+        text = TextStream(client.tokenizer, req.stop, prefix=prompt)
         sampler = Sampler(req.temperature, req.top_p, req.seed)
         count = 0
+        tokens = generate(session, prompt, req.max_tokens, sampler, eos=client.eos)
         try:
-            async for token in generate(session, prompt, req.max_tokens, sampler, eos=client.eos):
-                count += 1
-                piece = text.push(token)
-                if token == client.eos or text.stopped:
-                    yield piece + text.finish(), "stop", count
-                    return
-                yield piece, None, count
-            yield text.finish(), "length", count
+            with broker.jobs.using(req.model):  # no rebalancing under an open session
+                async for token in tokens:
+                    if broker.stopping:
+                        raise Unavailable("the broker is shutting down")
+                    count += 1
+                    piece = text.push(token)
+                    if token == client.eos or text.stopped:
+                        yield piece + text.finish(), "stop", count
+                        return
+                    yield piece, None, count
+                yield text.finish(), "length", count
         except GenerationError as exc:
             raise Unavailable(str(exc)) from None
         finally:
+            await tokens.aclose()
             await session.close()
             broker.metrics.tokens(req.model, count)
 
@@ -402,16 +414,22 @@ class Gateway:
         try:
             for index, prompt in enumerate(prompts):
                 n = 0
-                async for piece, finish, count in self._run(req, client, prompt):
-                    n = count
-                    if piece or finish:
-                        await send(chunk(index, piece, finish))
+                async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
+                    async for piece, finish, count in pieces:
+                        n = count
+                        if piece or finish:
+                            await send(chunk(index, piece, finish))
                 usage["prompt_tokens"] += len(prompt)
                 usage["completion_tokens"] += n
         except ConnectionResetError:  # the client went away; its sessions are closed
             return resp
-        except Unavailable as exc:  # headers are sent: report the error in the stream
-            await send({"error": {"message": str(exc), "type": "unavailable"}})
+        except Exception as exc:  # headers are sent: report the error in the stream
+            kind = "unavailable" if isinstance(exc, Unavailable) else "internal_error"
+            if kind == "internal_error":
+                log.exception("completion stream %s failed", cid)
+            with contextlib.suppress(ConnectionResetError):
+                await send({"error": {"message": str(exc), "type": kind}})
+                await resp.write_eof()
             return resp
         if req.include_usage:
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]

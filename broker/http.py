@@ -100,6 +100,19 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
 
 
+RESULT_ROWS = 8  # microbatches per `results` event of a job's stream
+
+
+def _results_event(job: str, offset: int, rows: list[tuple[int, list[int], bytes]]) -> bytes:
+    import numpy as np
+
+    embeddings: list[Any] = []
+    for _, shape, data in rows:
+        embeddings.extend(np.frombuffer(data, dtype=np.float32).reshape(shape).tolist())
+    body = {"job": job, "offset": offset, "embeddings": embeddings}
+    return f"event: results\ndata: {json.dumps(body)}\n\n".encode()
+
+
 def _public(path: str) -> bool:
     return path in PUBLIC[:3] or path.startswith(PUBLIC[3])
 
@@ -177,10 +190,10 @@ def make_app(broker: Broker) -> web.Application:
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not keys.required or _public(request.path) or request.method == "OPTIONS":
             return await handler(request)
-        if request.method in ("GET", "HEAD") and request.path.startswith("/v1/artifacts/"):
-            sha = request.path.rsplit("/", 1)[-1]
-            if tokens.valid(sha, request.query.get("token")):
-                return await handler(request)
+        sha = request.match_info.get("sha")
+        download = request.method in ("GET", "HEAD") and sha is not None  # by a provider
+        if download and tokens.valid(sha or "", request.query.get("token")):
+            return await handler(request)
         if not keys.valid(presented_key(request)):
             response = error(401, "a valid API key is needed: Authorization: Bearer KEY")
             response.headers["WWW-Authenticate"] = 'Bearer realm="fusionai"'
@@ -304,22 +317,25 @@ def make_app(broker: Broker) -> web.Application:
         since = 0
         current: JobRow | None = job
         while not broker.stopping:
-            for row in store.events(since=since, limit=1000, job=job.id):
-                since = row.id
-                await sse(response, row.kind, row.to_json())
-            current = store.job(job.id, full=False)
+            current = store.job(job.id, full=False)  # (read first: no event is missed)
+            while rows := store.events(since=since, limit=1000, job=job.id):
+                for row in rows:
+                    since = row.id
+                    await sse(response, row.kind, row.to_json())
             if current is None or current.state in TERMINAL:
                 break
             await broker.events.wait(KEEPALIVE_S)
             await response.write(b": waiting\n\n")
         if current is not None and current.state == "succeeded":
-            offset = 0
-            while True:
-                block = jobs.results(job.id, offset, 1000)
-                if not block["embeddings"]:
+            offset, first = 0, 0
+            while True:  # a few microbatches at a time, encoded off the event loop
+                stored = store.results_from(job.id, first, RESULT_ROWS)
+                if not stored:
                     break
-                await sse(response, "results", block)
-                offset += len(block["embeddings"])
+                block = await asyncio.to_thread(_results_event, job.id, offset, stored)
+                await response.write(block)
+                first = stored[-1][0] + 1
+                offset += sum(shape[0] for _, shape, _ in stored)
         final = job_json(current, store.count_done(job.id)) if current is not None else None
         await sse(response, "end", final)
         await response.write_eof()
@@ -371,7 +387,7 @@ def make_app(broker: Broker) -> web.Application:
         return await gateway.completions(request)
 
     async def prometheus(request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(metrics.render)
+        body = metrics.render()  # on the loop: it reads the registry and the store
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def openapi(request: web.Request) -> web.FileResponse:
@@ -386,8 +402,8 @@ def make_app(broker: Broker) -> web.Application:
     app.router.add_get("/metrics", prometheus)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/stream", stream)
-    app.router.add_get("/v1/jobs/{id}/events", job_events)
+    app.router.add_get("/v1/stream", stream, allow_head=False)
+    app.router.add_get("/v1/jobs/{id}/events", job_events, allow_head=False)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/swarm", swarm)
     app.router.add_get("/v1/providers", providers)

@@ -14,10 +14,11 @@ replicas are its "GPU sets", and a job that may share one starts alongside its h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,7 @@ class JobRunner:
         self.models_of: dict[str, str] = {}  # running job -> its model
         self.clients: dict[str, ClientStages] = {}
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
+        self.interactive: dict[str, int] = {}  # embedding requests and sessions per model
         self._wake = asyncio.Event()
         self.on_stage: Callable[[str, float], None] = lambda model, seconds: None  # metrics
         serving.busy = self.busy
@@ -251,9 +253,10 @@ class JobRunner:
                 )
 
         try:
-            async with asyncio.TaskGroup() as group:
-                for i in range(-(-len(ids) // mb)):
-                    group.create_task(one(i))
+            with self.using(model):
+                async with asyncio.TaskGroup() as group:
+                    for i in range(-(-len(ids) // mb)):
+                        group.create_task(one(i))
         except ExceptionGroup as group:
             errors: list[BaseException] = list(group.exceptions)
             first = next((e for e in errors if isinstance(e, _JobFailed)), errors[0])
@@ -263,7 +266,18 @@ class JobRunner:
         return np.concatenate([parts[i] for i in sorted(parts)]), int(mask.sum())
 
     def busy(self, model: str) -> bool:
-        return model in self.models_of.values()
+        """A job, an embedding request or a generation session is using the model (so its
+        placement is not rebalanced now)."""
+        return model in self.models_of.values() or self.interactive.get(model, 0) > 0
+
+    @contextlib.contextmanager
+    def using(self, model: str) -> Iterator[None]:
+        """Mark an interactive request on `model` for `busy`."""
+        self.interactive[model] = self.interactive.get(model, 0) + 1
+        try:
+            yield
+        finally:
+            self.interactive[model] -= 1
 
     def client(self, model: str) -> ClientStages:
         """The model's client-side stages, loaded once (a new version of the model drops them)."""

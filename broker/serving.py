@@ -196,43 +196,47 @@ class Serving:
         return out
 
     def _place(self, plan: Plan) -> None:
-        profiles = self.candidates(plan, backups=False)
+        """Place a model on free providers; if that fails, other models' warm backups may
+        serve it (serving a model beats a standby), but not stand by for it."""
         try:
-            placement = place(plan.spec, profiles, self.pcfg)
-        except PlacementError as exc:
-            reason = str(exc)
-            if reason != plan.waiting_reason:
-                plan.waiting_reason = reason
-                self.events.emit("model_waiting", model=plan.model.name, reason=reason)
-            return
-        plan.waiting_reason = ""
-        standby = self._taken_elsewhere(plan) - self._taken_elsewhere(plan, backups=False)
-        if standby:  # other models' backups may serve this one, not stand by for it
+            placement = place(plan.spec, self.candidates(plan), self.pcfg)
+        except PlacementError:
+            try:
+                placement = place(plan.spec, self.candidates(plan, backups=False), self.pcfg)
+            except PlacementError as exc:
+                reason = str(exc)
+                if reason != plan.waiting_reason:
+                    plan.waiting_reason = reason
+                    self.events.emit("model_waiting", model=plan.model.name, reason=reason)
+                return
+            standby = self._taken_elsewhere(plan) - self._taken_elsewhere(plan, backups=False)
             placement = Placement(
                 placement.replicas,
                 {k: p for k, p in placement.backups.items() if p not in standby},
                 tuple(p for p in placement.spares if p not in standby),
                 placement.tokens,
             )
+        plan.waiting_reason = ""
         self._adopt(plan, placement, "placed")
 
     def _adopt(self, plan: Plan, placement: Placement, why: str = "", **extra: Any) -> None:
         plan.placement = placement
         used = self._members(plan)
-        lost_backups: list[Plan] = []
+        lost_backups: list[tuple[Plan, list[str]]] = []
         for other in self.plans.values():  # providers it takes are no one's spares or backups
             if other is not plan and other.placement is not None:
                 spares = tuple(s for s in other.placement.spares if s not in used)
                 kept = {k: p for k, p in other.placement.backups.items() if p not in used}
                 if kept != other.placement.backups:
-                    lost_backups.append(other)
+                    taken = sorted(set(other.placement.backups.values()) - set(kept.values()))
+                    lost_backups.append((other, taken))
                 if spares != other.placement.spares or kept != other.placement.backups:
                     other.placement = Placement(
                         other.placement.replicas, kept, spares, other.placement.tokens
                     )
-        for other in lost_backups:  # their standby stages are withdrawn
+        for other, taken in lost_backups:  # their standby stages are withdrawn
             self.events.emit(
-                "backups_taken", model=other.model.name, by=plan.model.name, peers=sorted(used)
+                "backups_taken", model=other.model.name, by=plan.model.name, peers=taken
             )
             self._sync(other)
         if not why:

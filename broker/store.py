@@ -267,6 +267,16 @@ class Store:
         ):
             yield idx, json.loads(shape), bytes(data)
 
+    def results_from(
+        self, job_id: str, first: int, count: int
+    ) -> list[tuple[int, list[int], bytes]]:
+        """Up to `count` stored microbatches of a job from index `first` on, in order."""
+        rows = self.db.execute(
+            "SELECT idx, shape, data FROM results WHERE job = ? AND idx >= ? ORDER BY idx LIMIT ?",
+            (job_id, first, count),
+        )
+        return [(int(idx), json.loads(shape), bytes(data)) for idx, shape, data in rows]
+
     def delete_results(self, job_id: str) -> int:
         cur = self.db.execute("DELETE FROM results WHERE job = ?", (job_id,))
         return cur.rowcount

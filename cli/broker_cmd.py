@@ -156,7 +156,13 @@ def start(args: argparse.Namespace) -> int:
         if cert or key_file:
             print("error: --tls-self-signed or --tls-cert/--tls-key, not both", file=sys.stderr)
             return 2
-        cert, key_file = self_signed(data_dir / "tls", [host])
+        import socket
+        from urllib.parse import urlsplit
+
+        names = [host, socket.gethostname(), socket.getfqdn()]
+        if args.public_url:
+            names.append(urlsplit(args.public_url).hostname or "")
+        cert, key_file = self_signed(data_dir / "tls", [n for n in names if n and n != "0.0.0.0"])
     elif (cert is None) != (key_file is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,7 +62,8 @@ class _Stage:
     key: str
     info: StageInfo
     peer: str | None = None
-    opened: bool = False
+    sid: str | None = None  # the session id open on `peer` (None: open one first)
+    opens: int = 0  # sessions opened for this stage so far (each gets a fresh id)
     history: list[dict[str, Array]] = field(default_factory=list)  # inputs of past steps
 
 
@@ -97,6 +98,7 @@ class GenerationSession:
         self.stages = [_Stage(k, s) for k, s in zip(keys, provider, strict=True)]
         self.past = 0  # tokens fed so far
         self.failovers = 0
+        self.abandoned: list[tuple[str, str, str]] = []  # (peer, stage key, session id)
 
     async def feed(self, tokens: Sequence[int]) -> Array:
         """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
@@ -108,52 +110,52 @@ class GenerationSession:
             feeds: dict[str, Array] = {"hidden_states": hidden}
             if "position_ids" in names:
                 feeds["position_ids"] = positions
-            hidden = await self._step(pos, stage, feeds)
+            hidden = await self._step(pos, stage, feeds, self.past + ids.shape[1])
             stage.history.append(feeds)
         self.past += ids.shape[1]
         logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
         return np.asarray(logits[0, -1], dtype=np.float32)
 
-    async def _step(self, pos: int, stage: _Stage, feeds: dict[str, Array]) -> Array:
+    async def _step(self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int) -> Array:
+        """Run one step of `stage`; the provider must then hold `expect` tokens of context."""
         avoid: set[str] = set()
         failures = 0
         busy_until: float | None = None
         while True:
             if stage.peer is None:
                 stage.peer = await self.router.pick(pos, avoid)
-                stage.opened = False
             peer = stage.peer
             try:
-                if not stage.opened:
+                if stage.sid is None:
                     await self._open(stage, peer)
                 out = await self._request(stage, peer, feeds)
+                if out.past_len != expect:
+                    raise _Mismatch(f"it holds {out.past_len} tokens of context, not {expect}")
             except RemoteError as exc:
                 now = asyncio.get_running_loop().time()
                 if exc.code == ErrorCode.BUSY and (busy_until is None or now < busy_until):
                     busy_until = busy_until or now + self.timeout  # full for now: wait a while
-                    await asyncio.sleep(BUSY_WAIT_S)
+                    await asyncio.sleep(BUSY_WAIT_S)  # (an open session is left unchanged)
                     continue
                 busy_until = None
-                if exc.code == ErrorCode.NOT_FOUND and stage.opened:  # expired: reopen, replay
-                    stage.opened = False
-                    failures += 1
-                else:
-                    failures += 1
+                self._abandon(stage)
+                if exc.code != ErrorCode.NOT_FOUND:  # NOT_FOUND: expired; reopen, replay
                     avoid.add(peer)
                     stage.peer = None
                 reason = f"{exc.code}: {exc}"
-            except (RequestTimeout, P2PError, _Lost) as exc:
-                failures += 1
+            except (RequestTimeout, P2PError, _Lost, _Mismatch) as exc:
+                self._abandon(stage)
                 avoid.add(peer)
                 stage.peer = None
                 reason = str(exc) or type(exc).__name__
-                if not isinstance(exc, _Lost):
+                if isinstance(exc, RequestTimeout | P2PError):
                     await self.router.failed(pos, peer, reason)
             else:
                 hidden = out.outputs.get("hidden_states_out")
                 if hidden is None:
                     raise GenerationError(f"{stage.key} on {peer} answered no hidden_states_out")
                 return hidden.to_numpy()
+            failures += 1
             self.failovers += 1
             if self.on_failover is not None:
                 self.on_failover(pos, peer, reason)
@@ -163,26 +165,47 @@ class GenerationSession:
                     f"stage {stage.key} failed {failures} times; last on {peer}: {reason}"
                 )
 
-    async def _open(self, stage: _Stage, peer: str) -> None:
-        await self._call(peer, SessionOpen(session=self.id, stage=stage.key))
-        stage.opened = True
-        if stage.history:  # a replacement: replay everything this stage has seen
-            replay = {
-                name: np.concatenate([h[name] for h in stage.history], axis=1)
-                for name in stage.history[0]
-            }
-            await self._request(stage, peer, replay)
+    def _abandon(self, stage: _Stage) -> None:
+        """Stop using the stage's open session (closed, best effort, with the others)."""
+        if stage.sid is not None and stage.peer is not None:
+            self.abandoned.append((stage.peer, stage.key, stage.sid))
+        stage.sid = None
 
-    async def _request(self, stage: _Stage, peer: str, feeds: dict[str, Array]) -> SessionOutput:
+    async def _open(self, stage: _Stage, peer: str) -> None:
+        """Open a fresh session on `peer` and replay everything this stage has seen (for a
+        replacement); only a session whose replay succeeded is used."""
+        stage.opens += 1
+        sid = f"{self.id}.{stage.opens}"
+        await self._call(peer, SessionOpen(session=sid, stage=stage.key))
+        try:
+            if stage.history:
+                replay = {
+                    name: np.concatenate([h[name] for h in stage.history], axis=1)
+                    for name in stage.history[0]
+                }
+                out = await self._request(stage, peer, replay, sid)
+                if out.past_len != self.past:
+                    raise _Mismatch(f"after the replay it holds {out.past_len}, not {self.past}")
+        except BaseException:
+            self.abandoned.append((peer, stage.key, sid))
+            raise
+        stage.sid = sid
+
+    async def _request(
+        self, stage: _Stage, peer: str, feeds: dict[str, Array], sid: str | None = None
+    ) -> SessionOutput:
         inputs = {**feeds, **zero_adapters(stage.info)}
         names = {i.name for i in stage.info.inputs}
+        session = sid or stage.sid
+        assert session is not None
         msg = SessionStep(
-            session=self.id,
+            session=session,
             stage=stage.key,
             inputs={k: Tensor.from_numpy(v) for k, v in inputs.items() if k in names},
         )
         answer = await self._call(peer, msg)
-        assert isinstance(answer, SessionOutput)
+        if not isinstance(answer, SessionOutput):
+            raise _Mismatch(f"it answered {type(answer).__name__} to a step")
         return answer
 
     async def _call(self, peer: str, msg: SessionOpen | SessionStep | SessionClose) -> Any:
@@ -204,19 +227,25 @@ class GenerationSession:
         return call.result()
 
     async def close(self) -> None:
-        """Close the sessions (best effort: a provider that is gone has dropped them)."""
+        """Close the sessions, those given up on included (best effort: a provider that is
+        gone has dropped them)."""
+        for stage in self.stages:
+            self._abandon(stage)
+        todo, self.abandoned = self.abandoned, []
 
-        async def one(stage: _Stage) -> None:
-            if stage.peer is None or not stage.opened:
-                return
+        async def one(peer: str, key: str, sid: str) -> None:
             try:
                 await self.host.request(
-                    stage.peer, SESSION, SessionClose(session=self.id, stage=stage.key), timeout=5
+                    peer, SESSION, SessionClose(session=sid, stage=key), timeout=5
                 )
             except P2PError:
                 pass
 
-        await asyncio.gather(*(one(s) for s in self.stages))
+        await asyncio.gather(*(one(*t) for t in todo))
+
+
+class _Mismatch(Exception):
+    """The provider's session does not hold the context it should."""
 
 
 class _Lost(Exception):
@@ -230,7 +259,7 @@ async def generate(
     sampler: Sampler,
     *,
     eos: int | None = None,
-) -> AsyncIterator[int]:
+) -> AsyncGenerator[int]:
     """Yield up to `max_new_tokens` sampled tokens (stopping after `eos`, which is yielded)."""
     if not prompt:
         raise ClientStageError("the prompt has no tokens")
