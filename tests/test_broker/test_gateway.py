@@ -190,6 +190,21 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
         assert status == 400, out
         assert field is None or out["error"]["field"] == field, out
 
+    # Fuzzed bodies naming real models reach tokenizers, sessions and streams: never a 500.
+    import random
+
+    from tests.test_broker.test_api_contract import nasty_values
+
+    rng = random.Random(99)
+    for i in range(60):
+        body = nasty_values(rng)
+        if isinstance(body, dict):
+            body["model"] = "tiny-llama" if i % 2 else "minilm"
+            body.setdefault("prompt" if i % 2 else "input", nasty_values(rng))
+            body.setdefault("max_tokens", 2)
+        status, out = api(b.http, "POST", "/v1/completions" if i % 2 else "/v1/embeddings", body)
+        assert status < 500, (body, out)
+
     # A job's progress and results as server-sent events.
     status, job = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(20)})
     assert status == 201
@@ -272,6 +287,7 @@ def test_api_keys_tls_body_limit_and_provider_downloads(
             return exc.code, exc.read()
 
     assert call("/healthz")[0] == 200  # public
+    assert json.loads(call("/openapi.json")[1])["paths"]["/v1/completions"]
     assert call("/")[0] == 200  # the dashboard page itself; its feed needs the key
     for path in ("/v1/swarm", "/v1/stream", "/metrics", "/v1/models"):
         status, body = call(path)
