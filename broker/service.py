@@ -94,7 +94,8 @@ class Broker:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.http_url = f"{'https' if context else 'http'}://{shown}:{port}"
         self.serving.artifact_base = (self.config.public_url or self.http_url).rstrip("/")
-        self.serving.tls_sha256 = self.tls_sha256
+        if self.config.public_url is None:  # providers download from this server: pin it
+            self.serving.tls_sha256 = self.tls_sha256
         if self.keys.required:  # providers have no API key: their URLs carry a token
             self.serving.artifact_token = self.tokens.token
         self.host.add_control_handler(JOIN, self.registry.on_join)
