@@ -233,6 +233,8 @@ class Gateway:
         if fmt not in ("float", "base64"):
             raise JobError("encoding_format", "must be 'float' or 'base64'")
         dims = body.get("dimensions")
+        if dims is not None and (type(dims) is not int or dims < 1):
+            raise JobError("dimensions", "must be a positive integer")
         self._admit()
         self.running += 1
         start = time.perf_counter()
