@@ -218,7 +218,11 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
     # Prometheus metrics reflect what happened.
     with urllib.request.urlopen(b.http + "/metrics", timeout=10) as resp:
         metrics = resp.read().decode()
-    assert 'fusionai_providers{pool="active"} 4.0' in metrics
+    pools = dict(re.findall(r'fusionai_providers\{pool="(\w+)"\} (\S+)', metrics))
+    # Every provider is in one pool; under heavy load one may have been declared lost for
+    # missed heartbeats and be back as a backup, so only the total is exact.
+    assert sum(float(n) for n in pools.values()) == 4.0, pools
+    assert float(pools["active"]) >= 2.0, pools
     assert 'fusionai_job_outcomes_total{outcome="succeeded"} 1.0' in metrics
     generated = re.search(r'fusionai_generated_tokens_total\{model="tiny-llama"\} (\S+)', metrics)
     assert generated is not None and float(generated.group(1)) >= 2 * len(tokens) + 12
