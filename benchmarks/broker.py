@@ -53,6 +53,7 @@ from tests.procs import (  # noqa: E402
     fusionai,
     provider_command,
     sample_texts,
+    wait_until,
 )
 
 MB = 1e6
@@ -66,13 +67,7 @@ def _api(http: str, method: str, path: str, body: Any = None) -> Any:
 
 
 def _wait(what: str, check: Any, timeout: float = 120.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out waiting for {what}")
+    return wait_until(what, check, timeout)
 
 
 def _package(tmp: Path) -> Path:

@@ -222,10 +222,7 @@ class Gateway:
 
     # ---- embeddings ------------------------------------------------------------------------
 
-    async def embeddings(self, request: web.Request) -> web.Response:
-        from broker.http import json_body
-
-        body = await json_body(request)
+    async def embeddings(self, body: Any) -> web.Response:
         model = _model(body)
         _unknown(body, EMBEDDING_FIELDS)
         texts, ids = parse_input(body.get("input"), "input")
@@ -264,10 +261,8 @@ class Gateway:
 
     # ---- completions -----------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        from broker.http import json_body
-
-        req = parse_completion(await json_body(request))
+    async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
+        req = parse_completion(body)
         stored = self.broker.models.models.get(req.model)
         if stored is None:
             raise NotFound(f"no model named {req.model!r}")
@@ -339,10 +334,7 @@ class Gateway:
     ) -> AsyncGenerator[tuple[str, str | None, int]]:
         """(text piece, finish reason once finished, tokens so far) as the answer grows."""
         broker = self.broker
-        keys = [
-            broker.models.models[req.model].unit_key(u)
-            for u in broker.models.models[req.model].units
-        ]
+        keys = broker.serving.unit_keys(broker.serving.plans[req.model])
         sid = uuid.uuid4().hex[:12]
 
         def on_failover(pos: int, peer: str, reason: str) -> None:

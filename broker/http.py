@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from aiohttp import web
 
 from broker.errors import Conflict, NotFound, TooBusy, Unavailable
@@ -95,7 +96,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 DASHBOARD = Path(__file__).parent / "dashboard"
 OPENAPI = Path(__file__).parent / "openapi.json"
-PUBLIC = ("/healthz", "/openapi.json", "/", "/dashboard/")  # no key needed
+PUBLIC = frozenset({"/healthz", "/openapi.json", "/"})  # no key needed, nor below /dashboard/
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
 
@@ -104,17 +105,16 @@ RESULT_ROWS = 8  # microbatches per `results` event of a job's stream
 
 
 def _results_event(job: str, offset: int, rows: list[tuple[int, list[int], bytes]]) -> bytes:
-    import numpy as np
-
     embeddings: list[Any] = []
     for _, shape, data in rows:
         embeddings.extend(np.frombuffer(data, dtype=np.float32).reshape(shape).tolist())
-    body = {"job": job, "offset": offset, "embeddings": embeddings}
-    return f"event: results\ndata: {json.dumps(body)}\n\n".encode()
+    return sse_bytes(
+        "results", json.dumps({"job": job, "offset": offset, "embeddings": embeddings})
+    )
 
 
 def _public(path: str) -> bool:
-    return path in PUBLIC[:3] or path.startswith(PUBLIC[3])
+    return path in PUBLIC or path.startswith("/dashboard/")
 
 
 def presented_key(request: web.Request) -> str | None:
@@ -125,8 +125,26 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("X-API-Key")
 
 
+def sse_bytes(event: str, data: str) -> bytes:
+    """One server-sent event; `data` is JSON text (one line)."""
+    return f"event: {event}\ndata: {data}\n\n".encode()
+
+
+async def event_stream(
+    request: web.Request, body: Callable[[web.StreamResponse], Awaitable[None]]
+) -> web.StreamResponse:
+    """A server-sent event stream written by `body` until it returns or the client leaves."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        await body(response)
+    except ConnectionResetError:  # the client went away
+        pass
+    return response
+
+
 async def sse(response: web.StreamResponse, event: str, data: Any) -> None:
-    await response.write(f"event: {event}\ndata: {json.dumps(data, default=str)}\n\n".encode())
+    await response.write(sse_bytes(event, json.dumps(data, default=str)))
 
 
 async def json_body(request: web.Request) -> Any:
@@ -305,13 +323,7 @@ def make_app(broker: Broker) -> web.Application:
         """A job's events as they happen; once it has succeeded, its results in blocks of up
         to 1000 rows (`results` events), then `end`."""
         job = job_or_404(request.match_info["id"])
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        try:
-            await _job_events(response, job)
-        except ConnectionResetError:  # the client went away
-            pass
-        return response
+        return await event_stream(request, lambda response: _job_events(response, job))
 
     async def _job_events(response: web.StreamResponse, job: JobRow) -> None:
         since = 0
@@ -353,13 +365,7 @@ def make_app(broker: Broker) -> web.Application:
         """The dashboard's feed: a `snapshot` whenever the swarm changes (at most one per
         `interval` seconds) and each new `event`."""
         interval = int_param(request, "interval_ms", 500, 100, 60_000) / 1000
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        try:
-            await _stream(response, interval)
-        except ConnectionResetError:  # the page was closed
-            pass
-        return response
+        return await event_stream(request, lambda response: _stream(response, interval))
 
     async def _stream(response: web.StreamResponse, interval: float) -> None:
         last: str | None = None
@@ -371,7 +377,7 @@ def make_app(broker: Broker) -> web.Application:
                 await sse(response, "event", row.to_json())
             current = json.dumps(snapshot(), default=str)
             if current != last:
-                await response.write(f"event: snapshot\ndata: {current}\n\n".encode())
+                await response.write(sse_bytes("snapshot", current))
                 last, quiet = current, 0.0
             elif quiet >= KEEPALIVE_S:
                 await response.write(b": idle\n\n")
@@ -381,10 +387,10 @@ def make_app(broker: Broker) -> web.Application:
             await broker.events.wait(max(0.0, 2.0 - interval))  # load changes without events
 
     async def embeddings(request: web.Request) -> web.Response:
-        return await gateway.embeddings(request)
+        return await gateway.embeddings(await json_body(request))
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await gateway.completions(request)
+        return await gateway.completions(request, await json_body(request))
 
     async def prometheus(request: web.Request) -> web.Response:
         body = metrics.render()  # on the loop: it reads the registry and the store

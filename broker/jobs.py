@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,11 +171,8 @@ class JobRunner:
                 raise JobError("token_ids", str(exc)) from None
         elif client.tokenizer is None:
             raise JobError("texts", f"model {request.model} takes token_ids, not texts")
-        plan = self.serving.plans[request.model]
-        units = len(model.units)
         mb = request.microbatch
-        seq = max(lengths)
-        graph = inference_pipeline(plan.spec, [(i, i + 1) for i in range(units)], batch=mb, seq=seq)
+        graph = self._graph(request.model, mb, max(lengths))
         microbatches = -(-request.count // mb)
         flops = sum(task(graph, n).flops for n in graph.nodes) * microbatches
         job_id = uuid.uuid4().hex[:16]
@@ -232,38 +229,27 @@ class JobRunner:
                 ids, mask = await asyncio.to_thread(client.pad, token_ids or [])
         except ClientStageError as exc:
             raise JobError("input", str(exc)) from None
-        units = len(self.models.models[model].units)
         mb = self.config.microbatch
-        graph = inference_pipeline(
-            self.serving.plans[model].spec,
-            [(i, i + 1) for i in range(units)],
-            batch=mb,
-            seq=ids.shape[1],
-        )
+        graph = self._graph(model, mb, ids.shape[1])
         ref = Ref("request-" + uuid.uuid4().hex[:12], model)
         parts: dict[int, Array] = {}
-        gate = asyncio.Semaphore(self.config.in_flight)
 
-        async def one(idx: int) -> None:
-            async with gate:
-                rows = slice(idx * mb, (idx + 1) * mb)
-                used = int(mask[rows].sum(axis=1).max())
-                parts[idx], _ = await self._microbatch(
-                    ref, graph, client, idx, ids[rows, :used], mask[rows, :used]
-                )
+        def keep(idx: int, out: Array, attempts: int) -> None:
+            parts[idx] = out
 
         try:
             with self.using(model):
-                async with asyncio.TaskGroup() as group:
-                    for i in range(-(-len(ids) // mb)):
-                        group.create_task(one(i))
-        except ExceptionGroup as group:
-            errors: list[BaseException] = list(group.exceptions)
-            first = next((e for e in errors if isinstance(e, _JobFailed)), errors[0])
-            if isinstance(first, _JobFailed):
-                raise Unavailable(str(first)) from None
-            raise first from None
+                todo = range(-(-len(ids) // mb))
+                await self._microbatches(ref, graph, client, ids, mask, mb, todo, keep)
+        except _JobFailed as exc:
+            raise Unavailable(str(exc)) from None
         return np.concatenate([parts[i] for i in sorted(parts)]), int(mask.sum())
+
+    def _graph(self, model: str, microbatch: int, seq: int) -> nx.DiGraph:
+        """The job graph of one microbatch: client stages, then each provider stage."""
+        units = len(self.models.models[model].units)
+        pairs = [(i, i + 1) for i in range(units)]
+        return inference_pipeline(self.serving.plans[model].spec, pairs, batch=microbatch, seq=seq)
 
     def busy(self, model: str) -> bool:
         """A job, an embedding request or a generation session is using the model (so its
@@ -409,31 +395,51 @@ class JobRunner:
         todo = [i for i in range(job.microbatches) if i not in done]
         self.store.set_job_state(job.id, "running")
         self.events.emit("job_running", job=job.id, todo=len(todo), done=len(done))
-        gate = asyncio.Semaphore(self.config.in_flight)
         finished = len(done)
         step = max(1, job.microbatches // 10)
 
-        async def one(idx: int) -> None:
+        def store(idx: int, out: Array, attempts: int) -> None:
             nonlocal finished
+            self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes())
+            finished += 1
+            if finished % step == 0 or finished == job.microbatches:
+                self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
+
+        await self._microbatches(Ref(job.id, job.model), graph, client, ids, mask, mb, todo, store)
+        self._finish(job.id, "succeeded")
+
+    async def _microbatches(
+        self,
+        ref: Ref,
+        graph: nx.DiGraph,
+        client: ClientStages,
+        ids: Array,
+        mask: Array,
+        mb: int,
+        todo: Iterable[int],
+        done: Callable[[int, Array, int], None],
+    ) -> None:
+        """Run microbatches `todo` (rows of `mb` sequences), up to `in_flight` at once, each
+        result handed to `done(index, output, attempts)`. One failure cancels the others; the
+        job's own failure (`_JobFailed`) is raised before any other error."""
+        gate = asyncio.Semaphore(self.config.in_flight)
+
+        async def one(idx: int) -> None:
             async with gate:
                 rows = slice(idx * mb, (idx + 1) * mb)
                 used = int(mask[rows].sum(axis=1).max())  # trim padding beyond this microbatch
                 out, attempts = await self._microbatch(
-                    Ref(job.id, job.model), graph, client, idx, ids[rows, :used], mask[rows, :used]
+                    ref, graph, client, idx, ids[rows, :used], mask[rows, :used]
                 )
-                self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes())
-                finished += 1
-                if finished % step == 0 or finished == job.microbatches:
-                    self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
+                done(idx, out, attempts)
 
         try:
-            async with asyncio.TaskGroup() as group:  # one failure cancels the others
+            async with asyncio.TaskGroup() as group:
                 for i in todo:
                     group.create_task(one(i))
-        except ExceptionGroup as group:  # report the job's own failure, else the first error
+        except ExceptionGroup as group:
             errors: list[BaseException] = list(group.exceptions)
             raise next((e for e in errors if isinstance(e, _JobFailed)), errors[0]) from None
-        self._finish(job.id, "succeeded")
 
     async def _microbatch(
         self,

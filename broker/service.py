@@ -165,10 +165,10 @@ class Broker:
         return self._stop.is_set()
 
     async def close(self) -> None:
-        if not self._stop.is_set() and self._runner is not None:
+        if not self._stop.is_set():
             self._stop.set()
-            self.events.emit("broker_stopping")  # wakes open event streams, which end
-        self._stop.set()
+            if self._runner is not None:  # started: open event streams wake up and end
+                self.events.emit("broker_stopping")
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

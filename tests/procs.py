@@ -106,6 +106,17 @@ class Proc:
             self.proc.wait(timeout=10)
 
 
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    """The first truthy value of `check()`, polled every 0.1 s for up to `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def fusionai(*args: str) -> list[str]:
     """The command line of `fusionai ARGS`, run by this interpreter from the repository."""
     return [sys.executable, "-m", "cli.main", *args]

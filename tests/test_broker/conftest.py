@@ -6,7 +6,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.procs import ROOT, Proc, broker_command, provider_command
+from tests.procs import ROOT, Proc, broker_command, provider_command, wait_until
 
 HEARTBEAT_S = 0.5  # fast heartbeats keep failure detection within a second or two
 
@@ -46,16 +45,6 @@ def api(http: str, method: str, path: str, body: Any = None, raw: bytes | None =
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def pools(http: str) -> dict[str, str]:
