@@ -29,8 +29,9 @@ from aiohttp import web
 
 from broker.errors import NotFound, TooBusy, Unavailable
 from broker.jobs import JobError
+from client.errors import GenerationError
 from client.sampling import Sampler
-from client.session import GenerationError, GenerationSession, generate
+from client.session import GenerationSession, generate
 from client.stages import ClientStageError, ClientStages
 from client.text import TextStream
 

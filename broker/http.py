@@ -7,6 +7,9 @@
     POST /v1/models                       register a model: its manifest.json as the body
     GET  /v1/models/{name}                its stages and route (providers, addresses, backups)
     GET  /v1/models/{name}/route          the same, for a client opening interactive sessions
+    GET  /v1/models/{name}/manifest       its manifest.json (clients fetch their stages by it)
+    POST /v1/models/{name}/pick           a provider for one stage of a client's session
+    POST /v1/providers/{peer}/report      a client's request to this provider failed
     PUT  /v1/artifacts/{sha256}           upload an artifact (verified against its name)
     GET  /v1/artifacts/{sha256}           download one (range requests supported)
     POST /v1/jobs                         submit a job: {"model", "texts" | "token_ids", ...}
@@ -269,6 +272,48 @@ def make_app(broker: Broker) -> web.Application:
             raise NotFound(f"no model named {name!r}")
         return web.json_response(serving.describe(name))
 
+    async def get_manifest(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in serving.plans:
+            raise NotFound(f"no model named {name!r}")
+        body = serving.plans[name].model.manifest_bytes
+        return web.Response(body=body, content_type="application/json")
+
+    async def pick(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in serving.plans:
+            raise NotFound(f"no model named {name!r}")
+        body = await json_body(request)
+        if not isinstance(body, dict):
+            raise JobError("body", "must be a JSON object")
+        units = len(serving.unit_keys(serving.plans[name]))
+        stage = body.get("stage")
+        if type(stage) is not int or not 0 <= stage < units:
+            raise JobError("stage", f"must be a provider stage position from 0 to {units - 1}")
+        avoid = body.get("avoid", [])
+        if not isinstance(avoid, list) or not all(isinstance(a, str) for a in avoid):
+            raise JobError("avoid", "must be a list of peer ids")
+        limit = broker.config.request_timeout_s
+        wait = body.get("timeout", limit)
+        if type(wait) not in (int, float) or not 0 <= wait <= limit:
+            raise JobError("timeout", f"must be a number of seconds from 0 to {limit:g}")
+        peer = await serving.pick(name, stage, set(avoid), broker.jobs.inflight, float(wait))
+        if peer is None:
+            raise Unavailable(f"no provider has served stage {stage} of {name} for {wait:g} s")
+        key = serving.unit_keys(serving.plans[name])[stage]
+        return web.json_response({"key": key, **serving.peer_info(peer)})
+
+    async def report(request: web.Request) -> web.Response:
+        peer = request.match_info["peer"]
+        body = await json_body(request)
+        reason = body.get("reason") if isinstance(body, dict) else None
+        if not isinstance(reason, str) or not reason or len(reason) > 1000:
+            raise JobError("reason", "must be a non-empty string of at most 1000 characters")
+        if not broker.registry.alive(peer):
+            return web.json_response({"peer_id": peer, "alive": False})
+        await serving.suspect(peer, f"a client's request failed: {reason}")
+        return web.json_response({"peer_id": peer, "alive": broker.registry.alive(peer)})
+
     async def put_artifact(request: web.Request) -> web.Response:
         sha = request.match_info["sha"]
         size = await broker.models.receive(sha, request.content.iter_chunked(1 << 20))
@@ -417,6 +462,9 @@ def make_app(broker: Broker) -> web.Application:
     app.router.add_post("/v1/models", add_model)
     app.router.add_get("/v1/models/{name}", get_model)
     app.router.add_get("/v1/models/{name}/route", get_model)
+    app.router.add_get("/v1/models/{name}/manifest", get_manifest)
+    app.router.add_post("/v1/models/{name}/pick", pick)
+    app.router.add_post("/v1/providers/{peer}/report", report)
     app.router.add_put("/v1/artifacts/{sha}", put_artifact)
     app.router.add_get("/v1/artifacts/{sha}", get_artifact)
     app.router.add_post("/v1/jobs", submit)

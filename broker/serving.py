@@ -589,7 +589,7 @@ class Serving:
                     "key": key,
                     "index": info.index,
                     "name": info.name,
-                    "providers": [self._peer_info(p) for p in route[pos]],
+                    "providers": [self.peer_info(p) for p in route[pos]],
                     "backups": backups.get(pos, []),
                 }
             )
@@ -602,7 +602,7 @@ class Serving:
             "stages": stages,
         }
 
-    def _peer_info(self, peer: str) -> dict[str, Any]:
+    def peer_info(self, peer: str) -> dict[str, Any]:
         profile = self.registry.profiles.get(peer)
         return {"peer_id": peer, "addrs": list(profile.addrs) if profile else []}
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from client.errors import GenerationError
 from client.sampling import Sampler
 from client.stages import ClientStageError, ClientStages
 from ir.manifest import StageInfo
@@ -36,10 +37,6 @@ from proto.session import SESSION, SessionClose, SessionOpen, SessionOutput, Ses
 log = logging.getLogger("fusionai.client")
 Array = np.ndarray[Any, Any]
 BUSY_WAIT_S = 0.2  # pause before asking again after a "busy" answer; seconds
-
-
-class GenerationError(RuntimeError):
-    """A generation step could not be completed on any provider; the message says why."""
 
 
 class Router(Protocol):

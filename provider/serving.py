@@ -77,6 +77,7 @@ class Fault:
     wrong_output: bool = False  # add 1 to every floating-point output
     slow_ms: float = 0.0  # sleep this long before each answer
     drop: bool = False  # never answer (the caller times out)
+    on: str | None = None  # die-at-step, slow and drop count and touch this stage key only
 
     @classmethod
     def parse(cls, text: str | None) -> Fault | None:
@@ -93,9 +94,12 @@ class Fault:
                 values["slow_ms"] = float(value)
             elif name == "drop" and not value:
                 values["drop"] = True
+            elif name == "on" and value:
+                values["on"] = value
             else:
                 raise ValueError(
-                    f"unknown fault {part!r}; use die-at-step=N, wrong-output, slow=MS or drop"
+                    f"unknown fault {part!r}; use die-at-step=N, wrong-output, slow=MS, drop "
+                    f"and on=STAGE_KEY"
                 )
         return cls(**values)
 
@@ -128,6 +132,7 @@ class Server:
         self._per_peer: dict[str, int] = {}
         self._served = 0
         self._last_sweep = 0.0  # when idle sessions were last expired
+        self._fault_count = 0  # requests counted by a fault limited to one stage
         self._stopped = threading.Event()  # releases dropped requests at shutdown
 
     # ---- stages ----------------------------------------------------------------------------
@@ -213,10 +218,16 @@ class Server:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _apply_fault(self, number: int) -> None:
+    def _apply_fault(self, number: int, stage: str) -> None:
         f = self.fault
         if f is None:
             return
+        if f.on is not None:  # count this stage's requests only
+            if stage != f.on:
+                return
+            with self._lock:
+                self._fault_count += 1
+                number = self._fault_count
         if f.die_at_step is not None and number >= f.die_at_step:
             log.error("fault injection: dying at request %d", number)
             os._exit(137)
@@ -244,7 +255,7 @@ class Server:
                 f"stage {request.stage!r} keeps a KV cache: use a generation session",
             )
         with self._admit(peer, request.training) as number:
-            self._apply_fault(number)
+            self._apply_fault(number, request.stage)
             feeds = _arrays(request.inputs)
             start = time.perf_counter()
             outputs = _run(stage.executor, feeds)
@@ -316,7 +327,7 @@ class Server:
             raise Refused(ErrorCode.REFUSED, f"the provider keeps {sent_cache} itself")
         with self._admit(peer) as number, session.lock:
             session.last_used = time.monotonic()  # in use: not idle, whatever the step takes
-            self._apply_fault(number)
+            self._apply_fault(number, session.stage)
             feeds = {**_arrays(request.inputs), **session.cache}
             outputs = _run(stage.executor, feeds)
             new_cache = {

@@ -315,6 +315,7 @@ def test_session_caches_stay_within_budget_and_expire(llama_package: Path) -> No
 def test_fault_options_parse_or_are_refused() -> None:
     assert Fault.parse("die-at-step=3,slow=20") == Fault(die_at_step=3, slow_ms=20.0)
     assert Fault.parse("wrong-output") == Fault(wrong_output=True)
+    assert Fault.parse("die-at-step=4,on=m/2") == Fault(die_at_step=4, on="m/2")
     with pytest.raises(ValueError, match="unknown fault"):
         Fault.parse("explode")
     assert Fault.parse(None) is None

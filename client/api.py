@@ -1,0 +1,717 @@
+"""The SDK: `AsyncClient` and its blocking twin `Client`.
+
+    from client import Client
+
+    with Client("http://127.0.0.1:7371", api_key="...") as fa:
+        vectors = fa.embed(["a text", "another"])             # (2, 384) float32
+        for piece in fa.generate("Once upon a time", max_new_tokens=32):
+            print(piece, end="", flush=True)
+        job = fa.submit({"model": "minilm", "texts": texts})
+        fa.wait(job.id)
+        rows = fa.results(job.id)
+
+Embeddings and batch jobs go through the broker's HTTP API. Generation is an interactive
+session the client runs itself: it downloads the model's client stages (tokenizer, embedding,
+head) once into a local cache, asks the broker which providers serve each block stage, and
+streams hidden states to them over the p2p layer; token ids and text never leave this process.
+When a provider dies or stalls past the deadline, the client reports it, asks the broker for a
+replacement and replays the session's history into it (`client.session`), so the text equals an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import ssl
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, overload
+
+import numpy as np
+
+from client.errors import (
+    BrokerUnreachable,
+    FusionAIError,
+    GenerationError,
+    JobFailed,
+    JobTimeout,
+    for_status,
+)
+from client.sampling import Sampler
+from client.session import GenerationSession, generate
+from client.stages import ClientStages
+from client.text import TextStream
+from ir.manifest import ModelManifest
+
+Array = np.ndarray[Any, Any]
+T = TypeVar("T")
+
+DEFAULT_URL = "http://127.0.0.1:7371"
+EMBED_CHUNK = 256  # texts per embeddings request
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def default_cache_dir() -> Path:
+    """Where client stages are kept: `$FUSIONAI_CACHE_DIR`, else the user cache directory."""
+    env = os.environ.get("FUSIONAI_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fusionai", appauthor=False))
+
+
+@dataclass(frozen=True)
+class Job:
+    """A batch job's state as the broker reported it."""
+
+    id: str
+    model: str
+    state: str  # queued, running, succeeded, failed, cancelled
+    done: int  # microbatches finished
+    microbatches: int
+    progress: float  # 0..1
+    error: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Job:
+        return cls(
+            d["id"], d["model"], d["state"], d["done"], d["microbatches"], d["progress"],
+            d.get("error"), d,
+        )  # fmt: skip
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclass(frozen=True)
+class Failover:
+    """A provider stage that failed during a generation, and why."""
+
+    stage: int  # provider stage position
+    peer: str
+    reason: str
+    at: float  # time.monotonic() when it was noticed
+
+
+@dataclass
+class Generation:
+    """A finished generation (`generate(..., stream=False)`), or one in progress (the stream's
+    `result`)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (eos or a stop string) or "length"
+    failovers: list[Failover] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each token
+    route: list[str] = field(default_factory=list)  # peer id per provider stage at the end
+
+
+class GenerationStream:
+    """Text pieces of a generation as they come (`async for piece in stream`); `result` fills
+    in as it goes and is complete once the iteration ends."""
+
+    def __init__(self, pieces: AsyncIterator[str], result: Generation) -> None:
+        self._pieces = pieces
+        self.result = result
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._pieces
+
+    async def aclose(self) -> None:
+        close = getattr(self._pieces, "aclose", None)
+        if close is not None:
+            await close()
+
+
+class AsyncClient:
+    """One broker's API. Use as `async with AsyncClient(url, api_key=...) as client:`, or
+    call `aclose()` when done (it stops the p2p host a generation started)."""
+
+    def __init__(
+        self,
+        broker_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        cacert: str | None = None,
+        timeout: float = 30.0,
+        cache_dir: Path | str | None = None,
+        listen: str = "/ip4/0.0.0.0/tcp/0",
+    ) -> None:
+        """`broker_url` defaults to `$FUSIONAI_BROKER_URL`, then http://127.0.0.1:7371;
+        `api_key` to `$FUSIONAI_API_KEY`; `cacert` (a PEM file to trust for https) to
+        `$FUSIONAI_CACERT`. `timeout` is the per-request deadline in seconds, including each
+        generation step on a provider."""
+        url = broker_url or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"broker_url must be an http:// or https:// URL, got {url!r}")
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        self.url = url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("FUSIONAI_API_KEY")
+        self.cacert = cacert or os.environ.get("FUSIONAI_CACERT")
+        self.timeout = timeout
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.listen = listen
+        self._http: Any = None  # aiohttp.ClientSession, made on first use (inside a loop)
+        self._host: Any = None  # p2p.Host, started by the first generation
+        self._host_lock: asyncio.Lock | None = None
+        self._stages: dict[str, ClientStages] = {}
+        self._manifests: dict[str, tuple[ModelManifest, bytes]] = {}
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._host is not None:
+            host, self._host = self._host, None
+            await host.close()
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.close()
+
+    # ---- HTTP --------------------------------------------------------------------------
+
+    def _session(self) -> Any:
+        if self._http is None:
+            import aiohttp
+
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            ctx = ssl.create_default_context(cafile=self.cacert) if self.cacert else None
+            self._http = aiohttp.ClientSession(
+                headers=headers,
+                connector=aiohttp.TCPConnector(ssl=ctx) if ctx is not None else None,
+            )
+        return self._http
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        raw: bool = False,
+    ) -> Any:
+        """The JSON answer to one call (or its bytes with `raw`); typed errors otherwise."""
+        import aiohttp
+
+        wait = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
+        try:
+            async with self._session().request(
+                method, self.url + path, json=body, timeout=wait
+            ) as resp:
+                data = await resp.read()
+                if resp.status >= 400:
+                    raise _error(resp.status, data, resp.headers.get("Retry-After"))
+                return data if raw else json.loads(data)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise BrokerUnreachable(f"cannot reach the broker at {self.url}: {why}") from None
+
+    # ---- the swarm and models ------------------------------------------------------------
+
+    async def swarm(self) -> dict[str, Any]:
+        """Providers (pool, hardware, load) and models (routes, backups)."""
+        result: dict[str, Any] = await self._request("GET", "/v1/swarm")
+        return result
+
+    async def models(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = (await self._request("GET", "/v1/models"))["models"]
+        return result
+
+    async def model(self, name: str) -> dict[str, Any]:
+        """A model's stages, who serves each (peer ids, addresses) and their backups."""
+        result: dict[str, Any] = await self._request("GET", f"/v1/models/{_quote(name)}")
+        return result
+
+    async def manifest(self, name: str) -> ModelManifest:
+        return (await self._manifest(name))[0]
+
+    async def _manifest(self, name: str) -> tuple[ModelManifest, bytes]:
+        if name not in self._manifests:
+            data = await self._request("GET", f"/v1/models/{_quote(name)}/manifest", raw=True)
+            self._manifests[name] = (ModelManifest.from_json(data), data)
+        return self._manifests[name]
+
+    async def _default_model(self, decoder: bool) -> str:
+        """The broker's only model of the kind asked for (a decoder or an encoder)."""
+        names = [m["model"] for m in await self.models()]
+        fit = []
+        for name in names:
+            manifest = await self.manifest(name)
+            keeps_cache = any(i.name.startswith("past_") for s in manifest.stages for i in s.inputs)
+            if keeps_cache == decoder:
+                fit.append(name)
+        kind = "decoder (text generation)" if decoder else "encoder (embeddings)"
+        if len(fit) != 1:
+            found = f"it has {len(fit)}: {', '.join(fit)}" if fit else "it has none"
+            raise FusionAIError(f"name the model: the broker must have one {kind} model; {found}")
+        return fit[0]
+
+    async def stages(self, name: str) -> ClientStages:
+        """The model's client stages (tokenizer, embedding, head), downloaded once into the
+        cache and checked against the manifest's SHA-256 hashes."""
+        if name in self._stages:
+            return self._stages[name]
+        manifest, data = await self._manifest(name)
+        directory = self.cache_dir / "models" / f"{name}-{hashlib.sha256(data).hexdigest()[:16]}"
+        await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+        files = [(s.file, s.sha256) for s in manifest.stages if s.placement == "client"]
+        if manifest.tokenizer and manifest.tokenizer_sha256:
+            files.append((manifest.tokenizer, manifest.tokenizer_sha256))
+        for file, sha in files:
+            await self._fetch(directory / Path(file).name, sha)
+        await asyncio.to_thread(_write, directory / "manifest.json", data)
+        stages = await asyncio.to_thread(ClientStages, directory)
+        self._stages[name] = stages
+        return stages
+
+    async def _fetch(self, path: Path, sha: str) -> None:
+        if await asyncio.to_thread(_has_file, path, sha):
+            return
+        data = await self._request("GET", f"/v1/artifacts/{sha}", raw=True, timeout=600)
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise FusionAIError(f"the broker sent {path.name} with the wrong SHA-256")
+        await asyncio.to_thread(_write, path, data)
+
+    # ---- embeddings ------------------------------------------------------------------------
+
+    async def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> Array:
+        """Sentence embeddings, one row per text (float32, normalized if the model does)."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        if not items:
+            raise ValueError("no texts to embed")
+        if not all(isinstance(t, str) for t in items):
+            raise TypeError("texts must be strings")
+        name = model or await self._default_model(decoder=False)
+        rows: list[Array] = []
+        for start in range(0, len(items), EMBED_CHUNK):
+            body = {
+                "model": name,
+                "input": items[start : start + EMBED_CHUNK],
+                "encoding_format": "base64",
+            }
+            out = await self._request("POST", "/v1/embeddings", body)
+            for d in sorted(out["data"], key=lambda d: d["index"]):
+                rows.append(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4"))
+        return np.stack(rows).astype(np.float32)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        *,
+        stream: Literal[True] = ...,
+        model: str | None = ...,
+        seed: int | None = ...,
+        stop: Sequence[str] = ...,
+        on_failover: Callable[[Failover], None] | None = ...,
+    ) -> GenerationStream: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        *,
+        stream: Literal[False],
+        model: str | None = ...,
+        seed: int | None = ...,
+        stop: Sequence[str] = ...,
+        on_failover: Callable[[Failover], None] | None = ...,
+    ) -> Awaitable[Generation]: ...
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        *,
+        stream: bool = True,
+        model: str | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        on_failover: Callable[[Failover], None] | None = None,
+    ) -> GenerationStream | Awaitable[Generation]:
+        """Generate after `prompt` (text, or token ids). `temperature` 0 is greedy. With
+        `stream=True` (default) returns a `GenerationStream` of text pieces; with
+        `stream=False` an awaitable of the whole `Generation`."""
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be a positive integer")
+        if isinstance(stop, str):
+            stop = [stop]
+        sampler = Sampler(temperature, top_p, seed)  # checks their ranges
+        result = Generation()
+        pieces = self._generate(prompt, max_new_tokens, sampler, model, stop, on_failover, result)
+        if stream:
+            return GenerationStream(pieces, result)
+
+        async def whole() -> Generation:
+            async for _ in pieces:
+                pass
+            return result
+
+        return whole()
+
+    async def _generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int,
+        sampler: Sampler,
+        model: str | None,
+        stop: Sequence[str],
+        on_failover: Callable[[Failover], None] | None,
+        result: Generation,
+    ) -> AsyncIterator[str]:
+        name = model or await self._default_model(decoder=True)
+        client = await self.stages(name)
+        if isinstance(prompt, str):
+            if client.tokenizer is None:
+                raise FusionAIError(f"model {name} ships no tokenizer: send token ids")
+            ids = list(client.tokenizer.encode(prompt).ids)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        route = await self.model(name)
+        keys = [s["key"] for s in route["stages"]]
+        host = await self._p2p()
+
+        def failed(pos: int, peer: str, reason: str) -> None:
+            event = Failover(pos, peer, reason, time.monotonic())
+            result.failovers.append(event)
+            if on_failover is not None:
+                on_failover(event)
+
+        session = GenerationSession(
+            host, client, keys, HttpRouter(self, name), timeout=self.timeout, on_failover=failed
+        )
+        text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
+        tokens = generate(session, ids, max_new_tokens, sampler, eos=client.eos)
+        try:
+            async for token in tokens:
+                result.tokens.append(token)
+                result.token_times.append(time.monotonic())
+                if text is None:
+                    continue
+                piece = text.push(token)
+                if piece:
+                    result.text += piece
+                    yield piece
+                if text.stopped:
+                    break
+            stopped = result.tokens[-1] == client.eos or (text is not None and text.stopped)
+            result.finish_reason = "stop" if stopped else "length"
+            if text is not None and (rest := text.finish()):
+                result.text += rest
+                yield rest
+        finally:
+            await tokens.aclose()
+            result.route = [s.peer or "" for s in session.stages]
+            await session.close()
+
+    async def _p2p(self) -> Any:
+        """The p2p host generation sessions use (an ephemeral identity), started once."""
+        if self._host_lock is None:
+            self._host_lock = asyncio.Lock()
+        async with self._host_lock:
+            if self._host is None:
+                from p2p import Host, HostConfig
+
+                host = Host(HostConfig(listen=(self.listen,), request_timeout=self.timeout))
+                await host.start()
+                self._host = host
+        return self._host
+
+    # ---- batch jobs ------------------------------------------------------------------------
+
+    async def submit(self, job: Mapping[str, Any]) -> Job:
+        """Submit a batch job: `{"model", "texts" | "token_ids", "microbatch"?, ...}`."""
+        return Job.from_json(await self._request("POST", "/v1/jobs", dict(job)))
+
+    async def job(self, job_id: str) -> Job:
+        return Job.from_json(await self._request("GET", f"/v1/jobs/{_quote(job_id)}"))
+
+    async def cancel(self, job_id: str) -> Job:
+        return Job.from_json(await self._request("POST", f"/v1/jobs/{_quote(job_id)}/cancel"))
+
+    async def wait(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,
+        poll: float = 0.5,
+        progress: Callable[[Job], None] | None = None,
+    ) -> Job:
+        """Wait for the job to end; returns it once it has succeeded. Raises `JobFailed` if it
+        failed or was cancelled, `JobTimeout` after `timeout` seconds (the job goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = await self.job(job_id)
+            if progress is not None:
+                progress(job)
+            if job.finished:
+                if job.state != "succeeded":
+                    raise JobFailed(job)
+                return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobTimeout(f"job {job_id} is still {job.state} after {timeout} s")
+            await asyncio.sleep(poll)
+
+    async def results(self, job_id: str, *, page: int = 10_000) -> Array:
+        """A succeeded job's embeddings, one row per input, fetched page by page."""
+        rows: list[list[float]] = []
+        while True:
+            path = f"/v1/jobs/{_quote(job_id)}/results?offset={len(rows)}&limit={page}"
+            out = await self._request("GET", path)
+            rows.extend(out["embeddings"])
+            if not out["embeddings"] or len(rows) >= out["total"]:
+                break
+        return np.asarray(rows, dtype=np.float32)
+
+
+class HttpRouter:
+    """Providers for a client's generation session, named by the broker over HTTP
+    (`client.session.Router`). The client connects to each provider it is given."""
+
+    def __init__(self, client: AsyncClient, model: str) -> None:
+        self.client = client
+        self.model = model
+
+    async def pick(self, pos: int, avoid: set[str]) -> str:
+        host = await self.client._p2p()
+        tried = set(avoid)
+        deadline = time.monotonic() + self.client.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GenerationError(f"no reachable provider serves stage {pos} of {self.model}")
+            body = {"stage": pos, "avoid": sorted(tried), "timeout": round(left, 3)}
+            try:
+                out = await self.client._request(
+                    "POST", f"/v1/models/{_quote(self.model)}/pick", body, timeout=left + 5
+                )
+            except FusionAIError as exc:
+                raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
+            peer: str = out["peer_id"]
+            if peer in host.connected_peers():
+                return peer
+            errors = []
+            for addr in out["addrs"]:
+                try:
+                    await host.connect(addr if "/p2p/" in addr else f"{addr}/p2p/{peer}")
+                    return peer
+                except Exception as exc:
+                    errors.append(f"{addr}: {exc}")
+            reason = "; ".join(errors) or "it has no addresses"
+            await self.failed(pos, peer, f"cannot connect: {reason}")
+            if peer in tried:  # the broker had no other: give it a moment to notice
+                await asyncio.sleep(min(0.5, max(left, 0)))
+            tried.add(peer)
+
+    async def failed(self, pos: int, peer: str, reason: str) -> None:
+        try:
+            await self.client._request(
+                "POST", f"/v1/providers/{_quote(peer)}/report", {"reason": reason[:1000]}
+            )
+        except FusionAIError:
+            pass  # best effort: the broker's heartbeats notice a dead provider anyway
+
+    def lost(self, peer: str) -> asyncio.Event | None:
+        return None  # the client learns of a dead provider from its own requests
+
+
+class Client:
+    """The blocking form of `AsyncClient`, with the same methods and arguments. It runs an
+    event loop in a background thread; use it as a context manager or call `close()`."""
+
+    def __init__(self, broker_url: str | None = None, api_key: str | None = None, **options: Any):
+        self._async = AsyncClient(broker_url, api_key, **options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="fusionai-client", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return self._async.url
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        if self._closed:
+            close = getattr(coro, "close", None)
+            if close is not None:
+                close()  # never started: no "never awaited" warning
+            raise FusionAIError("the client is closed")
+
+        async def call() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._run(self._async.aclose())
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def swarm(self) -> dict[str, Any]:
+        return self._run(self._async.swarm())
+
+    def models(self) -> list[dict[str, Any]]:
+        return self._run(self._async.models())
+
+    def model(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.model(name))
+
+    def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> Array:
+        return self._run(self._async.embed(texts, model=model))
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        *,
+        stream: Literal[True] = ...,
+        **options: Any,
+    ) -> SyncGenerationStream: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        *,
+        stream: Literal[False],
+        **options: Any,
+    ) -> Generation: ...
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        *,
+        stream: bool = True,
+        **options: Any,
+    ) -> SyncGenerationStream | Generation:
+        """As `AsyncClient.generate`: an iterator of text pieces, or the whole `Generation`."""
+        if not stream:
+            return self._run(
+                self._async.generate(
+                    prompt, max_new_tokens, temperature, top_p, stream=False, **options
+                )
+            )
+        pieces = self._async.generate(
+            prompt, max_new_tokens, temperature, top_p, stream=True, **options
+        )
+        return SyncGenerationStream(self, pieces)
+
+    def submit(self, job: Mapping[str, Any]) -> Job:
+        return self._run(self._async.submit(job))
+
+    def job(self, job_id: str) -> Job:
+        return self._run(self._async.job(job_id))
+
+    def cancel(self, job_id: str) -> Job:
+        return self._run(self._async.cancel(job_id))
+
+    def wait(self, job_id: str, **options: Any) -> Job:
+        return self._run(self._async.wait(job_id, **options))
+
+    def results(self, job_id: str, **options: Any) -> Array:
+        return self._run(self._async.results(job_id, **options))
+
+
+class SyncGenerationStream:
+    """Text pieces of a generation, iterated from blocking code; `result` as in
+    `GenerationStream`. Breaking out early and calling `close()` ends the sessions."""
+
+    def __init__(self, client: Client, stream: GenerationStream) -> None:
+        self._client = client
+        self._stream = stream
+        self._iter = stream.__aiter__()
+        self.result = stream.result
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return self._client._run(self._iter.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self._client._run(self._stream.aclose())
+
+
+def _error(status: int, data: bytes, retry_after: str | None) -> FusionAIError:
+    message, field_name = data.decode(errors="replace")[:500], None
+    try:
+        err = json.loads(data)["error"]
+        message, field_name = str(err["message"]), err.get("field")
+    except (ValueError, KeyError, TypeError):
+        pass
+    retry = float(retry_after) if retry_after and retry_after.isdigit() else None
+    return for_status(status, message, field_name, retry)
+
+
+def _quote(part: str) -> str:
+    from urllib.parse import quote
+
+    return quote(part, safe="")
+
+
+def _has_file(path: Path, sha: str) -> bool:
+    if not path.is_file():
+        return False
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest() == sha
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write through a temporary file, so a crash never leaves a partial file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    tmp.write_bytes(data)
+    tmp.replace(path)

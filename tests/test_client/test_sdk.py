@@ -1,0 +1,202 @@
+"""The SDK against a real broker and real provider processes: embeddings, batch jobs, typed
+errors, and generation sessions the client runs itself over p2p, through a provider's death and
+through a pipeline mixing the onnxruntime and torch executors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.procs import Proc
+from tests.procs import sample_texts as texts
+from tests.test_broker.conftest import BrokerProc, add_model, api, local_embeddings, wait_ready
+from tests.test_broker.test_gateway import local_greedy
+
+pytestmark = pytest.mark.timeout(300)
+Spawner = Callable[..., Any]
+PROMPT = "Models travel as ONNX"
+
+
+def start_providers(b: BrokerProc, provider: Spawner, *extras: tuple[str, ...]) -> dict[str, Proc]:
+    procs = {}
+    for extra in extras:
+        proc = provider(b.addr, *extra)
+        procs[proc.wait_for("listening", timeout=60)["peer_id"]] = proc
+    return procs
+
+
+def test_embeddings_jobs_and_typed_errors(
+    broker: Spawner, provider: Spawner, minilm_package: Path, tmp_path: Path
+) -> None:
+    from client import Client, JobFailed, NotFoundError, UnavailableError
+    from client.errors import BadRequestError, BrokerUnreachable, FusionAIError
+
+    b: BrokerProc = broker()
+    start_providers(b, provider, (), ())
+    add_model(b.http, minilm_package)
+    wait_ready(b.http, "minilm")
+    sample = texts(40)
+    expected = local_embeddings(minilm_package, sample)
+    with Client(b.http, cache_dir=tmp_path / "cache", timeout=60) as fa:
+        got = fa.embed(sample)  # the only encoder: no model named
+        assert got.shape == expected.shape and got.dtype == np.float32
+        assert np.abs(got - expected).max() <= 1e-4
+        assert np.abs(fa.embed(sample[3], model="minilm")[0] - expected[3]).max() <= 1e-4
+
+        job = fa.submit({"model": "minilm", "texts": sample, "microbatch": 8})
+        assert job.model == "minilm" and job.microbatches == 5
+        seen: list[float] = []
+        done = fa.wait(job.id, progress=lambda j: seen.append(j.progress), timeout=120)
+        assert done.state == "succeeded" and seen[-1] == 1.0
+        assert np.abs(fa.results(job.id, page=7) - expected).max() <= 1e-4
+
+        swarm = fa.swarm()
+        assert len(swarm["providers"]) == 2
+        assert [m["model"] for m in swarm["models"]] == ["minilm"]
+
+        with pytest.raises(NotFoundError, match="no model named 'nope'"):
+            fa.embed(["x"], model="nope")
+        with pytest.raises(NotFoundError):
+            fa.job("no-such-job")
+        with pytest.raises(BadRequestError) as bad:
+            fa.submit({"model": "minilm", "texts": "not a list"})
+        assert bad.value.field == "texts"
+        with pytest.raises(FusionAIError, match="one decoder"):
+            fa.generate(PROMPT, stream=False)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            fa.generate(PROMPT, 0)
+
+        big = fa.submit({"model": "minilm", "texts": texts(4000), "microbatch": 8})
+        assert fa.cancel(big.id).state == "cancelled"
+        with pytest.raises(JobFailed, match="cancelled"):
+            fa.wait(big.id)
+    assert issubclass(UnavailableError, FusionAIError)
+    with Client("http://127.0.0.1:9", timeout=5) as gone, pytest.raises(BrokerUnreachable):
+        gone.swarm()
+
+
+async def test_greedy_generation_equals_local_through_a_provider_death(
+    broker: Spawner, provider: Spawner, llama_package: Path, tmp_path: Path
+) -> None:
+    """Every provider dies at its 14th request for the last block stage; only the one serving
+    it first gets there: its backup takes 2 + (20 - 14) requests for the 20-token answer."""
+    from client import AsyncClient
+
+    steps = 20
+    tokens, text = local_greedy(llama_package, PROMPT, steps)
+    assert len(tokens) == steps, "the reference must not stop early for this test"
+    b: BrokerProc = broker()
+    fault = ("--fault", "die-at-step=14,on=tiny-llama/2")
+    procs = start_providers(b, provider, fault, fault, fault, fault)
+    add_model(b.http, llama_package)
+    route = wait_ready(b.http, "tiny-llama", backups=1)
+    assert route["stages"][1]["key"] == "tiny-llama/2"
+    victim = route["stages"][1]["providers"][0]["peer_id"]
+    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=10) as fa:
+        stream = fa.generate(PROMPT, steps, temperature=0)  # the only decoder
+        pieces = [piece async for piece in stream]
+        result = stream.result
+        assert result.tokens == tokens
+        assert "".join(pieces) == result.text == text
+        assert result.finish_reason == "length"
+        assert [f.peer for f in result.failovers] == [victim]
+        assert result.failovers[0].stage == 1
+        assert result.route[1] != victim
+        gap = np.diff(result.token_times).max()
+        assert gap < 10, f"the answer stalled {gap:.1f} s at the failover"
+        # a second, short greedy run on the repaired route (its providers stay under their 14
+        # requests: the replacement has had 8) gives the same tokens with no failover
+        again = await fa.generate(PROMPT, 4, stream=False)
+        assert again.tokens == tokens[:4] and not again.failovers
+        assert again.route[1] == result.route[1]
+    assert procs[victim].proc.poll() is not None, "the provider should have died"
+    assert [p for p, proc in procs.items() if proc.proc.poll() is not None] == [victim]
+
+
+async def test_a_pipeline_mixing_onnxruntime_and_torch_providers(
+    broker: Spawner, provider: Spawner, llama_package: Path, tmp_path: Path
+) -> None:
+    """Stage 1 runs on an onnxruntime provider, stage 2 on a torch-executor provider (the
+    test's router picks them by executor): the tokens equal the in-process run's."""
+    pytest.importorskip("torch")
+    from client import AsyncClient
+    from client.api import HttpRouter
+    from client.sampling import Sampler
+    from client.session import GenerationSession, generate
+
+    steps = 12
+    tokens, _ = local_greedy(llama_package, PROMPT, steps)
+    b: BrokerProc = broker("--replicas", "2")
+    procs = start_providers(b, provider, ("--executor", "ort"), ("--executor", "torch"))
+    ort_peer, torch_peer = list(procs)
+    add_model(b.http, llama_package)
+
+    def both_serve_both() -> dict[str, Any] | None:
+        _, route = api(b.http, "GET", "/v1/models/tiny-llama")
+        serving = [{p["peer_id"] for p in s["providers"]} for s in route["stages"]]
+        ok = route["ready"] and ort_peer in serving[0] and torch_peer in serving[1]
+        return route if ok else None
+
+    from tests.procs import wait_until
+
+    route = wait_until("a route mixing both providers", both_serve_both, 90)
+    keys = [s["key"] for s in route["stages"]]
+
+    class Pinned(HttpRouter):
+        async def pick(self, pos: int, avoid: set[str]) -> str:
+            want = [ort_peer, torch_peer][pos]
+            peer = await super().pick(pos, avoid | ({ort_peer, torch_peer} - {want}))
+            assert peer == want
+            return peer
+
+    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=20) as fa:
+        stages = await fa.stages("tiny-llama")
+        host = await fa._p2p()
+        session = GenerationSession(host, stages, keys, Pinned(fa, "tiny-llama"), timeout=20)
+        ids = stages.tokenizer.encode(PROMPT).ids
+        try:
+            got = [t async for t in generate(session, ids, steps, Sampler(0.0), eos=stages.eos)]
+        finally:
+            await session.close()
+        assert [s.peer for s in session.stages] == [ort_peer, torch_peer]
+    assert got == tokens
+    assert session.failovers == 0
+
+
+def test_sync_client_streams_and_closes_its_thread(
+    broker: Spawner, provider: Spawner, llama_package: Path, tmp_path: Path
+) -> None:
+    import threading
+
+    from client import Client, FusionAIError
+
+    tokens, text = local_greedy(llama_package, PROMPT, 8)
+    b: BrokerProc = broker()
+    start_providers(b, provider, (), ())
+    add_model(b.http, llama_package)
+    wait_ready(b.http, "tiny-llama")
+    fa = Client(b.http, cache_dir=tmp_path / "cache", timeout=20)
+    pieces = fa.generate(PROMPT, 8, model="tiny-llama")
+    assert "".join(pieces) == text and pieces.result.tokens == tokens
+    ids = fa.generate(tokens[:3], 2, stream=False)  # token ids in, no tokenizer needed
+    assert ids.tokens == local_greedy_ids(llama_package, tokens[:3], 2)
+    fa.close()
+    fa.close()  # idempotent
+    assert "fusionai-client" not in {t.name for t in threading.enumerate()}
+    with pytest.raises(FusionAIError, match="closed"):
+        fa.swarm()
+
+
+def local_greedy_ids(package: Path, prompt: list[int], steps: int) -> list[int]:
+    from ir.executors.ort import OrtExecutor
+    from ir.package import load_package
+    from ir.pipeline import LocalPipeline
+
+    pkg = load_package(package)
+    executors = [OrtExecutor(pkg.models[s.index]) for s in pkg.manifest.stages]
+    out: list[int] = LocalPipeline(pkg.manifest, executors).generate_greedy(prompt, steps)
+    return out
