@@ -1,4 +1,5 @@
 # `make demo` and `make test` work on a fresh clone: they create .venv and install first.
+# `make demo` runs `fusionai demo`: a broker and four providers on this machine, one dying mid-answer.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -44,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/provider.py
 	$(PY) benchmarks/broker.py
 	$(PY) benchmarks/http_api.py
+	$(PY) benchmarks/e2e.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

@@ -116,7 +116,8 @@ class ClientStages:
         """The last stage: pooled, normalized sentence embeddings for an encoder, logits for a
         decoder."""
         names = {i.name for i in self.last.inputs}
-        feeds: dict[str, Array] = {"hidden_states": hidden.astype(np.float32, copy=False)}
+        dtype = next((i.dtype for i in self.last.inputs if i.name == "hidden_states"), "float32")
+        feeds: dict[str, Array] = {"hidden_states": hidden.astype(dtype, copy=False)}
         if "attention_mask" in names:
             feeds["attention_mask"] = attention_mask
         out = self.executors[self.last.index].run(feeds)

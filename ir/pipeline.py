@@ -108,9 +108,11 @@ class LocalPipeline:
                 for name, value in out.items()
                 if name.startswith("present_")
             }
-        logits: Array = self.executors[-1].run(
-            {"hidden_states": hidden.astype(np.float32, copy=False)}
-        )["logits"]
+        head = self.manifest.stages[-1]
+        dtype = next((i.dtype for i in head.inputs if i.name == "hidden_states"), "float32")
+        logits: Array = self.executors[-1].run({"hidden_states": hidden.astype(dtype, copy=False)})[
+            "logits"
+        ]
         return logits
 
     def generate_greedy(

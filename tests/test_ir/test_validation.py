@@ -176,3 +176,8 @@ def test_fp16_weights_and_activations_stay_close_to_fp32(
     got = pipeline.encode(ids, mask).astype(np.float32)
     cosine = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert cosine.min() >= 0.999, cosine
+    # the client's head takes the float32 hidden states a client holds, cast to the stage's dtype
+    from client.stages import ClientStages
+
+    pooled = ClientStages(dir16).head(np.ones((2, 4, 384), np.float32), np.ones((2, 4), np.int64))
+    assert pooled.shape == (2, 384) and np.isfinite(pooled).all()
