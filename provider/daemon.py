@@ -306,7 +306,7 @@ class Provider:
             net_up_bytes_s=up,
             rtt_s=rtt,
             version=_version(),
-            addrs=list(self.host.addrs),
+            addrs=dialable(self.host.addrs),
         )
         body = msgspec.json.encode(profile)
         stamp = time.time()
@@ -488,6 +488,30 @@ class Provider:
             except TimeoutError:
                 pass
         sys.stderr.write("\n")
+
+
+def dialable(addrs: list[str]) -> list[str]:
+    """Listen addresses as others can dial them: one on 0.0.0.0 becomes one per IPv4
+    address of this machine's interfaces (clients open sessions to them), loopback last."""
+    import socket
+
+    import psutil
+
+    out: list[str] = []
+    for addr in addrs:
+        if not addr.startswith("/ip4/0.0.0.0/"):
+            out.append(addr)
+            continue
+        rest = addr[len("/ip4/0.0.0.0/") :]
+        ips = [
+            a.address
+            for nic in psutil.net_if_addrs().values()
+            for a in nic
+            if a.family == socket.AF_INET
+        ]
+        for ip in sorted(set(ips), key=lambda ip: (ip.startswith("127."), ip)):
+            out.append(f"/ip4/{ip}/{rest}")
+    return out or list(addrs)
 
 
 def broker_peer_id(addr: str) -> str:

@@ -319,3 +319,14 @@ def test_fault_options_parse_or_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown fault"):
         Fault.parse("explode")
     assert Fault.parse(None) is None
+
+
+def test_addresses_on_all_interfaces_are_announced_as_dialable_ones() -> None:
+    from provider.daemon import dialable
+
+    out = dialable(["/ip4/0.0.0.0/tcp/4001/p2p/12D3KooWX", "/ip4/10.1.2.3/tcp/9/p2p/12D3KooWX"])
+    assert "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWX" in out
+    assert not any(a.startswith("/ip4/0.0.0.0/") for a in out)
+    assert out[-1] == "/ip4/10.1.2.3/tcp/9/p2p/12D3KooWX"
+    expanded = out[:-1]
+    assert expanded[-1].startswith("/ip4/127."), "loopback is tried last"
