@@ -1,6 +1,6 @@
 """`fusionai demo`: a whole swarm on this machine, one provider dying mid-answer.
 
-It starts a broker and N providers (default 4) as separate processes on 127.0.0.1, each
+It starts a broker and N providers (default and minimum 4) as separate processes on 127.0.0.1, each
 provider limited to one compute thread, adds two models (the packaged all-MiniLM-L6-v2 and a
 small decoder, built once and cached), then through the client SDK:
 
@@ -119,14 +119,17 @@ def _local_reference(encoder: Path, decoder: Path, texts: list[str]) -> tuple[An
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.providers < 3:
-        print("error: --providers must be at least 3", file=sys.stderr)
+    if args.providers < 4:
+        # four provider stages (two per model); with fewer, the provider that dies may serve
+        # all of the decoder, and nothing is left to take over
+        print("error: --providers must be at least 4", file=sys.stderr)
         return 2
     quiet = args.json
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    from client import FusionAIError
     from client.api import default_cache_dir
 
     try:
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             while True:
                 time.sleep(3600)
         return 0
-    except DemoError as exc:
+    except (DemoError, FusionAIError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

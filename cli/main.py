@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generation through the swarm while one provider dies, then prints a summary. Every "
         "process it started is stopped on exit.",
     )
-    demo.add_argument("--providers", type=int, default=4, help="providers to start (>= 3)")
+    demo.add_argument("--providers", type=int, default=4, help="providers to start (at least 4)")
     demo.add_argument("--keep", action="store_true", help="keep the swarm up until Ctrl-C")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.set_defaults(func=_demo)
