@@ -19,7 +19,8 @@ Prints one JSON object:
     token_ms_swarm        p50 time per generated token (greedy, batch 1) through a decoder cut
                           into 4 provider stages on 4 providers, the client SDK driving the
                           session over p2p (4 round trips per token).
-    token_ms_local        p50 of the same step in this process (all stages, one thread).
+    token_ms_local        p50 of one decoding step in this process (all stages, one thread),
+                          over `--tokens` steps (the swarm figure: over `--tokens` / 2).
     token_ms_target       token_ms_local + 3 ms per hop (target: token_ms_swarm <= it).
     failover_stall_s      the longest gap between tokens when the provider serving the last
                           stage dies mid-generation (`--fault die-at-step`); a fifth provider
@@ -119,17 +120,22 @@ def _cpu(pids: list[int]) -> float:
 class Swarm:
     def __init__(self, tmp: Path, name: str, providers: int, *extra: str) -> None:
         self.procs: list[Proc] = []
-        env = {"FUSIONAI_THREADS": "1", "FUSIONAI_CACHE_DIR": str(tmp / "client-cache")}
-        self.broker = Proc(broker_command(tmp / f"{name}-broker", heartbeat_s=0.5), env)
-        self.procs.append(self.broker)
-        started = self.broker.wait_for("broker_started", timeout=60)
-        self.http = started["http"]
         self.peers: dict[str, Proc] = {}
-        for i in range(providers):
-            data = tmp / f"{name}-provider-{i}"
-            proc = Proc(provider_command(started["addrs"][0], data, "--max-memory", "2", *extra))
-            self.procs.append(proc)
-            self.peers[proc.wait_for("listening", timeout=120)["peer_id"]] = proc
+        try:
+            env = {"FUSIONAI_THREADS": "1", "FUSIONAI_CACHE_DIR": str(tmp / "client-cache")}
+            self.broker = Proc(broker_command(tmp / f"{name}-broker", heartbeat_s=0.5), env)
+            self.procs.append(self.broker)
+            started = self.broker.wait_for("broker_started", timeout=60)
+            self.http = started["http"]
+            for i in range(providers):
+                data = tmp / f"{name}-provider-{i}"
+                args = provider_command(started["addrs"][0], data, "--max-memory", "2", *extra)
+                proc = Proc(args)
+                self.procs.append(proc)
+                self.peers[proc.wait_for("listening", timeout=120)["peer_id"]] = proc
+        except BaseException:
+            self.stop()
+            raise
 
     def add(self, package: Path) -> None:
         from client import Client
@@ -208,7 +214,8 @@ def token_swarm(tmp: Path, package: Path, tokens: int) -> tuple[float, float, li
     from client import Client
 
     # The last stage's provider serves 2 x 5 warm-up steps, `tokens // 2` clean ones, then
-    # dies at step `die_at` of the timed run; its replacement gets 2 + tokens - die_at < die_at.
+    # dies at step `die_at` of the timed run. Its replacement counts from zero: it gets
+    # 2 + tokens - die_at steps, below the limit of `before + die_at`.
     die_at = tokens // 2 + 4
     before = 2 * 5 + tokens // 2
     fault = f"die-at-step={before + die_at},on=decoder/{DECODER_STAGES}"
@@ -220,6 +227,7 @@ def token_swarm(tmp: Path, package: Path, tokens: int) -> tuple[float, float, li
             for _ in range(2):  # connections and sessions warm
                 fa.generate(prompt, 5, stream=False, model="decoder")
             clean = fa.generate(prompt, tokens // 2, stream=False, model="decoder")
+            # (the local figure's steps run at contexts 9..9+tokens: a similar range)
             gaps = np.diff(clean.token_times) * 1e3
             failing = fa.generate(prompt, tokens, stream=False, model="decoder")
             stall = float(np.diff(failing.token_times).max())

@@ -295,8 +295,9 @@ def make_app(broker: Broker) -> web.Application:
             raise JobError("avoid", "must be a list of peer ids")
         limit = broker.config.request_timeout_s
         wait = body.get("timeout", limit)
-        if type(wait) not in (int, float) or not 0 <= wait <= limit:
-            raise JobError("timeout", f"must be a number of seconds from 0 to {limit:g}")
+        if type(wait) not in (int, float) or not 0 <= wait < 1e9:
+            raise JobError("timeout", "must be a non-negative number of seconds")
+        wait = min(wait, limit)  # waits longer than the broker's request timeout are cut
         peer = await serving.pick(name, stage, set(avoid), broker.jobs.inflight, float(wait))
         if peer is None:
             raise Unavailable(f"no provider has served stage {stage} of {name} for {wait:g} s")

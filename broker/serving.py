@@ -133,6 +133,7 @@ class Serving:
         self._outbox: dict[str, asyncio.Queue[Assign | Unassign | Promote]] = {}
         self._senders: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
+        self._suspecting: dict[str, asyncio.Future[None]] = {}  # peer -> its ping check
         self.pcfg = PlacementConfig(
             work=PLACEMENT_WORK, memory_fraction=1 / LOAD_OVERHEAD, max_replicas=config.replicas
         )
@@ -516,9 +517,18 @@ class Serving:
                     self.repair(plan, peer, "did not re-join after the broker restarted")
 
     async def suspect(self, peer: str, why: str) -> None:
-        """A request to `peer` failed: if it does not answer a ping at once, it is lost."""
+        """A request to `peer` failed: if it does not answer a ping at once, it is lost.
+        Reports about a peer already being checked join that check (one ping at a time)."""
         if not self.registry.alive(peer):
             return
+        check = self._suspecting.get(peer)
+        if check is None:
+            check = asyncio.ensure_future(self._ping_or_lose(peer, why))
+            self._suspecting[peer] = check
+            check.add_done_callback(lambda _: self._suspecting.pop(peer, None))
+        await asyncio.shield(check)
+
+    async def _ping_or_lose(self, peer: str, why: str) -> None:
         try:
             await self.host.request(peer, PING, Ping(nonce=0), timeout=1.0)
         except P2PError as exc:

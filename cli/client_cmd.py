@@ -57,8 +57,8 @@ def _fail(exc: Exception) -> int:
 
 
 def embed_cmd(args: argparse.Namespace) -> int:
-    """Embed texts through the swarm; prints each text's vector size and norm, or with --json
-    {"model", "embeddings": [[...], ...]}."""
+    """Embed texts through the swarm; prints each text's vector size and first values, or with
+    --json {"embeddings": [[...], ...]}."""
     from client import FusionAIError
 
     texts = list(args.texts)
@@ -78,10 +78,10 @@ def embed_cmd(args: argparse.Namespace) -> int:
 
     try:
         vectors = asyncio.run(main())
-    except (FusionAIError, ValueError) as exc:
+    except (FusionAIError, ValueError, OSError) as exc:
         return _fail(exc)
     if args.json:
-        print(json.dumps({"model": args.model, "embeddings": vectors.tolist()}))
+        print(json.dumps({"embeddings": vectors.tolist()}))
         return 0
     for text, row in zip(texts, vectors, strict=True):
         head = " ".join(f"{v:+.3f}" for v in row[:4])
@@ -125,7 +125,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
 
     try:
         result, seconds = asyncio.run(main())
-    except (FusionAIError, ValueError) as exc:
+    except (FusionAIError, ValueError, OSError) as exc:
         return _fail(exc)
     if args.json:
         out = {
@@ -154,7 +154,7 @@ def swarm_cmd(args: argparse.Namespace) -> int:
 
     try:
         swarm = asyncio.run(main())
-    except FusionAIError as exc:
+    except (FusionAIError, ValueError, OSError) as exc:
         return _fail(exc)
     if args.json:
         print(json.dumps(swarm, indent=2))

@@ -165,8 +165,14 @@ def run(args: argparse.Namespace) -> int:
             say("\nstopping ...")
         return 130
     finally:
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # leave processes behind
         for child in reversed(children):  # providers first, the broker last
-            child.stop()
+            try:
+                child.stop()
+            except Exception as exc:  # keep stopping the others
+                print(f"warning: stopping {child.name}: {exc}", file=sys.stderr)
+        signal.signal(signal.SIGINT, interrupt)
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -55,6 +55,7 @@ T = TypeVar("T")
 
 DEFAULT_URL = "http://127.0.0.1:7371"
 EMBED_CHUNK = 256  # texts per embeddings request
+AVOID_PATIENCE_S = 5.0  # how long a failed peer is not taken back while others may come
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
@@ -145,7 +146,7 @@ class AsyncClient:
         cacert: str | None = None,
         timeout: float = 30.0,
         cache_dir: Path | str | None = None,
-        listen: str = "/ip4/0.0.0.0/tcp/0",
+        listen: str = "/ip4/127.0.0.1/tcp/0",
     ) -> None:
         """`broker_url` defaults to `$FUSIONAI_BROKER_URL`, then http://127.0.0.1:7371;
         `api_key` to `$FUSIONAI_API_KEY`; `cacert` (a PEM file to trust for https) to
@@ -166,6 +167,7 @@ class AsyncClient:
         self._host: Any = None  # p2p.Host, started by the first generation
         self._host_lock: asyncio.Lock | None = None
         self._stages: dict[str, ClientStages] = {}
+        self._loading: dict[str, asyncio.Lock] = {}  # one download of a model's stages at once
         self._manifests: dict[str, tuple[ModelManifest, bytes]] = {}
 
     async def __aenter__(self) -> AsyncClient:
@@ -175,12 +177,14 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._host is not None:
-            host, self._host = self._host, None
-            await host.close()
-        if self._http is not None:
-            http, self._http = self._http, None
-            await http.close()
+        host, self._host = self._host, None
+        http, self._http = self._http, None
+        try:
+            if host is not None:
+                await host.close()
+        finally:
+            if http is not None:
+                await http.close()
 
     # ---- HTTP --------------------------------------------------------------------------
 
@@ -286,8 +290,12 @@ class AsyncClient:
     async def stages(self, name: str) -> ClientStages:
         """The model's client stages (tokenizer, embedding, head), downloaded once into the
         cache and checked against the manifest's SHA-256 hashes."""
-        if name in self._stages:
-            return self._stages[name]
+        async with self._loading.setdefault(name, asyncio.Lock()):
+            if name not in self._stages:
+                self._stages[name] = await self._load_stages(name)
+        return self._stages[name]
+
+    async def _load_stages(self, name: str) -> ClientStages:
         manifest, data = await self._manifest(name)
         directory = self.cache_dir / "models" / f"{name}-{hashlib.sha256(data).hexdigest()[:16]}"
         await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
@@ -297,8 +305,7 @@ class AsyncClient:
         for file, sha in files:
             await self._fetch(directory / Path(file).name, sha)
         await asyncio.to_thread(_write, directory / "manifest.json", data)
-        stages = await asyncio.to_thread(ClientStages, directory)
-        self._stages[name] = stages
+        stages: ClientStages = await asyncio.to_thread(ClientStages, directory)
         return stages
 
     async def _fetch(self, path: Path, sha: str) -> None:
@@ -525,6 +532,9 @@ class HttpRouter:
         host = await self.client._p2p()
         tried = set(avoid)
         deadline = time.monotonic() + self.client.timeout
+        # A peer that just failed is what the broker names until it has noticed (its ping
+        # fails) and promoted a backup: ask again for a while before taking it back.
+        patience = time.monotonic() + min(AVOID_PATIENCE_S, self.client.timeout / 2)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -537,15 +547,25 @@ class HttpRouter:
             except FusionAIError as exc:
                 raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
             peer: str = out["peer_id"]
+            if peer in tried and time.monotonic() < patience:
+                await asyncio.sleep(0.2)
+                continue
             if peer in host.connected_peers():
                 return peer
             errors = []
-            for addr in out["addrs"]:
+            addrs = list(out["addrs"])
+            for n, addr in enumerate(addrs):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # an unreachable address must not use up the time the others need
+                cap = left if n == len(addrs) - 1 else min(left, 10.0)
                 try:
-                    await host.connect(addr if "/p2p/" in addr else f"{addr}/p2p/{peer}")
+                    full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
+                    await asyncio.wait_for(host.connect(full), cap)
                     return peer
-                except Exception as exc:
-                    errors.append(f"{addr}: {exc}")
+                except Exception as exc:  # any dial failure: try the next
+                    errors.append(f"{addr}: {exc or type(exc).__name__}")
             reason = "; ".join(errors) or "it has no addresses"
             await self.failed(pos, peer, f"cannot connect: {reason}")
             if peer in tried:  # the broker had no other: give it a moment to notice
@@ -582,16 +602,23 @@ class Client:
         return self._async.url
 
     def _run(self, coro: Awaitable[T]) -> T:
-        if self._closed:
+        if self._closed or threading.current_thread() is self._thread:
             close = getattr(coro, "close", None)
             if close is not None:
                 close()  # never started: no "never awaited" warning
-            raise FusionAIError("the client is closed")
+            if self._closed:
+                raise FusionAIError("the client is closed")
+            raise FusionAIError("a blocking Client method was called from its own callback")
 
         async def call() -> T:
             return await coro
 
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(call(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # e.g. Ctrl-C in this thread: stop the work on the loop too
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -602,11 +629,16 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
-        self._run(self._async.aclose())
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        try:
+            self._run(self._async.aclose())
+            future = asyncio.run_coroutine_threadsafe(self._loop.shutdown_asyncgens(), self._loop)
+            future.result(timeout=10)  # open generation streams close their sessions
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def swarm(self) -> dict[str, Any]:
         return self._run(self._async.swarm())
@@ -737,6 +769,13 @@ def _has_file(path: Path, sha: str) -> bool:
 
 def _write(path: Path, data: bytes) -> None:
     """Write through a temporary file, so a crash never leaves a partial file."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

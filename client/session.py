@@ -122,6 +122,7 @@ class GenerationSession:
             if stage.peer is None:
                 stage.peer = await self.router.pick(pos, avoid)
             peer = stage.peer
+            opening = stage.sid is None
             try:
                 if stage.sid is None:
                     await self._open(stage, peer)
@@ -136,9 +137,9 @@ class GenerationSession:
                     continue
                 busy_until = None
                 self._abandon(stage)
-                if exc.code != ErrorCode.NOT_FOUND:  # NOT_FOUND: expired; reopen, replay
-                    avoid.add(peer)
-                    stage.peer = None
+                if exc.code != ErrorCode.NOT_FOUND or opening:
+                    avoid.add(peer)  # (NOT_FOUND on a step: the session expired; reopen and
+                    stage.peer = None  # replay there. On an open: the stage is not loaded.)
                 reason = f"{exc.code}: {exc}"
             except (RequestTimeout, P2PError, _Lost, _Mismatch) as exc:
                 self._abandon(stage)

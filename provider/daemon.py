@@ -503,11 +503,13 @@ def dialable(addrs: list[str]) -> list[str]:
             out.append(addr)
             continue
         rest = addr[len("/ip4/0.0.0.0/") :]
+        stats = psutil.net_if_stats()
         ips = [
             a.address
-            for nic in psutil.net_if_addrs().values()
+            for name, nic in psutil.net_if_addrs().items()
+            if name not in stats or stats[name].isup
             for a in nic
-            if a.family == socket.AF_INET
+            if a.family == socket.AF_INET and not a.address.startswith("169.254.")
         ]
         for ip in sorted(set(ips), key=lambda ip: (ip.startswith("127."), ip)):
             out.append(f"/ip4/{ip}/{rest}")

@@ -77,7 +77,7 @@ class Fault:
     wrong_output: bool = False  # add 1 to every floating-point output
     slow_ms: float = 0.0  # sleep this long before each answer
     drop: bool = False  # never answer (the caller times out)
-    on: str | None = None  # die-at-step, slow and drop count and touch this stage key only
+    on: str | None = None  # die-at-step, slow, drop: this stage key only (not wrong-output)
 
     @classmethod
     def parse(cls, text: str | None) -> Fault | None:

@@ -137,7 +137,7 @@ async def test_a_pipeline_mixing_onnxruntime_and_torch_providers(
 
     steps = 12
     tokens, _ = local_greedy(llama_package, PROMPT, steps)
-    b: BrokerProc = broker("--replicas", "2")
+    b: BrokerProc = broker("--replicas", "2", "--heartbeat-s", "2")  # no spurious losses
     procs = start_providers(b, provider, ("--executor", "ort"), ("--executor", "torch"))
     ort_peer, torch_peer = list(procs)
     add_model(b.http, llama_package)
