@@ -423,6 +423,7 @@ class AsyncClient:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt has no tokens")
+        client.pad([ids])  # token ids outside the vocabulary or too many: a clear ValueError
         route = await self.model(name)
         keys = [s["key"] for s in route["stages"]]
         host = await self._p2p()

@@ -189,6 +189,8 @@ def test_sync_client_streams_and_closes_its_thread(
     fa = Client(b.http, cache_dir=tmp_path / "cache", timeout=20)
     pieces = fa.generate(PROMPT, 8, model="tiny-llama")
     assert "".join(pieces) == text and pieces.result.tokens == tokens
+    with pytest.raises(ValueError, match=r"outside 0\.\.511"):
+        fa.generate([5, 100_000], 2, stream=False)
     ids = fa.generate(tokens[:3], 2, stream=False)  # token ids in, no tokenizer needed
     assert ids.tokens == local_greedy_ids(llama_package, tokens[:3], 2)
     fa.close()
