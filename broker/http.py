@@ -310,9 +310,7 @@ def make_app(broker: Broker) -> web.Application:
         reason = body.get("reason") if isinstance(body, dict) else None
         if not isinstance(reason, str) or not reason or len(reason) > 1000:
             raise JobError("reason", "must be a non-empty string of at most 1000 characters")
-        if not broker.registry.alive(peer):
-            return web.json_response({"peer_id": peer, "alive": False})
-        await serving.suspect(peer, f"a client's request failed: {reason}")
+        await serving.suspect(peer, f"a client's request failed: {reason}")  # (if still alive)
         return web.json_response({"peer_id": peer, "alive": broker.registry.alive(peer)})
 
     async def put_artifact(request: web.Request) -> web.Response:

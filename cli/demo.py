@@ -204,7 +204,7 @@ def _demo(
     fault = f"die-at-step={die_at},on={DECODER}/{last}"
 
     env = {**os.environ, "FUSIONAI_THREADS": "1"}
-    say(f"starting a broker and {args.providers} providers on 127.0.0.1 (logs in {work}) ...")
+    say(f"starting a broker and {args.providers} providers on 127.0.0.1 ...")
     broker = Child(
         "the broker",
         _cli(
@@ -251,7 +251,6 @@ def _demo(
     summary = asyncio.run(_drive(http, models, providers, reference, say))
     summary["fault"] = f"every provider: --fault {fault}"
     summary["processes"] = pids
-    summary["logs"] = str(work)
     return summary
 
 

