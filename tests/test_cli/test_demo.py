@@ -30,7 +30,8 @@ def test_demo_reports_the_failover_and_leaves_no_process(tmp_path: Path) -> None
     assert summary["generation"]["tokens"] > 10
     failover = summary["failover"]
     assert failover["happened"] is True
-    assert [d["peer_id"] for d in failover["died"]] == [e["peer_id"] for e in failover["events"]]
+    # (one event per decoder stage the dead provider served: one or two)
+    assert {d["peer_id"] for d in failover["died"]} == {e["peer_id"] for e in failover["events"]}
     assert len(failover["died"]) == 1 and failover["died"][0]["exit_code"] == 137
     assert len(summary["providers"]) == 4
     assert sum(not p["running"] for p in summary["providers"]) == 1

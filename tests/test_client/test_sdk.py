@@ -24,6 +24,10 @@ Spawner = Callable[..., Any]
 PROMPT = "Models travel as ONNX"
 
 
+def peers_of(stage: dict[str, Any]) -> set[str]:
+    return {p["peer_id"] for p in stage["providers"]}
+
+
 def start_providers(b: BrokerProc, provider: Spawner, *extras: tuple[str, ...]) -> dict[str, Proc]:
     procs = {}
     for extra in extras:
@@ -103,15 +107,19 @@ async def test_greedy_generation_equals_local_through_a_provider_death(
     route = wait_ready(b.http, "tiny-llama", backups=1)
     assert route["stages"][1]["key"] == "tiny-llama/2"
     victim = route["stages"][1]["providers"][0]["peer_id"]
-    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=10) as fa:
+    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=20) as fa:
         stream = fa.generate(PROMPT, steps, temperature=0)  # the only decoder
         pieces = [piece async for piece in stream]
         result = stream.result
         assert result.tokens == tokens
         assert "".join(pieces) == result.text == text
         assert result.finish_reason == "length"
-        assert [f.peer for f in result.failovers] == [victim]
+        # the stage that hit the fault fails over first; any other stage the dead provider
+        # also served fails over when its next step finds the provider gone
+        served = [p for p, s in enumerate(route["stages"]) if victim in peers_of(s)]
+        assert [f.peer for f in result.failovers] == [victim] * len(served), result.failovers
         assert result.failovers[0].stage == 1
+        assert sorted(f.stage for f in result.failovers) == served
         assert result.route[1] != victim
         gap = np.diff(result.token_times).max()
         assert gap < 10, f"the answer stalled {gap:.1f} s at the failover"
