@@ -18,6 +18,7 @@
     POST /v1/jobs/{id}/cancel             cancel it
     GET  /v1/jobs/{id}/results            its results (?offset=&limit= rows), once succeeded
     DELETE /v1/jobs/{id}/results          forget them (results are kept until then)
+    GET  /v1/jobs/{id}/adapter            a fine-tune job's trained adapter (safetensors)
     GET  /v1/jobs/{id}/story              the events that tell what happened to it
     GET  /v1/jobs/{id}/events             its progress, then its results, as server-sent events
     GET  /v1/events                       the event log (?since=ID&limit=N)
@@ -346,6 +347,17 @@ def make_app(broker: Broker) -> web.Application:
         limit = int_param(request, "limit", 10_000, 1, 10_000)
         return web.json_response(jobs.results(request.match_info["id"], offset, limit))
 
+    async def adapter(request: web.Request) -> web.StreamResponse:
+        path, row = jobs.adapter_path(request.match_info["id"])
+        return web.FileResponse(
+            path,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Disposition": f'attachment; filename="{row["job"]}.safetensors"',
+                "X-Content-SHA256": row["sha256"],
+            },
+        )
+
     async def delete_results(request: web.Request) -> web.Response:
         job = job_or_404(request.match_info["id"])
         removed = store.delete_results(job.id)
@@ -382,7 +394,7 @@ def make_app(broker: Broker) -> web.Application:
                 break
             await broker.events.wait(KEEPALIVE_S)
             await response.write(b": waiting\n\n")
-        if current is not None and current.state == "succeeded":
+        if current is not None and current.state == "succeeded" and current.kind != "finetune":
             offset, first = 0, 0
             while True:  # a few microbatches at a time, encoded off the event loop
                 stored = store.results_from(job.id, first, RESULT_ROWS)
@@ -472,6 +484,7 @@ def make_app(broker: Broker) -> web.Application:
     app.router.add_post("/v1/jobs/{id}/cancel", cancel)
     app.router.add_get("/v1/jobs/{id}/results", results)
     app.router.add_delete("/v1/jobs/{id}/results", delete_results)
+    app.router.add_get("/v1/jobs/{id}/adapter", adapter)
     app.router.add_get("/v1/jobs/{id}/story", story)
     app.router.add_get("/v1/events", events)
     return app

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import importlib.util
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -154,6 +158,8 @@ class JobRunner:
 
     async def submit(self, body: Any) -> JobRow:
         """Validate and queue a job (the heavy checks run off the event loop)."""
+        if isinstance(body, dict) and body.get("kind") == "finetune":
+            return await self._submit_finetune(body)
         request = await asyncio.to_thread(parse_request, body, self.config)
         model = self.models.models.get(request.model)
         if model is None:
@@ -194,6 +200,66 @@ class JobRunner:
         )
         self._wake.set()
         return job
+
+    async def _submit_finetune(self, body: dict[str, Any]) -> JobRow:
+        from broker import finetune as ft
+
+        try:
+            request = await asyncio.to_thread(ft.parse_finetune, body, self.config.max_job_texts)
+            model = self.models.models.get(request.model)
+            if model is None:
+                raise NotFound(f"no model named {request.model!r}; add it first")
+            stages = ft.trainable_stages(model.manifest)
+            if importlib.util.find_spec("torch") is None:
+                raise ft.FinetuneError(
+                    "kind",
+                    "this broker cannot run fine-tune jobs: torch is not installed here "
+                    "(pip install fusionai[torch])",
+                )
+            client = await asyncio.to_thread(self.client, request.model)
+            await asyncio.to_thread(ft.Data, client, request)  # tokenizes: enough tokens?
+        except ft.FinetuneError as exc:
+            raise JobError(exc.field, exc.message) from None
+        graph = ft.finetune_graph(self.serving.plans[request.model].spec, stages, request)
+        job_id = uuid.uuid4().hex[:16]
+        job = self.store.add_job(
+            job_id,
+            "finetune",
+            request.model,
+            request.to_json(),
+            to_json(graph),
+            request.steps,
+            ft.finetune_estimate(graph, request.steps) / NOMINAL_FLOPS,
+        )
+        self.events.emit(
+            "job_queued", job=job_id, model=request.model, job_kind="finetune", steps=request.steps
+        )
+        self._wake.set()
+        return job
+
+    def save_adapter(self, job_id: str, model: str, data: bytes) -> None:
+        """Keep a finished fine-tune job's adapter (safetensors), named by its SHA-256."""
+        digest = hashlib.sha256(data).hexdigest()
+        folder = self.config.data_dir / "adapters"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{digest}.safetensors"
+        if not path.is_file():
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        self.store.put_adapter(job_id, model, digest, len(data))
+        self.events.emit("adapter_saved", job=job_id, model=model, sha256=digest, bytes=len(data))
+
+    def adapter_path(self, job_id: str) -> tuple[Path, dict[str, Any]]:
+        row = self.store.adapter(job_id)
+        if row is None:
+            job = self.store.job(job_id, full=False)
+            if job is None:
+                raise NotFound(f"no job {job_id}")
+            if job.kind != "finetune":
+                raise NotFound(f"job {job_id} is a {job.kind} job; adapters come from fine-tuning")
+            raise NotReady(f"job {job_id} is {job.state}; its adapter comes when it has succeeded")
+        return self.config.data_dir / "adapters" / f"{row['sha256']}.safetensors", row
 
     def cancel(self, job_id: str) -> JobRow:
         job = self.store.job(job_id, full=False)
@@ -383,6 +449,9 @@ class JobRunner:
             self.held[partner] = self.held.get(partner, 0) + held
 
     async def _execute(self, job: JobRow) -> None:
+        if job.kind == "finetune":
+            await self._finetune(job)
+            return
         graph = from_json(job.graph)
         request = job.request
         client = await asyncio.to_thread(self.client, job.model)
@@ -406,6 +475,15 @@ class JobRunner:
                 self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
 
         await self._microbatches(Ref(job.id, job.model), graph, client, ids, mask, mb, todo, store)
+        self._finish(job.id, "succeeded")
+
+    async def _finetune(self, job: JobRow) -> None:
+        from broker.finetune import JobFailed, SwarmFinetune
+
+        try:
+            await SwarmFinetune(self, job).run()
+        except JobFailed as exc:
+            raise _JobFailed(str(exc)) from None
         self._finish(job.id, "succeeded")
 
     async def _microbatches(
@@ -599,6 +677,21 @@ class JobRunner:
         job = self.store.job(job_id, full=False)
         if job is None:
             raise NotFound(f"no job {job_id}")
+        if job.kind == "finetune":  # the steps so far, in any state
+            steps = self.store.finetune_steps(job_id)[offset : offset + limit]
+            adapter = self.store.adapter(job_id)
+            if adapter is not None:
+                adapter["url"] = f"/v1/jobs/{job_id}/adapter"
+            return {
+                "job": job_id,
+                "offset": offset,
+                "total": self.store.count_done(job_id),
+                "steps": [
+                    {"step": n, "loss": v[0], "tokens": int(v[1]), "seconds": round(v[2], 4)}
+                    for n, v in steps
+                ],
+                "adapter": adapter,
+            }
         if job.state != "succeeded":
             raise NotReady(f"job {job_id} is {job.state}; results come when it has succeeded")
         rows: list[list[float]] = []

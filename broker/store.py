@@ -57,6 +57,20 @@ CREATE TABLE IF NOT EXISTS events (
     peer TEXT,
     data TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS snapshots (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    stage INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (job, step, stage)
+);
+CREATE TABLE IF NOT EXISTS adapters (
+    job TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    created REAL NOT NULL
+);
 CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, seq);
 """
@@ -280,6 +294,74 @@ class Store:
     def delete_results(self, job_id: str) -> int:
         cur = self.db.execute("DELETE FROM results WHERE job = ?", (job_id,))
         return cur.rowcount
+
+    def delete_results_from(self, job_id: str, first: int) -> int:
+        """Forget results from index `first` on (a fine-tune job went back to a snapshot)."""
+        cur = self.db.execute("DELETE FROM results WHERE job = ? AND idx >= ?", (job_id, first))
+        return cur.rowcount
+
+    def finetune_losses(self, job_id: str) -> list[float]:
+        """The loss of each step of a fine-tune job so far, in order."""
+        return [float(row[0]) for _, row in self.finetune_steps(job_id)]
+
+    def finetune_steps(self, job_id: str) -> list[tuple[int, list[float]]]:
+        """(step, [loss, tokens, seconds]) of each step of a fine-tune job so far."""
+        import numpy as np
+
+        return [
+            (idx + 1, np.frombuffer(data, dtype=np.float64).tolist())
+            for idx, _, data in self.results(job_id)
+        ]
+
+    # ---- fine-tune snapshots and adapters --------------------------------------------------
+
+    def put_snapshot(self, job_id: str, step: int, records: dict[int, dict[str, Any]]) -> None:
+        """Every stage's record of one complete snapshot, in one transaction; older snapshots
+        of the job are dropped (only the newest is ever restored)."""
+        with self.db:
+            self.db.execute("BEGIN")
+            for stage, record in records.items():
+                self.db.execute(
+                    "INSERT OR REPLACE INTO snapshots (job, step, stage, data) VALUES (?, ?, ?, ?)",
+                    (job_id, step, stage, json.dumps(record)),
+                )
+            self.db.execute("DELETE FROM snapshots WHERE job = ? AND step < ?", (job_id, step))
+
+    def latest_snapshot(
+        self, job_id: str, stages: int
+    ) -> tuple[int, dict[int, dict[str, Any]]] | None:
+        """The newest snapshot with a record for each of `stages` stages: (step, records)."""
+        rows = self.db.execute(
+            "SELECT step, stage, data FROM snapshots WHERE job = ? ORDER BY step DESC", (job_id,)
+        ).fetchall()
+        by_step: dict[int, dict[int, dict[str, Any]]] = {}
+        for step, stage, data in rows:
+            by_step.setdefault(step, {})[stage] = json.loads(data)
+        for step in sorted(by_step, reverse=True):
+            if set(by_step[step]) == set(range(stages)):
+                return step, by_step[step]
+        return None
+
+    def snapshot_holders(self, job_id: str) -> set[str]:
+        peers: set[str] = set()
+        for (data,) in self.db.execute("SELECT data FROM snapshots WHERE job = ?", (job_id,)):
+            peers.update(h["peer"] for h in json.loads(data)["holders"])
+        return peers
+
+    def put_adapter(self, job_id: str, model: str, sha256: str, size: int) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO adapters (job, model, sha256, size, created) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (job_id, model, sha256, size, time.time()),
+        )
+
+    def adapter(self, job_id: str) -> dict[str, Any] | None:
+        row = self.db.execute(
+            "SELECT model, sha256, size, created FROM adapters WHERE job = ?", (job_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        return {"job": job_id, "model": row[0], "sha256": row[1], "size": row[2], "created": row[3]}
 
     # ---- events ----------------------------------------------------------------------------
 

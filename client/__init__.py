@@ -9,7 +9,16 @@ providers' route; embeddings and batch jobs go through the broker. Wire and IR c
 `p2p`, `proto` and `ir`, never reimplemented here.
 """
 
-from client.api import AsyncClient, Client, Failover, Generation, GenerationStream, Job
+from client.api import (
+    AsyncClient,
+    Client,
+    Failover,
+    FineTune,
+    FinetuneStep,
+    Generation,
+    GenerationStream,
+    Job,
+)
 from client.errors import (
     APIError,
     AuthenticationError,
@@ -35,6 +44,8 @@ __all__ = [
     "Client",
     "ConflictError",
     "Failover",
+    "FineTune",
+    "FinetuneStep",
     "FusionAIError",
     "Generation",
     "GenerationError",

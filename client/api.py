@@ -95,6 +95,36 @@ class Job:
 
 
 @dataclass(frozen=True)
+class FinetuneStep:
+    """One optimizer step of a fine-tune job."""
+
+    step: int
+    steps: int  # the job's total
+    loss: float  # mean next-token loss of the step's batch
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """A finished fine-tune job: its losses, and the trained adapter (a safetensors file)."""
+
+    job: str
+    model: str
+    steps: list[FinetuneStep]
+    adapter: Path  # downloaded into the cache, named by its SHA-256
+    sha256: str
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+
+@dataclass(frozen=True)
 class Failover:
     """A provider stage that failed during a generation, and why."""
 
@@ -353,6 +383,7 @@ class AsyncClient:
         seed: int | None = ...,
         stop: Sequence[str] = ...,
         on_failover: Callable[[Failover], None] | None = ...,
+        adapter: str | Path | None = ...,
     ) -> GenerationStream: ...
 
     @overload
@@ -368,6 +399,7 @@ class AsyncClient:
         seed: int | None = ...,
         stop: Sequence[str] = ...,
         on_failover: Callable[[Failover], None] | None = ...,
+        adapter: str | Path | None = ...,
     ) -> Awaitable[Generation]: ...
 
     def generate(
@@ -382,17 +414,21 @@ class AsyncClient:
         seed: int | None = None,
         stop: Sequence[str] = (),
         on_failover: Callable[[Failover], None] | None = None,
+        adapter: str | Path | None = None,
     ) -> GenerationStream | Awaitable[Generation]:
         """Generate after `prompt` (text, or token ids). `temperature` 0 is greedy. With
         `stream=True` (default) returns a `GenerationStream` of text pieces; with
-        `stream=False` an awaitable of the whole `Generation`."""
+        `stream=False` an awaitable of the whole `Generation`. `adapter`: a fine-tune job's id
+        or a safetensors adapter file, applied by the providers for this generation."""
         if type(max_new_tokens) is not int or max_new_tokens < 1:
             raise ValueError("max_new_tokens must be a positive integer")
         if isinstance(stop, str):
             stop = [stop]
         sampler = Sampler(temperature, top_p, seed)  # checks their ranges
         result = Generation()
-        pieces = self._generate(prompt, max_new_tokens, sampler, model, stop, on_failover, result)
+        pieces = self._generate(
+            prompt, max_new_tokens, sampler, model, stop, on_failover, result, adapter
+        )
         if stream:
             return GenerationStream(pieces, result)
 
@@ -412,9 +448,11 @@ class AsyncClient:
         stop: Sequence[str],
         on_failover: Callable[[Failover], None] | None,
         result: Generation,
+        adapter: str | Path | None = None,
     ) -> AsyncIterator[str]:
         name = model or await self._default_model(decoder=True)
         client = await self.stages(name)
+        tensors = await self._adapter_tensors(adapter, name) if adapter is not None else None
         if isinstance(prompt, str):
             if client.tokenizer is None:
                 raise FusionAIError(f"model {name} ships no tokenizer: send token ids")
@@ -435,7 +473,13 @@ class AsyncClient:
                 on_failover(event)
 
         session = GenerationSession(
-            host, client, keys, HttpRouter(self, name), timeout=self.timeout, on_failover=failed
+            host,
+            client,
+            keys,
+            HttpRouter(self, name),
+            timeout=self.timeout,
+            on_failover=failed,
+            adapters=tensors,
         )
         text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
         tokens = generate(session, ids, max_new_tokens, sampler, eos=client.eos)
@@ -519,6 +563,148 @@ class AsyncClient:
             if not out["embeddings"] or len(rows) >= out["total"]:
                 break
         return np.asarray(rows, dtype=np.float32)
+
+    # ---- fine-tuning -----------------------------------------------------------------------
+
+    async def finetune(
+        self,
+        model: str,
+        data: str | Path | Sequence[str],
+        *,
+        steps: int = 20,
+        progress: Callable[[FinetuneStep], None] | None = None,
+        timeout: float | None = None,
+        poll: float = 0.5,
+        **options: Any,
+    ) -> FineTune:
+        """Fine-tune `model` through the swarm on `data` (texts, or a JSONL file of
+        {"text": ...} lines, or a plain text file of one example per line) and wait for it.
+        `options`: batch, microbatches, seq_len, method ("lora-fa" or "lora"), rank, lr,
+        weight_decay, seed, snapshot_every, shards ([k, n]). `progress` gets each step as it
+        is done. Returns the losses and the downloaded adapter."""
+        if isinstance(data, str | Path):
+            texts = await asyncio.to_thread(read_texts, data)
+        else:
+            texts = [str(t) for t in data]
+        body = {"kind": "finetune", "model": model, "texts": texts, "steps": steps, **options}
+        if "shards" in body:
+            body["shards"] = list(body["shards"])
+        job = await self.submit(body)
+        seen = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            current = await self.job(job.id)
+            done = await self.finetune_steps(job.id, offset=seen)
+            for s in done:
+                if progress is not None:
+                    progress(s)
+            seen += len(done)
+            if current.finished:
+                if current.state != "succeeded":
+                    raise JobFailed(current)
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobTimeout(
+                    f"fine-tune job {job.id} is still {current.state} after {timeout} s"
+                )
+            await asyncio.sleep(poll)
+        path, sha = await self._download_adapter(job.id)
+        return FineTune(job.id, model, await self.finetune_steps(job.id), path, sha)
+
+    async def finetune_steps(self, job_id: str, *, offset: int = 0) -> list[FinetuneStep]:
+        """The steps a fine-tune job has done so far (from `offset` on)."""
+        out = await self._request(
+            "GET", f"/v1/jobs/{_quote(job_id)}/results?offset={offset}&limit=10000"
+        )
+        total = int((await self.job(job_id)).microbatches)
+        return [
+            FinetuneStep(s["step"], total, s["loss"], s["tokens"], s["seconds"])
+            for s in out.get("steps", [])
+        ]
+
+    async def adapter(self, job_id: str) -> Path:
+        """A fine-tune job's trained adapter (safetensors), downloaded once into the cache."""
+        path, _ = await self._download_adapter(job_id)
+        return path
+
+    async def _download_adapter(self, job_id: str) -> tuple[Path, str]:
+        info = await self._request("GET", f"/v1/jobs/{_quote(job_id)}/results?limit=1")
+        adapter = info.get("adapter")
+        if not adapter:
+            raise FusionAIError(f"job {job_id} has no adapter (is it a finished fine-tune job?)")
+        sha = str(adapter["sha256"])
+        path = self.cache_dir / "adapters" / f"{sha}.safetensors"
+        if not await asyncio.to_thread(_has_file, path, sha):
+            data = await self._request(
+                "GET", f"/v1/jobs/{_quote(job_id)}/adapter", raw=True, timeout=600
+            )
+            if hashlib.sha256(data).hexdigest() != sha:
+                raise FusionAIError(
+                    f"the broker sent job {job_id}'s adapter with the wrong SHA-256"
+                )
+            await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(_write, path, data)
+        return path, sha
+
+    async def _adapter_tensors(self, adapter: str | Path, model: str) -> dict[str, Array]:
+        """An adapter's tensors, checked against the model it is applied to."""
+        path = Path(adapter)
+        is_file = await asyncio.to_thread(path.is_file)
+        if not (isinstance(adapter, Path) or path.suffix == ".safetensors" or is_file):
+            path = await self.adapter(str(adapter))  # a fine-tune job's id
+        return await asyncio.to_thread(load_adapter, path, model)
+
+
+SAMPLE_DATA = Path(__file__).parent / "data" / "swarm-notes.jsonl"  # 40 sentences, shipped
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Training texts from a file: JSONL with a "text" field per line (`.jsonl`), else one
+    example per non-empty line."""
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read {file}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not UTF-8 text") from None
+    texts: list[str] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if file.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{file}:{n}: not JSON ({exc})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f'{file}:{n}: each line is an object with a "text" string')
+            texts.append(row["text"])
+        else:
+            texts.append(line)
+    if not texts:
+        raise ValueError(f"{file} has no examples")
+    return texts
+
+
+def load_adapter(path: Path, model: str) -> dict[str, Array]:
+    """A safetensors adapter's tensors; refused if it was trained for another model."""
+    from ir.training import TrainingError, load_state, read_metadata
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise FusionAIError(f"cannot read adapter {path}: {exc.strerror}") from None
+    try:
+        meta = read_metadata(data)
+        tensors = load_state(data)
+    except TrainingError as exc:
+        raise FusionAIError(f"{path}: {exc}") from None
+    if meta.get("model") not in (None, model):
+        raise FusionAIError(f"{path} is an adapter for {meta['model']}, not {model}")
+    if not tensors or not all(k.startswith("lora_") for k in tensors):
+        raise FusionAIError(f"{path} holds no LoRA adapter tensors (lora_A.*, lora_B.*)")
+    return tensors
 
 
 class HttpRouter:
@@ -713,6 +899,15 @@ class Client:
 
     def wait(self, job_id: str, **options: Any) -> Job:
         return self._run(self._async.wait(job_id, **options))
+
+    def finetune(self, model: str, data: str | Path | Sequence[str], **options: Any) -> FineTune:
+        return self._run(self._async.finetune(model, data, **options))
+
+    def finetune_steps(self, job_id: str, **options: Any) -> list[FinetuneStep]:
+        return self._run(self._async.finetune_steps(job_id, **options))
+
+    def adapter(self, job_id: str) -> Path:
+        return self._run(self._async.adapter(job_id))
 
     def results(self, job_id: str, **options: Any) -> Array:
         return self._run(self._async.results(job_id, **options))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +30,6 @@ from client.errors import GenerationError
 from client.sampling import Sampler
 from client.stages import ClientStageError, ClientStages
 from ir.manifest import StageInfo
-from ir.pipeline import zero_adapters
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
 from proto.session import SESSION, SessionClose, SessionOpen, SessionOutput, SessionStep
 
@@ -77,6 +76,7 @@ class GenerationSession:
         timeout: float = 30.0,
         max_attempts: int = 5,
         on_failover: Callable[[int, str, str], None] | None = None,
+        adapters: Mapping[str, Array] | None = None,
     ) -> None:
         provider = [s for s in stages.manifest.stages if s.placement == "provider"]
         if len(provider) != len(keys):
@@ -93,6 +93,7 @@ class GenerationSession:
         self.on_failover = on_failover
         self.id = uuid.uuid4().hex
         self.stages = [_Stage(k, s) for k, s in zip(keys, provider, strict=True)]
+        self.adapters = dict(adapters or {})  # a LoRA adapter: graph input name -> tensor
         self.past = 0  # tokens fed so far
         self.failovers = 0
         self.abandoned: list[tuple[str, str, str]] = []  # (peer, stage key, session id)
@@ -174,7 +175,13 @@ class GenerationSession:
         replacement); only a session whose replay succeeded is used."""
         stage.opens += 1
         sid = f"{self.id}.{stage.opens}"
-        await self._call(peer, SessionOpen(session=sid, stage=stage.key))
+        mine = {
+            name: Tensor.from_numpy(self.adapters[name])
+            for a in stage.info.adapters
+            for name in (a.a_input, a.b_input)
+            if name in self.adapters
+        }
+        await self._call(peer, SessionOpen(session=sid, stage=stage.key, adapters=mine))
         try:
             if stage.history:
                 replay = {
@@ -192,7 +199,7 @@ class GenerationSession:
     async def _request(
         self, stage: _Stage, peer: str, feeds: dict[str, Array], sid: str | None = None
     ) -> SessionOutput:
-        inputs = {**feeds, **zero_adapters(stage.info)}
+        inputs = feeds  # adapter inputs: the session's adapter, or the provider's zeros
         names = {i.name for i in stage.info.inputs}
         session = sid or stage.sid
         assert session is not None

@@ -8,6 +8,8 @@ provider bounds the total cache memory (a step that would exceed it is refused a
 
 from __future__ import annotations
 
+import msgspec
+
 from p2p.codec import Message, ProtocolSpec
 from p2p.tensor import Tensor
 from proto.forward import MAX_ACTIVATION_BYTES
@@ -17,6 +19,8 @@ class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
     session: str  # chosen by the client, unique per client and stage
     stage: str  # stage key
     batch: int = 1
+    # a LoRA adapter (the stage's adapter inputs, A and B) applied to every step
+    adapters: dict[str, Tensor] = msgspec.field(default_factory=dict)
 
 
 class SessionStep(Message, frozen=True, tag="SessionStep/1"):

@@ -45,10 +45,13 @@ from proto.heartbeat import HEARTBEAT, Heartbeat
 from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, Leave, signed_join_bytes
 from proto.ping import PING, Ping
 from proto.session import SESSION
+from proto.snapshot import SHARD, SNAPSHOT
+from proto.train import TRAIN
 from provider.artifacts import ArtifactCache, human_bytes
 from provider.hosting import ExecutorChoice, StageRefused, host, memory_needed, stage_of
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
 from provider.serving import Fault, LoadedStage, Server
+from provider.training import Training, torch_threads
 
 log = logging.getLogger("fusionai.provider")
 
@@ -122,6 +125,8 @@ class Provider:
         self._status_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # memory reserved by stages being loaded
         self._pending: dict[str, Assign] = {}  # the assignment each load is for
+        self.training = Training(self.server, self.broker_id, self._training_module)
+        self._modules: dict[str, Any] = {}  # stage key -> torch module for training
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -171,6 +176,10 @@ class Provider:
                 h.add_compute_handler(FORWARD, self.server.forward)
                 h.add_compute_handler(SESSION, self.server.session)
                 h.add_control_handler(ASSIGN, self._on_assign)
+                h.add_compute_handler(TRAIN, self.training.train)
+                h.add_compute_handler(SHARD, self.training.shard)
+                h.add_control_handler(SNAPSHOT, self.training.snapshot)
+                self.training.host = h
                 _event("listening", peer_id=h.peer_id, addrs=h.addrs)
                 left = asyncio.Event()  # membership runs until the drain is over
                 tasks: list[asyncio.Task[Any]] = [
@@ -196,6 +205,30 @@ class Provider:
         finally:
             await self._http.close()
             self.host = None
+
+    def _training_module(self, stage: LoadedStage) -> Any:
+        """A torch module of the stage's validated ONNX file (the torch executor's own when the
+        stage runs on it), built once per stage."""
+        module = getattr(stage.executor, "module", None)
+        if module is not None:
+            return module
+        cached = self._modules.get(stage.key)
+        if cached is not None and cached[0] == stage.info.sha256:
+            return cached[1]
+        try:
+            from ir.executors.torch_exec import OnnxModule
+        except ImportError as exc:
+            raise ImportError(
+                f"training needs torch (pip install fusionai[torch]): {exc}"
+            ) from None
+        from ir.validate import validate_onnx_file
+
+        torch_threads()
+        path = self.cache.path(stage.info.sha256)
+        model = validate_onnx_file(path, sha256=stage.info.sha256, package_dir=path.parent)
+        module = OnnxModule(model).eval()
+        self._modules[stage.key] = (stage.info.sha256, module)
+        return module
 
     async def _drain(self, now: asyncio.Event) -> None:
         _event("draining", in_flight=self.server.in_flight, deadline_s=self.config.drain_s)

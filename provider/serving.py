@@ -24,6 +24,8 @@ import numpy as np
 from ir.errors import ExecutorError
 from ir.executors.base import Executor
 from ir.manifest import StageInfo
+from ir.pipeline import zero_adapters
+from ir.training import TrainingError, check_adapters
 from p2p import ErrorCode, Refused, Tensor
 from proto.forward import Forward, ForwardResult
 from proto.session import (
@@ -53,6 +55,11 @@ class LoadedStage:
     def cache_inputs(self) -> list[str]:
         return [i.name for i in self.info.inputs if i.name.startswith("past_")]
 
+    def with_adapters(self, feeds: dict[str, Array], adapters: dict[str, Array]) -> None:
+        """Feed `adapters`, or zero adapters (the base model) where the caller sent none."""
+        if self.info.adapters and not any(a.b_input in feeds for a in self.info.adapters):
+            feeds.update(adapters or zero_adapters(self.info))
+
 
 @dataclass
 class _Session:
@@ -60,6 +67,7 @@ class _Session:
     stage: str
     batch: int
     cache: dict[str, Array]
+    adapters: dict[str, Array] = field(default_factory=dict)
     past_len: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -257,6 +265,7 @@ class Server:
         with self._admit(peer, request.training) as number:
             self._apply_fault(number, request.stage)
             feeds = _arrays(request.inputs)
+            stage.with_adapters(feeds, {})
             start = time.perf_counter()
             outputs = _run(stage.executor, feeds)
             ms = (time.perf_counter() - start) * 1e3
@@ -285,6 +294,12 @@ class Server:
             raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
         if not 1 <= request.batch <= 1024:
             raise Refused(ErrorCode.REFUSED, f"batch must be 1 to 1024, got {request.batch}")
+        adapters = _arrays(request.adapters)
+        if adapters:
+            try:
+                check_adapters(stage.info, adapters)
+            except TrainingError as exc:
+                raise Refused(ErrorCode.REFUSED, f"adapter refused: {exc}") from None
         cache = {}
         for info in stage.info.inputs:
             if info.name.startswith("past_"):
@@ -309,7 +324,7 @@ class Server:
                 )
             if key in self.sessions:
                 raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
-            self.sessions[key] = _Session(peer, request.stage, request.batch, cache)
+            self.sessions[key] = _Session(peer, request.stage, request.batch, cache, adapters)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
@@ -329,6 +344,7 @@ class Server:
             session.last_used = time.monotonic()  # in use: not idle, whatever the step takes
             self._apply_fault(number, session.stage)
             feeds = {**_arrays(request.inputs), **session.cache}
+            stage.with_adapters(feeds, session.adapters)
             outputs = _run(stage.executor, feeds)
             new_cache = {
                 name.replace("present_", "past_", 1): value

@@ -44,6 +44,33 @@ def llama_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def finetune_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small random Llama split into three provider stages, with LoRA adapter slots on
+    the attention projections (q, k, v, o) of every block: what fine-tune tests train."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ir.export import build_package
+    from ir.families import AdapterConfig
+    from tests.tiny_models import tiny_llama, tiny_tokenizer
+
+    model = tiny_llama()
+    out = tmp_path_factory.mktemp("llama-ft")
+    tokenizer = tmp_path_factory.mktemp("llama-ft-tokenizer") / "tokenizer.json"
+    tiny_tokenizer(tokenizer, model.config.vocab_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_package(
+            model,
+            3,
+            out,
+            name="tiny-llama-ft",
+            tokenizer_file=tokenizer,
+            adapters=AdapterConfig(targets=("q", "k", "v", "o"), rank=4),
+        )
+    return out
+
+
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     procs: list[Proc] = []

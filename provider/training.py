@@ -1,0 +1,461 @@
+"""Fine-tuning on a provider: stage trainers, erasure-coded snapshots and the shards it holds.
+
+The broker opens a training run on a stage this provider serves; the provider builds a torch
+module of the same validated ONNX file it serves (torch must be installed) and trains its own
+adapters with it (`ir.training.StageTrainer`). Training requests go through the same
+admission as inference, as training work: they use at most half the queue.
+
+Snapshots: at the broker's request the provider keeps a copy of its state after an update,
+encodes it (safetensors bytes) into n shards with a k-of-n erasure code (zfec), and pushes
+one shard to each of n other providers, which keep them in RAM (`ShardStore`). A replacement
+provider rebuilds a lost stage's state from any k shards, each checked against the SHA-256 the
+broker recorded, and the whole against its SHA-256. Nothing touches the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ir.errors import IRError
+from ir.training import StageTrainer, TrainingError, load_state, save_state
+from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, Tensor
+from proto.snapshot import (
+    SHARD,
+    Holder,
+    ShardData,
+    ShardDrop,
+    ShardGet,
+    ShardPut,
+    ShardStored,
+    SnapshotRestore,
+    SnapshotTake,
+    SnapshotTaken,
+)
+from proto.train import (
+    TrainBackward,
+    TrainClose,
+    TrainClosed,
+    TrainExport,
+    TrainForward,
+    TrainOpen,
+    TrainOutput,
+    TrainReady,
+    TrainState,
+    TrainUpdate,
+    TrainUpdated,
+)
+from provider.serving import LoadedStage, Server
+
+log = logging.getLogger(__name__)
+Array = np.ndarray[Any, Any]
+MAX_RUNS = 16  # training runs open at once on one provider
+KEEP_STEPS = 2  # snapshots of one stage a holder keeps (the newest)
+SHARD_TIMEOUT_S = 30.0
+
+
+class ShardError(Exception):
+    """Shards could not be encoded, stored or decoded; the message says why."""
+
+
+def encode(data: bytes, k: int, n: int) -> list[bytes]:
+    """n shards of `data`, any k of which rebuild it (zfec, a systematic Reed-Solomon code)."""
+    if not 1 <= k <= n <= 256:
+        raise ShardError(f"need 1 <= k <= n <= 256, got k={k} n={n}")
+    import zfec.easyfec
+
+    return [bytes(b) for b in zfec.easyfec.Encoder(k, n).encode(data)]
+
+
+def decode(shards: dict[int, bytes], k: int, n: int, size: int) -> bytes:
+    """The data back from at least k shards (index -> bytes)."""
+    if len(shards) < k:
+        raise ShardError(f"{len(shards)} of the {k} shards needed")
+    import zfec.easyfec
+
+    chosen = sorted(shards)[:k]
+    blocks = [shards[i] for i in chosen]
+    if len({len(b) for b in blocks}) != 1:
+        raise ShardError("shards of different sizes")
+    padlen = len(blocks[0]) * k - size
+    if padlen < 0:
+        raise ShardError("shards too small for the state's size")
+    return bytes(zfec.easyfec.Decoder(k, n).decode(blocks, chosen, padlen))
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class _Shard:
+    data: bytes
+    k: int
+    n: int
+    size: int
+    at: float = field(default_factory=time.monotonic)
+
+
+class ShardStore:
+    """Shards of other providers' training state, in RAM, bounded in bytes. For each (job,
+    stage) only the newest `KEEP_STEPS` snapshots stay."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.shards: dict[tuple[str, str, int, int], _Shard] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(len(s.data) for s in self.shards.values())
+
+    def put(self, msg: ShardPut) -> int:
+        if not 1 <= msg.k <= msg.n <= 256 or not 0 <= msg.index < msg.n or msg.step < 0:
+            raise Refused(ErrorCode.REFUSED, "bad shard: need 0 <= index < n, 1 <= k <= n <= 256")
+        if not 0 < msg.size <= len(msg.data) * msg.k:
+            raise Refused(ErrorCode.REFUSED, "bad shard: size does not fit k shards")
+        with self.lock:
+            key = (msg.job, msg.stage, msg.step, msg.index)
+            steps = sorted(
+                {s for (j, st, s, _) in self.shards if j == msg.job and st == msg.stage}
+                | {msg.step}
+            )
+            for old in steps[:-KEEP_STEPS]:
+                for k in [k for k in self.shards if k[:3] == (msg.job, msg.stage, old)]:
+                    del self.shards[k]
+            if key not in self.shards and self.bytes_held + len(msg.data) > self.budget:
+                raise Refused(
+                    ErrorCode.BUSY,
+                    f"shard memory full ({self.bytes_held} of {self.budget} bytes)",
+                )
+            self.shards[key] = _Shard(msg.data, msg.k, msg.n, msg.size)
+            return self.bytes_held
+
+    def get(self, job: str, stage: str, step: int, index: int) -> bytes | None:
+        with self.lock:
+            shard = self.shards.get((job, stage, step, index))
+            return shard.data if shard is not None else None
+
+    def drop(self, job: str) -> int:
+        with self.lock:
+            for k in [k for k in self.shards if k[0] == job]:
+                del self.shards[k]
+            return self.bytes_held
+
+
+@dataclass
+class _Run:
+    open: TrainOpen
+    trainer: StageTrainer
+    kept: dict[int, bytes] = field(default_factory=dict)  # step -> state bytes to snapshot
+
+
+class Training:
+    """Training runs on this provider's stages, and the shards it holds for others."""
+
+    def __init__(
+        self,
+        server: Server,
+        broker_id: str,
+        module_of: Callable[[LoadedStage], Any],
+        *,
+        shard_budget_bytes: int = 512 * 1024 * 1024,
+    ) -> None:
+        self.server = server
+        self.broker_id = broker_id
+        self.module_of = module_of
+        self.store = ShardStore(shard_budget_bytes)
+        self.runs: dict[tuple[str, str], _Run] = {}
+        self.host: Host | None = None
+        self._lock = threading.Lock()
+
+    # ---- training (compute handler: worker threads) ----------------------------------------
+
+    def _broker_only(self, peer: str) -> None:
+        if peer != self.broker_id:
+            raise Refused(ErrorCode.REFUSED, "only this provider's broker may run training here")
+
+    def _run(self, job: str, stage: str) -> _Run:
+        run = self.runs.get((job, stage))
+        if run is None:
+            raise Refused(
+                ErrorCode.NOT_FOUND, f"no training run of job {job} on stage {stage} here"
+            )
+        return run
+
+    def train(
+        self,
+        peer: str,
+        request: TrainOpen | TrainForward | TrainBackward | TrainUpdate | TrainExport | TrainClose,
+    ) -> TrainReady | TrainOutput | TrainUpdated | TrainState | TrainClosed:
+        self._broker_only(peer)
+        try:
+            if isinstance(request, TrainOpen):
+                run = self.open(request, None)
+                return TrainReady(
+                    job=request.job,
+                    step=run.trainer.step,
+                    trainable_parameters=run.trainer.trainable_parameters,
+                )
+            if isinstance(request, TrainClose):
+                with self._lock:
+                    for key in [k for k in self.runs if k[0] == request.job]:
+                        del self.runs[key]
+                self.store.drop(request.job)
+                return TrainClosed(job=request.job)
+            run = self._run(request.job, request.stage)
+            if isinstance(request, TrainForward):
+                return self._forward(peer, run, request)
+            if isinstance(request, TrainBackward):
+                return self._backward(peer, run, request)
+            if isinstance(request, TrainUpdate):
+                norm = run.trainer.update(request.step)
+                if request.keep:
+                    data = save_state(run.trainer.state())
+                    run.kept = {request.step: data}  # only the newest is wanted
+                return TrainUpdated(step=request.step, grad_norm=norm)
+            return TrainState(
+                step=run.trainer.step,
+                adapters={k: Tensor.from_numpy(v) for k, v in run.trainer.adapters().items()},
+            )
+        except TrainingError as exc:
+            raise Refused(ErrorCode.REFUSED, str(exc)) from None
+
+    def open(self, request: TrainOpen, state: dict[str, Array] | None) -> _Run:
+        stage = self.server.stages.get(request.stage)
+        if stage is None:
+            raise Refused(ErrorCode.NOT_FOUND, f"stage {request.stage!r} is not loaded here")
+        if not 1 <= request.microbatches <= 4096:
+            raise Refused(ErrorCode.REFUSED, "microbatches must be 1 to 4096")
+        if not (0 < request.lr < 10 and 0 <= request.weight_decay < 1):
+            raise Refused(ErrorCode.REFUSED, "lr must be in (0, 10), weight_decay in [0, 1)")
+        try:
+            adapters = {k: t.to_numpy() for k, t in request.adapters.items()}
+        except ValueError as exc:
+            raise Refused(ErrorCode.REFUSED, f"bad adapter tensor: {exc}") from None
+        if state is not None:
+            adapters = {k: state[k] for k in adapters if k in state}
+        with self._lock:
+            if (request.job, request.stage) not in self.runs and len(self.runs) >= MAX_RUNS:
+                raise Refused(ErrorCode.BUSY, f"{MAX_RUNS} training runs are open here already")
+        try:
+            module = self.module_of(stage)
+        except (ImportError, IRError) as exc:
+            raise Refused(ErrorCode.REFUSED, f"this provider cannot train: {exc}") from None
+        trainer = StageTrainer(
+            module,
+            stage.info,
+            adapters,
+            method=request.method,
+            lr=request.lr,
+            weight_decay=request.weight_decay,
+            microbatches=request.microbatches,
+        )
+        if state is not None:
+            trainer.load_state(state)
+        run = _Run(request, trainer)
+        with self._lock:
+            self.runs[(request.job, request.stage)] = run
+        return run
+
+    def _forward(self, peer: str, run: _Run, request: TrainForward) -> TrainOutput:
+        with self.server._admit(peer, training=True) as number:
+            self.server._apply_fault(number, request.stage)
+            inputs = _arrays(request.inputs)
+            start = time.perf_counter()
+            out = run.trainer.forward(request.step, request.microbatch, inputs)
+            ms = (time.perf_counter() - start) * 1e3
+        return TrainOutput(output=Tensor.from_numpy(out), compute_ms=ms)
+
+    def _backward(self, peer: str, run: _Run, request: TrainBackward) -> TrainOutput:
+        with self.server._admit(peer, training=True) as number:
+            self.server._apply_fault(number, request.stage)
+            grad = _arrays({"grad": request.grad})["grad"]
+            start = time.perf_counter()
+            out = run.trainer.backward(request.step, request.microbatch, grad, request.input_grad)
+            ms = (time.perf_counter() - start) * 1e3
+        return TrainOutput(output=None if out is None else Tensor.from_numpy(out), compute_ms=ms)
+
+    # ---- shards (compute handler) ----------------------------------------------------------
+
+    def shard(self, peer: str, request: ShardPut | ShardGet | ShardDrop) -> ShardStored | ShardData:
+        if isinstance(request, ShardPut):
+            return ShardStored(bytes_held=self.store.put(request))
+        if isinstance(request, ShardDrop):
+            self._broker_only(peer)
+            return ShardStored(bytes_held=self.store.drop(request.job))
+        data = self.store.get(request.job, request.stage, request.step, request.index)
+        if data is None:
+            raise Refused(
+                ErrorCode.NOT_FOUND,
+                f"no shard {request.index} of {request.stage} at step {request.step} here",
+            )
+        return ShardData(data=data)
+
+    # ---- snapshots (control handler: the event loop) ---------------------------------------
+
+    async def snapshot(
+        self, peer: str, request: SnapshotTake | SnapshotRestore
+    ) -> SnapshotTaken | TrainReady:
+        self._broker_only(peer)
+        if isinstance(request, SnapshotTake):
+            return await self._take(request)
+        return await self._restore(request)
+
+    async def _dial(self, holder: Holder) -> None:
+        assert self.host is not None
+        if holder.peer in self.host.connected_peers():
+            return
+        errors = []
+        for addr in holder.addrs:
+            full = addr if "/p2p/" in addr else f"{addr}/p2p/{holder.peer}"
+            try:
+                await asyncio.wait_for(self.host.connect(full), 10.0)
+                return
+            except (P2PError, OSError, TimeoutError) as exc:
+                errors.append(f"{addr}: {exc}")
+        raise ShardError(f"cannot reach {holder.peer[:12]}: {'; '.join(errors) or 'no address'}")
+
+    async def _take(self, request: SnapshotTake) -> SnapshotTaken:
+        run = self._run(request.job, request.stage)
+        data = run.kept.get(request.step)
+        if data is None:
+            raise Refused(ErrorCode.NOT_FOUND, f"no state kept at step {request.step}")
+        n = len(request.holders)
+        start = time.perf_counter()
+        try:
+            shards = await asyncio.to_thread(encode, data, request.k, n)
+        except ShardError as exc:
+            raise Refused(ErrorCode.REFUSED, str(exc)) from None
+        encoded = time.perf_counter()
+
+        async def push(i: int, holder: Holder) -> None:
+            msg = ShardPut(
+                job=request.job,
+                stage=request.stage,
+                step=request.step,
+                index=i,
+                k=request.k,
+                n=n,
+                size=len(data),
+                data=shards[i],
+            )
+            if self.host is not None and holder.peer == self.host.peer_id:
+                self.store.put(msg)
+                return
+            await self._dial(holder)
+            assert self.host is not None
+            await self.host.request(holder.peer, SHARD, msg, timeout=SHARD_TIMEOUT_S)
+
+        results = await asyncio.gather(
+            *(push(i, h) for i, h in enumerate(request.holders)), return_exceptions=True
+        )
+        failed = [
+            f"{h.peer[:12]}: {r}"
+            for h, r in zip(request.holders, results, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if failed:
+            raise Refused(ErrorCode.REFUSED, f"shards not stored: {'; '.join(failed)}")
+        return SnapshotTaken(
+            step=request.step,
+            sha256=sha256(data),
+            size=len(data),
+            shards=[sha256(s) for s in shards],
+            encode_ms=(encoded - start) * 1e3,
+            push_ms=(time.perf_counter() - encoded) * 1e3,
+        )
+
+    async def _restore(self, request: SnapshotRestore) -> TrainReady:
+        o = request.open
+        run = self.runs.get((o.job, o.stage))
+        data = run.kept.get(request.step) if run is not None else None
+        if data is None or sha256(data) != request.sha256:
+            data = await self._gather(request)
+        try:
+            state = load_state(data)
+        except TrainingError as exc:
+            raise Refused(ErrorCode.REFUSED, f"the rebuilt state is unusable: {exc}") from None
+        try:
+            run = await asyncio.to_thread(self.open, o, state)
+        except TrainingError as exc:
+            raise Refused(ErrorCode.REFUSED, f"the rebuilt state does not fit: {exc}") from None
+        run.kept = {request.step: data}
+        return TrainReady(
+            job=o.job, step=run.trainer.step, trainable_parameters=run.trainer.trainable_parameters
+        )
+
+    async def _gather(self, request: SnapshotRestore) -> bytes:
+        """Pull shards until k check out, then decode and check the whole."""
+        o, n = request.open, len(request.holders)
+        if len(request.shards) != n or not 1 <= request.k <= n:
+            raise Refused(ErrorCode.REFUSED, "a restore names one shard hash per holder, k <= n")
+        got: dict[int, bytes] = {}
+        problems: list[str] = []
+
+        async def fetch(i: int, holder: Holder) -> None:
+            data = None
+            if self.host is not None and holder.peer == self.host.peer_id:
+                data = self.store.get(o.job, o.stage, request.step, i)
+                if data is None:
+                    problems.append(f"shard {i}: not here")
+                    return
+            else:
+                try:
+                    await self._dial(holder)
+                    assert self.host is not None
+                    reply = await self.host.request(
+                        holder.peer,
+                        SHARD,
+                        ShardGet(job=o.job, stage=o.stage, step=request.step, index=i),
+                        timeout=SHARD_TIMEOUT_S,
+                    )
+                    data = reply.data
+                except (ShardError, RemoteError, P2PError) as exc:
+                    problems.append(f"shard {i} on {holder.peer[:12]}: {exc}")
+                    return
+            if sha256(data) != request.shards[i]:
+                problems.append(f"shard {i} on {holder.peer[:12]}: wrong SHA-256")
+                return
+            got[i] = data
+
+        await asyncio.gather(*(fetch(i, h) for i, h in enumerate(request.holders)))
+        if len(got) < request.k:
+            raise Refused(
+                ErrorCode.NOT_FOUND,
+                f"cannot rebuild {o.stage} at step {request.step}: {len(got)} of the "
+                f"{request.k} shards needed are reachable ({'; '.join(problems)})",
+            )
+        try:
+            data = await asyncio.to_thread(decode, got, request.k, n, request.size)
+        except ShardError as exc:
+            raise Refused(ErrorCode.REFUSED, f"cannot decode the shards: {exc}") from None
+        if sha256(data) != request.sha256:
+            raise Refused(ErrorCode.REFUSED, "the rebuilt state does not match its SHA-256")
+        return data
+
+
+def _arrays(tensors: dict[str, Tensor]) -> dict[str, Array]:
+    try:
+        return {k: t.to_numpy() for k, t in tensors.items()}
+    except ValueError as exc:
+        raise Refused(ErrorCode.REFUSED, f"bad tensor: {exc}") from None
+
+
+def torch_threads() -> None:
+    """Training on a shared machine: as many torch threads as FUSIONAI_THREADS, if set."""
+    threads = os.environ.get("FUSIONAI_THREADS")
+    if threads and threads.isdigit():
+        import torch
+
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
