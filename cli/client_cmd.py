@@ -1,4 +1,4 @@
-"""`fusionai embed`, `fusionai generate`, `fusionai swarm`: the SDK from the shell."""
+"""`fusionai embed`, `generate`, `finetune`, `swarm`: the SDK from the shell."""
 
 from __future__ import annotations
 
@@ -35,9 +35,39 @@ def add_parsers(sub: Any) -> None:
     gen.add_argument("--stop", action="append", default=[], help="stop before this text")
     gen.add_argument("--model", help="the model (default: the broker's only decoder)")
     gen.add_argument("--timeout", type=float, default=30.0, help="per-step deadline, seconds")
+    gen.add_argument("--adapter", help="a fine-tune job's id, or an adapter .safetensors file")
     _client_options(gen)
     gen.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     gen.set_defaults(func=generate_cmd)
+
+    ft = sub.add_parser(
+        "finetune", help="fine-tune a decoder through the swarm", description=finetune_cmd.__doc__
+    )
+    ft.add_argument("--model", required=True, help="a decoder exported with adapter slots")
+    ft.add_argument(
+        "--data",
+        help='training texts: a .jsonl file of {"text": ...} lines, or one example per line '
+        "(default: the sample shipped with fusionai)",
+    )
+    ft.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    ft.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    ft.add_argument("--microbatches", type=int, default=2, help="per step (default 2)")
+    ft.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    ft.add_argument("--method", choices=["lora-fa", "lora"], default="lora-fa")
+    ft.add_argument("--rank", type=int, default=4, help="adapter rank (default 4)")
+    ft.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 0.01)")
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument(
+        "--snapshot-every", type=int, default=5, help="steps between snapshots (0: none)"
+    )
+    ft.add_argument(
+        "--shards", default="2/3", help="K/N: N shards in other providers' RAM, any K rebuild"
+    )
+    ft.add_argument("--out", type=Path, help="also copy the trained adapter here")
+    ft.add_argument("--timeout", type=float, help="give up waiting after this many seconds")
+    _client_options(ft)
+    ft.add_argument("--json", action="store_true", help="print the result as JSON at the end")
+    ft.set_defaults(func=finetune_cmd)
 
     swarm = sub.add_parser("swarm", help="the broker's providers, pools and model routes")
     _client_options(swarm)
@@ -114,6 +144,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 stop=args.stop,
                 on_failover=failed,
+                adapter=args.adapter,
             )
             start = time.perf_counter()
             async for piece in stream:
@@ -142,6 +173,74 @@ def generate_cmd(args: argparse.Namespace) -> int:
     else:
         rate = len(result.tokens) / seconds if seconds > 0 else 0.0
         print(f"[{len(result.tokens)} tokens, {rate:.1f}/s]", file=sys.stderr)
+    return 0
+
+
+def finetune_cmd(args: argparse.Namespace) -> int:
+    """Fine-tune a decoder through the swarm with LoRA-FA (or LoRA): each provider trains its
+    own stage's adapters; their state is snapshotted, erasure-coded, into other providers' RAM,
+    so the job survives a provider quitting. Prints each step's loss and speed, then where the
+    trained adapter (safetensors) is; `fusionai generate --adapter JOB` applies it."""
+    import shutil
+
+    from client import FinetuneStep, FusionAIError
+    from client.api import SAMPLE_DATA
+
+    k, _, n = args.shards.partition("/")
+    if not (k.isdigit() and n.isdigit()):
+        return _fail(ValueError(f"--shards takes K/N, e.g. 2/3; got {args.shards!r}"))
+    start = time.perf_counter()
+
+    def progress(step: FinetuneStep) -> None:
+        if not args.json:
+            print(
+                f"step {step.step}/{step.steps}  loss {step.loss:.4f}  "
+                f"{step.tokens_s:,.0f} tokens/s  [{time.perf_counter() - start:.1f} s]",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    async def main() -> Any:
+        async with _client(args) as fa:
+            return await fa.finetune(
+                args.model,
+                args.data or SAMPLE_DATA,
+                steps=args.steps,
+                batch=args.batch,
+                microbatches=args.microbatches,
+                seq_len=args.seq_len,
+                method=args.method,
+                rank=args.rank,
+                lr=args.lr,
+                seed=args.seed,
+                snapshot_every=args.snapshot_every,
+                shards=[int(k), int(n)],
+                progress=progress,
+                timeout=args.timeout,
+            )
+
+    try:
+        result = asyncio.run(main())
+        if args.out is not None:
+            shutil.copyfile(result.adapter, args.out)
+    except (FusionAIError, ValueError, OSError) as exc:
+        return _fail(exc)
+    adapter = args.out or result.adapter
+    if args.json:
+        out = {
+            "job": result.job,
+            "model": result.model,
+            "losses": result.losses,
+            "adapter": str(adapter),
+            "sha256": result.sha256,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        print(json.dumps(out))
+    else:
+        first, last = result.losses[0], result.losses[-1]
+        print(f"job {result.job}: loss {first:.4f} -> {last:.4f} in {len(result.losses)} steps")
+        print(f"adapter: {adapter} (sha256 {result.sha256[:16]}...)")
+        print(f"use it:  fusionai generate --model {result.model} --adapter {result.job} PROMPT")
     return 0
 
 

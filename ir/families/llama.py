@@ -105,7 +105,11 @@ class Blocks(nn.Module):
             hidden = hidden + self.lora.apply(sa.o_proj, ctx, layer, "o", adapters)
             mlp = block.mlp
             h = block.post_attention_layernorm(hidden)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            gate = self.lora.apply(mlp.gate_proj, h, layer, "gate", adapters)
+            up = self.lora.apply(mlp.up_proj, h, layer, "up", adapters)
+            hidden = hidden + self.lora.apply(
+                mlp.down_proj, mlp.act_fn(gate) * up, layer, "down", adapters
+            )
         return (hidden, *presents)
 
 
@@ -138,6 +142,9 @@ def plan(model: Any, n_stages: int, adapters: AdapterConfig | None) -> list[Stag
             "k": (c.hidden_size, kv_out),
             "v": (c.hidden_size, kv_out),
             "o": (q_out, c.hidden_size),
+            "gate": (c.hidden_size, c.intermediate_size),
+            "up": (c.hidden_size, c.intermediate_size),
+            "down": (c.intermediate_size, c.hidden_size),
         },
         blocks=Blocks,
         extra_inputs=[("position_ids", torch.arange(3, 7).unsqueeze(0), seq)],

@@ -4,6 +4,7 @@ snapshots, fails clearly when too few shards are left, and its adapter changes g
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from tests.procs import Proc, wait_until
 from tests.test_broker.conftest import BrokerProc, add_model, api, wait_ready
+from tests.test_client.test_sdk import run_cli
 
 pytestmark = pytest.mark.timeout(300)
 Spawner = Callable[..., Any]
@@ -59,7 +61,7 @@ def events(http: str, job: str) -> list[dict[str, Any]]:
 def test_lora_fa_through_three_stages_matches_one_process_and_changes_generation(
     broker: Spawner, provider: Spawner, finetune_package: Path, tmp_path: Path
 ) -> None:
-    from client import Client
+    from client import BadRequestError, Client
     from client.api import SAMPLE_DATA
     from ir.training import load_state, read_metadata
 
@@ -104,8 +106,30 @@ def test_lora_fa_through_three_stages_matches_one_process_and_changes_generation
         assert again.tokens == before.tokens
         assert after.tokens == local_greedy_with(finetune_package, want_adapters, prompt, 12)
 
+        with pytest.raises(BadRequestError) as bad:
+            fa.submit({"kind": "finetune", "model": MODEL, "texts": ["a b"], "batch": 3})
+        assert bad.value.field == "microbatches"  # 2 microbatches cannot split 3 sequences
+        with pytest.raises(BadRequestError, match="one sequence of seq_len 16 needs 17"):
+            fa.submit({"kind": "finetune", "model": MODEL, "texts": ["a b"], "seq_len": 16})
+
     kinds = [e["kind"] for e in events(b.http, result.job)]
     assert "snapshot" in kinds and "adapter_saved" in kinds
+
+    out = tmp_path / "adapter.safetensors"
+    cli = json.loads(
+        run_cli(
+            "finetune", "--model", MODEL, "--steps", "2", "--batch", "4", "--seq-len", "16",
+            "--snapshot-every", "0", "--out", str(out), "--json", "--broker", b.http,
+            env={"FUSIONAI_CACHE_DIR": str(tmp_path / "cli-cache")},
+        )
+    )  # fmt: skip
+    assert len(cli["losses"]) == 2 and out.is_file() and cli["adapter"] == str(out)
+    text = run_cli(
+        "generate", "The broker places each stage", "-n", "4", "--model", MODEL,
+        "--adapter", str(out), "--broker", b.http, "--json",
+        env={"FUSIONAI_CACHE_DIR": str(tmp_path / "cli-cache")},
+    )  # fmt: skip
+    assert len(json.loads(text)["tokens"]) == 4
 
 
 def local_greedy_with(package: Path, adapters: dict[str, Any], prompt: str, n: int) -> list[int]:
