@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/broker.py
 	$(PY) benchmarks/http_api.py
 	$(PY) benchmarks/e2e.py
+	$(PY) benchmarks/finetune.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

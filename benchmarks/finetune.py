@@ -109,30 +109,18 @@ def _request(steps: int, **extra: Any) -> Any:
 
 def act_mem(package: Path) -> dict[str, int]:
     """Bytes saved for backward by the middle stage's forward, per method."""
-    import torch
+    import numpy as np
 
     from broker.finetune import LocalFinetune
+    from ir.training import saved_bytes
 
     out = {}
     for method in ("lora", "lora-fa"):
         local = LocalFinetune(package, _request(1, method=method))
-        trainer = local.trainers[1]
         ids, _ = local.data.microbatch(1, 0)
-        hidden = local.client.embed(ids)
-        weights = {t.untyped_storage().data_ptr() for t in trainer.module.buffers()}
-        weights |= {p.untyped_storage().data_ptr() for p in trainer.params.values()}
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in weights:
-                seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-            return t
-
-        positions = torch.arange(ids.shape[1]).expand(ids.shape).numpy().copy()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            trainer.forward(1, 0, {"hidden_states": hidden, "position_ids": positions})
-        out[method] = sum(seen.values())
+        positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
+        inputs = {"hidden_states": local.client.embed(ids), "position_ids": positions}
+        out[method] = saved_bytes(local.trainers[1], 1, 0, inputs)
     return out
 
 

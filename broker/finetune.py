@@ -196,9 +196,34 @@ def trainable_stages(manifest: ModelManifest) -> list[StageInfo]:
         raise FinetuneError(
             "model",
             f"stages {bare} of {manifest.name} have no adapter slots; export the model with "
-            f"adapters (fusionai ir export --adapters q,v)",
+            f"adapters (fusionai ir split MODEL --adapters q,v)",
         )
     return stages
+
+
+MAX_MICROBATCH_TOKENS = 65_536  # sequences x tokens of one microbatch
+MAX_LOGIT_BYTES = 1 << 30  # the head's float32 logits of one microbatch, on the broker
+
+
+def check_size(manifest: ModelManifest, request: FinetuneRequest) -> None:
+    """A microbatch must fit a wire message and the broker's head; `FinetuneError` if not."""
+    from proto.forward import MAX_ACTIVATION_BYTES
+
+    tokens = request.microbatch * request.seq_len
+    hidden = int(manifest.config.get("hidden_size", 0) or 0)
+    vocab = int(manifest.config.get("vocab_size", 0) or 0)
+    if tokens > MAX_MICROBATCH_TOKENS:
+        raise FinetuneError(
+            "microbatches",
+            f"a microbatch of {request.microbatch} x {request.seq_len} = {tokens} tokens; at most "
+            f"{MAX_MICROBATCH_TOKENS}: use more microbatches or a shorter seq_len",
+        )
+    if tokens * hidden * 4 > MAX_ACTIVATION_BYTES or tokens * vocab * 4 > MAX_LOGIT_BYTES:
+        raise FinetuneError(
+            "microbatches",
+            f"a microbatch of {tokens} tokens is too large for this model's activations or "
+            f"logits: use more microbatches or a shorter seq_len",
+        )
 
 
 def finetune_graph(spec: Any, stages: list[StageInfo], request: FinetuneRequest) -> nx.DiGraph:
@@ -442,12 +467,15 @@ class SwarmFinetune:
         self.route: list[str] = []
         self.snapshotting: asyncio.Task[None] | None = None
         self.recoveries = 0
+        self.committed = 0  # the newest snapshot every stage completed
+        self.touched: set[str] = set()  # every provider this job used: closed at the end
 
     # ---- requests to providers -------------------------------------------------------------
 
     async def _call(self, pos: int, spec: ProtocolSpec, msg: Message, timeout: float) -> Any:
         """A request to the provider training stage `pos`; `StageFailed` if it cannot serve."""
         peer = self.route[pos]
+        self.touched.add(peer)
         deadline = time.monotonic() + self.config.request_timeout_s
         while True:
             lost = self.serving.registry.lost_event(peer)
@@ -507,13 +535,20 @@ class SwarmFinetune:
     async def update(self, pos: int, step: int) -> float:
         every = self.request.snapshot_every
         msg = TrainUpdate(
-            job=self.job.id, stage=self.keys[pos], step=step, keep=bool(every and step % every == 0)
+            job=self.job.id,
+            stage=self.keys[pos],
+            step=step,
+            keep=bool(every and step % every == 0),
+            committed=self.committed,
         )
         out: TrainUpdated = await self._call(pos, TRAIN, msg, self.config.request_timeout_s)
         return out.grad_norm
 
-    def _open(self, pos: int) -> TrainOpen:
+    def _open(self, pos: int, adapters: bool = True) -> TrainOpen:
+        """The run's settings for stage `pos`, with its initial adapters (or none: a restore
+        takes them from the snapshot)."""
         r, info = self.request, self.stages[pos]
+        init = init_adapters(info, r.rank, r.seed) if adapters else {}
         return TrainOpen(
             job=self.job.id,
             stage=self.keys[pos],
@@ -521,9 +556,7 @@ class SwarmFinetune:
             lr=r.lr,
             weight_decay=r.weight_decay,
             microbatches=r.microbatches,
-            adapters={
-                k: Tensor.from_numpy(v) for k, v in init_adapters(info, r.rank, r.seed).items()
-            },
+            adapters={k: Tensor.from_numpy(v) for k, v in init.items()},
         )
 
     async def _each(self, call: Callable[[int], Awaitable[Any]]) -> list[Any]:
@@ -554,6 +587,7 @@ class SwarmFinetune:
         if snap is not None:
             return await self._restore(snap)
         await self._each(lambda p: self._call(p, TRAIN, self._open(p), 60.0))
+        self.store.delete_results_from(self.job.id, 0)  # a restart without a snapshot: anew
         return 0
 
     async def _restore(self, snap: tuple[int, dict[int, dict[str, Any]]]) -> int:
@@ -562,7 +596,7 @@ class SwarmFinetune:
         async def one(pos: int) -> None:
             rec = records[pos]
             msg = SnapshotRestore(
-                open=self._open(pos),
+                open=self._open(pos, adapters=False),
                 step=step,
                 k=rec["k"],
                 sha256=rec["sha256"],
@@ -579,6 +613,7 @@ class SwarmFinetune:
 
         await self._each(one)
         self.store.delete_results_from(self.job.id, step)
+        self.committed = step
         return step
 
     async def _recover(self, failed: StageFailed) -> int:
@@ -658,11 +693,26 @@ class SwarmFinetune:
                 reason=f"stages {short} have fewer than k={k} other providers to hold shards",
             )
             return
+        if any(len(h) < n for h in holders):
+            self.events.emit(
+                "snapshot_reduced",
+                job=self.job.id,
+                step=step,
+                reason=f"fewer than n={n} other providers: {min(map(len, holders))} shards of "
+                f"which any {k} rebuild (survives {min(map(len, holders)) - k} losses)",
+            )
+        for hs in holders:
+            self.touched.update(h.peer for h in hs)
         start = time.monotonic()
 
         async def take(pos: int) -> SnapshotTaken:
             msg = SnapshotTake(
-                job=self.job.id, stage=self.keys[pos], step=step, k=k, holders=holders[pos]
+                job=self.job.id,
+                stage=self.keys[pos],
+                step=step,
+                k=k,
+                holders=holders[pos],
+                committed=self.committed,
             )
             answer: SnapshotTaken = await self._call(pos, SNAPSHOT, msg, 120.0)
             return answer
@@ -684,6 +734,7 @@ class SwarmFinetune:
             for pos, t in enumerate(taken)
         }
         self.store.put_snapshot(self.job.id, step, records)
+        self.committed = step
         self.events.emit(
             "snapshot",
             job=self.job.id,
@@ -807,9 +858,7 @@ class SwarmFinetune:
             self.snapshotting.cancel()
             await asyncio.gather(self.snapshotting, return_exceptions=True)
             self.snapshotting = None
-        peers = set(self.route)
-        for snap_peer in self.store.snapshot_holders(self.job.id):
-            peers.add(snap_peer)
+        peers = self.touched | set(self.route) | self.store.snapshot_holders(self.job.id)
 
         async def close(peer: str) -> None:
             if not self.serving.registry.alive(peer):

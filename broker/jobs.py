@@ -210,6 +210,7 @@ class JobRunner:
             if model is None:
                 raise NotFound(f"no model named {request.model!r}; add it first")
             stages = ft.trainable_stages(model.manifest)
+            ft.check_size(model.manifest, request)
             if importlib.util.find_spec("torch") is None:
                 raise ft.FinetuneError(
                     "kind",

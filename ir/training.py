@@ -278,6 +278,26 @@ class StageTrainer:
             self.pending.clear()
 
 
+def saved_bytes(trainer: StageTrainer, step: int, mb: int, inputs: Mapping[str, Array]) -> int:
+    """Bytes a forward keeps for backward (counted with saved_tensors_hooks): activations only
+    (the stage's weights and adapters are left out), each storage counted once."""
+    import torch
+
+    weights = {t.untyped_storage().data_ptr() for t in trainer.module.buffers()}
+    weights |= {p.untyped_storage().data_ptr() for p in trainer.params.values()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.forward(step, mb, inputs)
+    return sum(seen.values())
+
+
 class HeadLoss:
     """The client-side head (final norm + LM head, frozen) and next-token cross-entropy: the
     loss of a microbatch and its gradient with respect to the hidden states."""

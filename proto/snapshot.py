@@ -5,8 +5,9 @@ it kept at a step (safetensors bytes) into n shards, any k of which rebuild it, 
 shard to each holder; `SnapshotRestore` makes a provider rebuild a stage's state from k shards
 (pulled from their holders, or its own copy) and go on training from it.
 
-`/fusionai/shard/1` (provider -> provider): holders keep shards in RAM (`ShardPut`), hand
-them out (`ShardGet`) and forget a job's shards (`ShardDrop`).
+`/fusionai/shard/1` (provider -> provider): holders keep shards in RAM (`ShardPut`) and hand
+them out (`ShardGet`); the broker may make them forget a job's shards (`ShardDrop`; closing the
+job's training with `TrainClose` does it too).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class SnapshotTake(Message, frozen=True, tag="SnapshotTake/1"):
     step: int
     k: int
     holders: list[Holder]  # n holders: shard i goes to holders[i]
+    committed: int = 0  # the newest complete snapshot: holders keep it and newer ones
 
 
 class SnapshotTaken(Message, frozen=True, tag="SnapshotTaken/1"):
@@ -40,7 +42,7 @@ class SnapshotTaken(Message, frozen=True, tag="SnapshotTaken/1"):
 
 
 class SnapshotRestore(Message, frozen=True, tag="SnapshotRestore/1"):
-    open: TrainOpen  # the run's settings (its adapters are replaced by the snapshot's)
+    open: TrainOpen  # the run's settings (adapters left empty: they come from the snapshot)
     step: int
     k: int
     sha256: str
@@ -58,6 +60,7 @@ class ShardPut(Message, frozen=True, tag="ShardPut/1"):
     n: int
     size: int  # bytes of the whole state (the shards carry padding)
     data: bytes
+    committed: int = 0  # shards of this stage older than this step may be dropped
 
 
 class ShardGet(Message, frozen=True, tag="ShardGet/1"):

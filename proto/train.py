@@ -46,6 +46,7 @@ class TrainUpdate(Message, frozen=True, tag="TrainUpdate/1"):
     stage: str
     step: int
     keep: bool = False  # keep a copy of the state after this step for a snapshot
+    committed: int = 0  # the newest snapshot every stage completed: older copies may go
 
 
 class TrainExport(Message, frozen=True, tag="TrainExport/1"):

@@ -2,8 +2,8 @@
 
 The broker opens a training run on a stage this provider serves; the provider builds a torch
 module of the same validated ONNX file it serves (torch must be installed) and trains its own
-adapters with it (`ir.training.StageTrainer`). Training requests go through the same
-admission as inference, as training work: they use at most half the queue.
+adapters with it (`ir.training.StageTrainer`). Forward and backward requests go through the
+same admission as inference, as training work: they use at most half the queue.
 
 Snapshots: at the broker's request the provider keeps a copy of its state after an update,
 encodes it (safetensors bytes) into n shards with a k-of-n erasure code (zfec), and pushes
@@ -59,7 +59,6 @@ from provider.serving import LoadedStage, Server
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
 MAX_RUNS = 16  # training runs open at once on one provider
-KEEP_STEPS = 2  # snapshots of one stage a holder keeps (the newest)
 SHARD_TIMEOUT_S = 30.0
 
 
@@ -107,7 +106,7 @@ class _Shard:
 
 class ShardStore:
     """Shards of other providers' training state, in RAM, bounded in bytes. For each (job,
-    stage) only the newest `KEEP_STEPS` snapshots stay."""
+    stage), shards of snapshots older than the newest complete one (as the broker says) go."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
@@ -125,19 +124,21 @@ class ShardStore:
             raise Refused(ErrorCode.REFUSED, "bad shard: size does not fit k shards")
         with self.lock:
             key = (msg.job, msg.stage, msg.step, msg.index)
-            steps = sorted(
-                {s for (j, st, s, _) in self.shards if j == msg.job and st == msg.stage}
-                | {msg.step}
-            )
-            for old in steps[:-KEEP_STEPS]:
-                for k in [k for k in self.shards if k[:3] == (msg.job, msg.stage, old)]:
-                    del self.shards[k]
-            if key not in self.shards and self.bytes_held + len(msg.data) > self.budget:
+            old = self.shards.get(key)
+            held = self.bytes_held - (len(old.data) if old is not None else 0)
+            if held + len(msg.data) > self.budget:
                 raise Refused(
                     ErrorCode.BUSY,
                     f"shard memory full ({self.bytes_held} of {self.budget} bytes)",
                 )
             self.shards[key] = _Shard(msg.data, msg.k, msg.n, msg.size)
+            stale = [
+                k
+                for k in self.shards
+                if k[:2] == (msg.job, msg.stage) and k[2] < min(msg.committed, msg.step)
+            ]
+            for k in stale:
+                del self.shards[k]
             return self.bytes_held
 
     def get(self, job: str, stage: str, step: int, index: int) -> bytes | None:
@@ -220,8 +221,9 @@ class Training:
             if isinstance(request, TrainUpdate):
                 norm = run.trainer.update(request.step)
                 if request.keep:
-                    data = save_state(run.trainer.state())
-                    run.kept = {request.step: data}  # only the newest is wanted
+                    run.kept[request.step] = save_state(run.trainer.state())
+                for step in [s for s in run.kept if s < request.committed]:
+                    del run.kept[step]  # the newest complete snapshot and later ones stay
                 return TrainUpdated(step=request.step, grad_norm=norm)
             return TrainState(
                 step=run.trainer.step,
@@ -242,8 +244,9 @@ class Training:
             adapters = {k: t.to_numpy() for k, t in request.adapters.items()}
         except ValueError as exc:
             raise Refused(ErrorCode.REFUSED, f"bad adapter tensor: {exc}") from None
-        if state is not None:
-            adapters = {k: state[k] for k in adapters if k in state}
+        if state is not None:  # a restore: the adapters come from the snapshot
+            names = [n for a in stage.info.adapters for n in (a.a_input, a.b_input)]
+            adapters = {n: state[n] for n in names if n in state}
         with self._lock:
             if (request.job, request.stage) not in self.runs and len(self.runs) >= MAX_RUNS:
                 raise Refused(ErrorCode.BUSY, f"{MAX_RUNS} training runs are open here already")
@@ -348,6 +351,7 @@ class Training:
                 n=n,
                 size=len(data),
                 data=shards[i],
+                committed=request.committed,
             )
             if self.host is not None and holder.peer == self.host.peer_id:
                 self.store.put(msg)
@@ -389,7 +393,7 @@ class Training:
             run = await asyncio.to_thread(self.open, o, state)
         except TrainingError as exc:
             raise Refused(ErrorCode.REFUSED, f"the rebuilt state does not fit: {exc}") from None
-        run.kept = {request.step: data}
+        run.kept = {request.step: data}  # later copies belong to steps that will be redone
         return TrainReady(
             job=o.job, step=run.trainer.step, trainable_parameters=run.trainer.trainable_parameters
         )

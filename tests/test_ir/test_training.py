@@ -23,24 +23,12 @@ def request(**extra: Any) -> Any:
 
 
 def saved_bytes(local: Any) -> int:
-    import torch
+    from ir.training import saved_bytes as count
 
-    trainer = local.trainers[0]
     ids, _ = local.data.microbatch(1, 0)
-    hidden = local.client.embed(ids)
-    weights = {t.untyped_storage().data_ptr() for t in trainer.module.buffers()}
-    weights |= {p.untyped_storage().data_ptr() for p in trainer.params.values()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.forward(1, 0, {"hidden_states": hidden, "position_ids": positions})
-    return sum(seen.values())
+    inputs = {"hidden_states": local.client.embed(ids), "position_ids": positions}
+    return int(count(local.trainers[0], 1, 0, inputs))
 
 
 def test_lora_fa_saves_less_for_backward_and_trains_only_b(finetune_package: Path) -> None:

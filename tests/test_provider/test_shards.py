@@ -15,11 +15,11 @@ def put(store: ShardStore, step: int, index: int = 0, size: int = 100, **extra: 
     return store.put(ShardPut(size=size, data=b"x" * 50, **fields))  # type: ignore[arg-type]
 
 
-def test_keeps_the_two_newest_snapshots_of_a_stage_within_its_budget() -> None:
+def test_keeps_the_newest_complete_snapshot_and_later_ones_within_its_budget() -> None:
     store = ShardStore(budget_bytes=300)
-    for step in (3, 6, 9):
-        put(store, step, 0)
-        put(store, step, 1)
+    for step in (3, 6, 9):  # the broker says which snapshot every stage completed
+        put(store, step, 0, committed=step - 3)
+        put(store, step, 1, committed=step - 3)
     assert {k[2] for k in store.shards} == {6, 9}
     assert store.get("j", "m/1", 9, 1) == b"x" * 50 and store.get("j", "m/1", 3, 0) is None
     put(store, 9, 2, stage="m/2")
