@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import networkx as nx
 import numpy as np
 
+from broker.jobs import JobError, JobFailed, JobRunner, Ref
 from client.stages import ClientStages
 from dag.builders import finetune
 from dag.tasks import TaskKind, task
@@ -63,8 +64,7 @@ from proto.train import (
     TrainUpdated,
 )
 
-if TYPE_CHECKING:  # broker.jobs imports this module
-    from broker.jobs import JobRunner
+if TYPE_CHECKING:
     from broker.store import JobRow
 
 log = logging.getLogger("fusionai.broker")
@@ -72,14 +72,6 @@ Array = np.ndarray[Any, Any]
 ADAPTER_FORMAT = "fusionai.adapter"
 MAX_STEPS = 100_000
 MAX_RECOVERIES = 10  # provider losses one job survives
-
-
-class FinetuneError(ValueError):
-    """A fine-tune request is invalid; `field` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message = field, message
 
 
 @dataclass(frozen=True)
@@ -103,10 +95,6 @@ class FinetuneRequest:
     def microbatch(self) -> int:
         return self.batch // self.microbatches
 
-    @property
-    def count(self) -> int:
-        return self.steps
-
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["shards"] = list(self.shards)
@@ -123,44 +111,44 @@ FIELDS = set(FinetuneRequest.__dataclass_fields__)
 
 
 def parse_finetune(body: Mapping[str, Any], max_texts: int) -> FinetuneRequest:
-    """Validate a fine-tune submission (JSON); raises `FinetuneError` naming the field."""
+    """Validate a fine-tune submission (JSON); raises `JobError` naming the field."""
     unknown = sorted(set(body) - FIELDS)
     if unknown:
-        raise FinetuneError(unknown[0], "unknown field")
+        raise JobError(unknown[0], "unknown field")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise FinetuneError("model", "name the model (a string)")
+        raise JobError("model", "name the model (a string)")
     texts = body.get("texts")
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise FinetuneError("texts", "the training data: a non-empty list of strings")
+        raise JobError("texts", "the training data: a non-empty list of strings")
     if len(texts) > max_texts:
-        raise FinetuneError("texts", f"{len(texts)} texts; one job takes at most {max_texts}")
+        raise JobError("texts", f"{len(texts)} texts; one job takes at most {max_texts}")
     d = FinetuneRequest(model=model, texts=texts)
 
     def integer(name: str, low: int, high: int) -> int:
         value = body.get(name, getattr(d, name))
         if type(value) is not int or not low <= value <= high:
-            raise FinetuneError(name, f"must be an integer from {low} to {high}")
+            raise JobError(name, f"must be an integer from {low} to {high}")
         return value
 
     def number(name: str, low: float, high: float) -> float:
         value = body.get(name, getattr(d, name))
         if type(value) not in (int, float) or not low <= value < high:
-            raise FinetuneError(name, f"must be a number in [{low}, {high})")
+            raise JobError(name, f"must be a number in [{low}, {high})")
         return float(value)
 
     steps = integer("steps", 1, MAX_STEPS)
     batch = integer("batch", 1, 4096)
     microbatches = integer("microbatches", 1, batch)
     if batch % microbatches:
-        raise FinetuneError("microbatches", f"must divide the batch ({batch})")
+        raise JobError("microbatches", f"must divide the batch ({batch})")
     seq_len = integer("seq_len", 2, 4096)
     method = body.get("method", d.method)
     if method not in METHODS:
-        raise FinetuneError("method", f"must be one of {list(METHODS)}")
+        raise JobError("method", f"must be one of {list(METHODS)}")
     lr = number("lr", 0.0, 10.0)
     if lr <= 0:
-        raise FinetuneError("lr", "must be positive")
+        raise JobError("lr", "must be positive")
     shards = body.get("shards", list(d.shards))
     if (
         not isinstance(shards, list | tuple)
@@ -168,7 +156,7 @@ def parse_finetune(body: Mapping[str, Any], max_texts: int) -> FinetuneRequest:
         or not all(type(v) is int for v in shards)
         or not 1 <= shards[0] <= shards[1] <= 64
     ):
-        raise FinetuneError("shards", "[k, n]: n shards, any k of which rebuild; 1 <= k <= n <= 64")
+        raise JobError("shards", "[k, n]: n shards, any k of which rebuild; 1 <= k <= n <= 64")
     return FinetuneRequest(
         model=model,
         texts=texts,
@@ -187,13 +175,13 @@ def parse_finetune(body: Mapping[str, Any], max_texts: int) -> FinetuneRequest:
 
 
 def trainable_stages(manifest: ModelManifest) -> list[StageInfo]:
-    """The provider stages of a decoder with adapter slots in each; raises `FinetuneError`."""
+    """The provider stages of a decoder with adapter slots in each; raises `JobError`."""
     stages = manifest.provider_stages()
     if not any(i.name.startswith("past_") for s in stages for i in s.inputs):
-        raise FinetuneError("model", f"{manifest.name} is not a decoder; fine-tuning trains LMs")
+        raise JobError("model", f"{manifest.name} is not a decoder; fine-tuning trains LMs")
     bare = [s.name for s in stages if not s.adapters]
     if bare:
-        raise FinetuneError(
+        raise JobError(
             "model",
             f"stages {bare} of {manifest.name} have no adapter slots; export the model with "
             f"adapters (fusionai ir split MODEL --adapters q,v)",
@@ -206,20 +194,20 @@ MAX_LOGIT_BYTES = 1 << 30  # the head's float32 logits of one microbatch, on the
 
 
 def check_size(manifest: ModelManifest, request: FinetuneRequest) -> None:
-    """A microbatch must fit a wire message and the broker's head; `FinetuneError` if not."""
+    """A microbatch must fit a wire message and the broker's head; `JobError` if not."""
     from proto.forward import MAX_ACTIVATION_BYTES
 
     tokens = request.microbatch * request.seq_len
     hidden = int(manifest.config.get("hidden_size", 0) or 0)
     vocab = int(manifest.config.get("vocab_size", 0) or 0)
     if tokens > MAX_MICROBATCH_TOKENS:
-        raise FinetuneError(
+        raise JobError(
             "microbatches",
             f"a microbatch of {request.microbatch} x {request.seq_len} = {tokens} tokens; at most "
             f"{MAX_MICROBATCH_TOKENS}: use more microbatches or a shorter seq_len",
         )
     if tokens * hidden * 4 > MAX_ACTIVATION_BYTES or tokens * vocab * 4 > MAX_LOGIT_BYTES:
-        raise FinetuneError(
+        raise JobError(
             "microbatches",
             f"a microbatch of {tokens} tokens is too large for this model's activations or "
             f"logits: use more microbatches or a shorter seq_len",
@@ -246,7 +234,7 @@ class Data:
 
     def __init__(self, client: ClientStages, request: FinetuneRequest) -> None:
         if client.tokenizer is None:
-            raise FinetuneError("texts", f"model {request.model} ships no tokenizer")
+            raise JobError("texts", f"model {request.model} ships no tokenizer")
         eos = [client.eos] if client.eos is not None else []
         encodings = client.tokenizer.encode_batch(list(request.texts))
         vocab = int(client.manifest.config.get("vocab_size", 0) or 0)
@@ -254,9 +242,9 @@ class Data:
         try:
             self.blocks = pack(sequences, request.seq_len)
         except TrainingError as exc:
-            raise FinetuneError("texts", str(exc)) from None
+            raise JobError("texts", str(exc)) from None
         if vocab and int(self.blocks.max()) >= vocab:
-            raise FinetuneError("texts", "the tokenizer gives ids outside the model's vocabulary")
+            raise JobError("texts", "the tokenizer gives ids outside the model's vocabulary")
         self.request = request
         self.tokens = int(sum(len(s) for s in sequences))
 
@@ -445,10 +433,6 @@ class StageFailed(Exception):
         self.pos, self.peer, self.reason = pos, peer, reason
 
 
-class JobFailed(Exception):
-    pass
-
-
 class SwarmFinetune:
     """Runs one fine-tune job through the swarm for the job runner."""
 
@@ -478,16 +462,8 @@ class SwarmFinetune:
         self.touched.add(peer)
         deadline = time.monotonic() + self.config.request_timeout_s
         while True:
-            lost = self.serving.registry.lost_event(peer)
-            call = asyncio.ensure_future(self.host.request(peer, spec, msg, timeout=timeout))
-            watch = asyncio.ensure_future(lost.wait())
-            try:
-                await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watch.cancel()
-                if not call.done():
-                    call.cancel()
-            if not call.done() or call.cancelled():
+            call = await self.runner.request_unless_lost(peer, spec, msg, timeout)
+            if call is None:
                 raise StageFailed(pos, peer, "the provider was declared lost")
             try:
                 return call.result()
@@ -572,13 +548,7 @@ class SwarmFinetune:
     # ---- route, start, recovery ------------------------------------------------------------
 
     async def _pick(self, pos: int, avoid: set[str]) -> str:
-        timeout = self.config.request_timeout_s
-        peer = await self.serving.pick(self.job.model, pos, avoid, self.runner.inflight, timeout)
-        if peer is None:
-            raise JobFailed(
-                f"no provider has served stage {pos} of {self.job.model} for {timeout:.0f} s"
-            )
-        return peer
+        return await self.runner.pick(Ref(self.job.id, self.job.model), pos, avoid)
 
     async def _start(self) -> int:
         """Open (or, after a broker restart, restore) every stage; the step reached."""
@@ -755,7 +725,7 @@ class SwarmFinetune:
         client = await asyncio.to_thread(self.runner.client, self.job.model)
         try:
             data = await asyncio.to_thread(Data, client, self.request)
-        except FinetuneError as exc:
+        except JobError as exc:  # (checked at submission; the model may have changed since)
             raise JobFailed(str(exc)) from None
         last = self.model.manifest.stages[-1].index
         package = await asyncio.to_thread(load_package, self.model.directory, stages=[last])
@@ -841,14 +811,15 @@ class SwarmFinetune:
         adapters: dict[str, Array] = {}
         for s in states:
             adapters.update({k: t.to_numpy() for k, t in s.adapters.items()})
-        losses = self.store.finetune_losses(self.job.id)
-        data = adapter_file(
+        steps = self.store.finetune_steps(self.job.id)
+        data = await asyncio.to_thread(
+            adapter_file,
             adapters,
             self.model.manifest,
             self.request,
             job=self.job.id,
             steps=step,
-            final_loss=losses[-1] if losses else "",
+            final_loss=steps[-1][1][0] if steps else "",
         )
         await asyncio.to_thread(self.runner.save_adapter, self.job.id, self.job.model, data)
 

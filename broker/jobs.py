@@ -41,8 +41,8 @@ from dag.builders import inference_pipeline
 from dag.cost import Workload
 from dag.tasks import TaskKind, task
 from dag.wire import from_json, to_json
-from ir.pipeline import zero_adapters
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
+from p2p.codec import Message, ProtocolSpec
 from proto.forward import FORWARD, Forward, ForwardResult
 
 log = logging.getLogger("fusionai.broker")
@@ -204,23 +204,20 @@ class JobRunner:
     async def _submit_finetune(self, body: dict[str, Any]) -> JobRow:
         from broker import finetune as ft
 
-        try:
-            request = await asyncio.to_thread(ft.parse_finetune, body, self.config.max_job_texts)
-            model = self.models.models.get(request.model)
-            if model is None:
-                raise NotFound(f"no model named {request.model!r}; add it first")
-            stages = ft.trainable_stages(model.manifest)
-            ft.check_size(model.manifest, request)
-            if importlib.util.find_spec("torch") is None:
-                raise ft.FinetuneError(
-                    "kind",
-                    "this broker cannot run fine-tune jobs: torch is not installed here "
-                    "(pip install fusionai[torch])",
-                )
-            client = await asyncio.to_thread(self.client, request.model)
-            await asyncio.to_thread(ft.Data, client, request)  # tokenizes: enough tokens?
-        except ft.FinetuneError as exc:
-            raise JobError(exc.field, exc.message) from None
+        request = await asyncio.to_thread(ft.parse_finetune, body, self.config.max_job_texts)
+        model = self.models.models.get(request.model)
+        if model is None:
+            raise NotFound(f"no model named {request.model!r}; add it first")
+        stages = ft.trainable_stages(model.manifest)
+        ft.check_size(model.manifest, request)
+        if importlib.util.find_spec("torch") is None:
+            raise JobError(
+                "kind",
+                "this broker cannot run fine-tune jobs: torch is not installed here "
+                "(pip install fusionai[torch])",
+            )
+        client = await asyncio.to_thread(self.client, request.model)
+        await asyncio.to_thread(ft.Data, client, request)  # tokenizes: enough tokens?
         graph = ft.finetune_graph(self.serving.plans[request.model].spec, stages, request)
         job_id = uuid.uuid4().hex[:16]
         job = self.store.add_job(
@@ -308,7 +305,7 @@ class JobRunner:
             with self.using(model):
                 todo = range(-(-len(ids) // mb))
                 await self._microbatches(ref, graph, client, ids, mask, mb, todo, keep)
-        except _JobFailed as exc:
+        except JobFailed as exc:
             raise Unavailable(str(exc)) from None
         return np.concatenate([parts[i] for i in sorted(parts)]), int(mask.sum())
 
@@ -429,7 +426,7 @@ class JobRunner:
             await self._execute(job)
         except asyncio.CancelledError:
             raise
-        except _JobFailed as exc:
+        except JobFailed as exc:
             self._finish(job_id, "failed", str(exc))
         except Exception as exc:  # a bug must fail the job loudly, not hang it
             log.exception("job %s crashed", job_id)
@@ -479,12 +476,9 @@ class JobRunner:
         self._finish(job.id, "succeeded")
 
     async def _finetune(self, job: JobRow) -> None:
-        from broker.finetune import JobFailed, SwarmFinetune
+        from broker.finetune import SwarmFinetune
 
-        try:
-            await SwarmFinetune(self, job).run()
-        except JobFailed as exc:
-            raise _JobFailed(str(exc)) from None
+        await SwarmFinetune(self, job).run()
         self._finish(job.id, "succeeded")
 
     async def _microbatches(
@@ -500,7 +494,7 @@ class JobRunner:
     ) -> None:
         """Run microbatches `todo` (rows of `mb` sequences), up to `in_flight` at once, each
         result handed to `done(index, output, attempts)`. One failure cancels the others; the
-        job's own failure (`_JobFailed`) is raised before any other error."""
+        job's own failure (`JobFailed`) is raised before any other error."""
         gate = asyncio.Semaphore(self.config.in_flight)
 
         async def one(idx: int) -> None:
@@ -518,7 +512,7 @@ class JobRunner:
                     group.create_task(one(i))
         except ExceptionGroup as group:
             errors: list[BaseException] = list(group.exceptions)
-            raise next((e for e in errors if isinstance(e, _JobFailed)), errors[0]) from None
+            raise next((e for e in errors if isinstance(e, JobFailed)), errors[0]) from None
 
     async def _microbatch(
         self,
@@ -546,7 +540,7 @@ class JobRunner:
                     attempts -= 1  # busy answers do not count, for up to a request timeout
                     continue
                 if attempts >= self.config.max_attempts:
-                    raise _JobFailed(
+                    raise JobFailed(
                         f"microbatch {idx} failed {attempts} times; last: {exc}"
                     ) from None
                 self.events.emit(
@@ -597,9 +591,9 @@ class JobRunner:
             elif t.kind is TaskKind.HEAD:
                 result = await asyncio.to_thread(client.head, inputs["hidden"], mask)
             else:
-                raise _JobFailed(f"task {node} ({t.kind}) cannot run in an embedding job")
+                raise JobFailed(f"task {node} ({t.kind}) cannot run in an embedding job")
         if result is None:
-            raise _JobFailed("the job graph has no head task")
+            raise JobFailed("the job graph has no head task")
         return np.ascontiguousarray(result, dtype=np.float32)
 
     async def _forward(
@@ -608,30 +602,20 @@ class JobRunner:
         model = self.models.models[job.model]
         key = model.unit_key(model.units[pos])
         info = model.manifest.stages[model.units[pos]]
-        peer = await self._pick(job, pos, avoid)
+        peer = await self.pick(job, pos, avoid)
         used.append(peer)
-        feeds = {"hidden_states": hidden, "attention_mask": mask, **zero_adapters(info)}
+        feeds = {"hidden_states": hidden, "attention_mask": mask}  # adapters: the provider's zeros
         names = {i.name for i in info.inputs}
         msg = Forward(
             stage=key, inputs={k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names}
         )
-        lost = self.serving.registry.lost_event(peer)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
-        call = asyncio.ensure_future(
-            self.host.request(peer, FORWARD, msg, timeout=self.config.request_timeout_s)
-        )
-        watch = asyncio.ensure_future(lost.wait())
         start = time.perf_counter()
-        abandoned = True
         try:
-            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
-            abandoned = not call.done()
+            call = await self.request_unless_lost(peer, FORWARD, msg, self.config.request_timeout_s)
         finally:
             self.inflight[peer] -= 1
-            watch.cancel()
-            if abandoned:
-                call.cancel()  # lost, or we were cancelled: the request is abandoned
-        if abandoned:
+        if call is None:
             raise _StageFailed(peer, key, "the provider was declared lost")
         try:
             answer: ForwardResult = call.result()
@@ -661,13 +645,31 @@ class JobRunner:
             raise _StageFailed(peer, key, "the answer has no hidden_states_out")
         return out.to_numpy()
 
-    async def _pick(self, job: Ref, pos: int, avoid: set[str]) -> str:
+    async def request_unless_lost(
+        self, peer: str, spec: ProtocolSpec, msg: Message, timeout: float
+    ) -> asyncio.Future[Any] | None:
+        """Send `msg` to `peer`; the finished call (its result or error), or None if the
+        registry declared `peer` lost first (the request is then abandoned)."""
+        lost = self.serving.registry.lost_event(peer)
+        call = asyncio.ensure_future(self.host.request(peer, spec, msg, timeout=timeout))
+        watch = asyncio.ensure_future(lost.wait())
+        abandoned = True
+        try:
+            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            abandoned = not call.done()
+        finally:
+            watch.cancel()
+            if abandoned:
+                call.cancel()  # lost, or we were cancelled: the request is abandoned
+        return None if abandoned else call
+
+    async def pick(self, job: Ref, pos: int, avoid: set[str]) -> str:
         """The least loaded provider serving stage `pos`, preferring those not in `avoid`;
         waits (up to the request timeout) for a route when there is none."""
         timeout = self.config.request_timeout_s
         peer = await self.serving.pick(job.model, pos, avoid, self.inflight, timeout)
         if peer is None:
-            raise _JobFailed(
+            raise JobFailed(
                 f"no provider has served stage {pos} of {job.model} for {timeout:.0f} s"
             )
         return peer
@@ -719,8 +721,8 @@ class NotReady(Conflict):
     """The job has no results yet."""
 
 
-class _JobFailed(Exception):
-    pass
+class JobFailed(Exception):
+    """The job cannot go on; the message says why (it becomes the job's error)."""
 
 
 class _StageFailed(Exception):

@@ -300,10 +300,6 @@ class Store:
         cur = self.db.execute("DELETE FROM results WHERE job = ? AND idx >= ?", (job_id, first))
         return cur.rowcount
 
-    def finetune_losses(self, job_id: str) -> list[float]:
-        """The loss of each step of a fine-tune job so far, in order."""
-        return [float(row[0]) for _, row in self.finetune_steps(job_id)]
-
     def finetune_steps(self, job_id: str) -> list[tuple[int, list[float]]]:
         """(step, [loss, tokens, seconds]) of each step of a fine-tune job so far."""
         import numpy as np

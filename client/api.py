@@ -594,7 +594,7 @@ class AsyncClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             current = await self.job(job.id)
-            done = await self.finetune_steps(job.id, offset=seen)
+            done = await self._steps(job.id, seen, current.microbatches)
             for s in done:
                 if progress is not None:
                     progress(s)
@@ -609,14 +609,18 @@ class AsyncClient:
                 )
             await asyncio.sleep(poll)
         path, sha = await self._download_adapter(job.id)
-        return FineTune(job.id, model, await self.finetune_steps(job.id), path, sha)
+        return FineTune(
+            job.id, model, await self._steps(job.id, 0, current.microbatches), path, sha
+        )
 
     async def finetune_steps(self, job_id: str, *, offset: int = 0) -> list[FinetuneStep]:
         """The steps a fine-tune job has done so far (from `offset` on)."""
+        return await self._steps(job_id, offset, (await self.job(job_id)).microbatches)
+
+    async def _steps(self, job_id: str, offset: int, total: int) -> list[FinetuneStep]:
         out = await self._request(
             "GET", f"/v1/jobs/{_quote(job_id)}/results?offset={offset}&limit=10000"
         )
-        total = int((await self.job(job_id)).microbatches)
         return [
             FinetuneStep(s["step"], total, s["loss"], s["tokens"], s["seconds"])
             for s in out.get("steps", [])

@@ -95,27 +95,18 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@dataclass
-class _Shard:
-    data: bytes
-    k: int
-    n: int
-    size: int
-    at: float = field(default_factory=time.monotonic)
-
-
 class ShardStore:
     """Shards of other providers' training state, in RAM, bounded in bytes. For each (job,
     stage), shards of snapshots older than the newest complete one (as the broker says) go."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
-        self.shards: dict[tuple[str, str, int, int], _Shard] = {}
+        self.shards: dict[tuple[str, str, int, int], bytes] = {}  # (job, stage, step, index)
         self.lock = threading.Lock()
 
     @property
     def bytes_held(self) -> int:
-        return sum(len(s.data) for s in self.shards.values())
+        return sum(len(s) for s in self.shards.values())
 
     def put(self, msg: ShardPut) -> int:
         if not 1 <= msg.k <= msg.n <= 256 or not 0 <= msg.index < msg.n or msg.step < 0:
@@ -125,13 +116,13 @@ class ShardStore:
         with self.lock:
             key = (msg.job, msg.stage, msg.step, msg.index)
             old = self.shards.get(key)
-            held = self.bytes_held - (len(old.data) if old is not None else 0)
+            held = self.bytes_held - (len(old) if old is not None else 0)
             if held + len(msg.data) > self.budget:
                 raise Refused(
                     ErrorCode.BUSY,
                     f"shard memory full ({self.bytes_held} of {self.budget} bytes)",
                 )
-            self.shards[key] = _Shard(msg.data, msg.k, msg.n, msg.size)
+            self.shards[key] = msg.data
             stale = [
                 k
                 for k in self.shards
@@ -143,8 +134,7 @@ class ShardStore:
 
     def get(self, job: str, stage: str, step: int, index: int) -> bytes | None:
         with self.lock:
-            shard = self.shards.get((job, stage, step, index))
-            return shard.data if shard is not None else None
+            return self.shards.get((job, stage, step, index))
 
     def drop(self, job: str) -> int:
         with self.lock:
@@ -339,6 +329,7 @@ class Training:
             shards = await asyncio.to_thread(encode, data, request.k, n)
         except ShardError as exc:
             raise Refused(ErrorCode.REFUSED, str(exc)) from None
+        hashes = await asyncio.to_thread(lambda: [sha256(data), *map(sha256, shards)])
         encoded = time.perf_counter()
 
         async def push(i: int, holder: Holder) -> None:
@@ -372,9 +363,9 @@ class Training:
             raise Refused(ErrorCode.REFUSED, f"shards not stored: {'; '.join(failed)}")
         return SnapshotTaken(
             step=request.step,
-            sha256=sha256(data),
+            sha256=hashes[0],
             size=len(data),
-            shards=[sha256(s) for s in shards],
+            shards=hashes[1:],
             encode_ms=(encoded - start) * 1e3,
             push_ms=(time.perf_counter() - encoded) * 1e3,
         )
@@ -383,10 +374,10 @@ class Training:
         o = request.open
         run = self.runs.get((o.job, o.stage))
         data = run.kept.get(request.step) if run is not None else None
-        if data is None or sha256(data) != request.sha256:
+        if data is None or await asyncio.to_thread(sha256, data) != request.sha256:
             data = await self._gather(request)
         try:
-            state = load_state(data)
+            state = await asyncio.to_thread(load_state, data)
         except TrainingError as exc:
             raise Refused(ErrorCode.REFUSED, f"the rebuilt state is unusable: {exc}") from None
         try:
@@ -427,7 +418,7 @@ class Training:
                 except (ShardError, RemoteError, P2PError) as exc:
                     problems.append(f"shard {i} on {holder.peer[:12]}: {exc}")
                     return
-            if sha256(data) != request.shards[i]:
+            if await asyncio.to_thread(sha256, data) != request.shards[i]:
                 problems.append(f"shard {i} on {holder.peer[:12]}: wrong SHA-256")
                 return
             got[i] = data
@@ -443,7 +434,7 @@ class Training:
             data = await asyncio.to_thread(decode, got, request.k, n, request.size)
         except ShardError as exc:
             raise Refused(ErrorCode.REFUSED, f"cannot decode the shards: {exc}") from None
-        if sha256(data) != request.sha256:
+        if await asyncio.to_thread(sha256, data) != request.sha256:
             raise Refused(ErrorCode.REFUSED, "the rebuilt state does not match its SHA-256")
         return data
 
