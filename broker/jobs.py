@@ -36,6 +36,7 @@ from broker.models import ModelStore
 from broker.queue import Fifo, Job, QueuePolicy, Running, SjfBsbf
 from broker.serving import Serving
 from broker.store import JobRow, Store
+from client.session import unless_lost
 from client.stages import ClientStageError, ClientStages
 from dag.builders import inference_pipeline
 from dag.cost import Workload
@@ -651,17 +652,7 @@ class JobRunner:
         """Send `msg` to `peer`; the finished call (its result or error), or None if the
         registry declared `peer` lost first (the request is then abandoned)."""
         lost = self.serving.registry.lost_event(peer)
-        call = asyncio.ensure_future(self.host.request(peer, spec, msg, timeout=timeout))
-        watch = asyncio.ensure_future(lost.wait())
-        abandoned = True
-        try:
-            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
-            abandoned = not call.done()
-        finally:
-            watch.cancel()
-            if abandoned:
-                call.cancel()  # lost, or we were cancelled: the request is abandoned
-        return None if abandoned else call
+        return await unless_lost(self.host.request(peer, spec, msg, timeout=timeout), lost)
 
     async def pick(self, job: Ref, pos: int, avoid: set[str]) -> str:
         """The least loaded provider serving stage `pos`, preferring those not in `avoid`;

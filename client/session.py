@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -51,6 +51,9 @@ class Router(Protocol):
     def lost(self, peer: str) -> asyncio.Event | None:
         """Set when the broker declares `peer` lost, if this router can tell (else None)."""
         ...
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -214,20 +217,12 @@ class GenerationSession:
         return answer
 
     async def _call(self, peer: str, msg: SessionOpen | SessionStep | SessionClose) -> Any:
-        call = asyncio.ensure_future(self.host.request(peer, SESSION, msg, timeout=self.timeout))
+        request = self.host.request(peer, SESSION, msg, timeout=self.timeout)
         lost = self.router.lost(peer)
         if lost is None:
-            return await call
-        watch = asyncio.ensure_future(lost.wait())
-        abandoned = True
-        try:
-            await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
-            abandoned = not call.done()
-        finally:
-            watch.cancel()
-            if abandoned:
-                call.cancel()  # lost, or we were cancelled
-        if abandoned:
+            return await request
+        call = await unless_lost(request, lost)
+        if call is None:
             raise _Lost(f"{peer} was declared lost")
         return call.result()
 
@@ -247,6 +242,22 @@ class GenerationSession:
                 pass
 
         await asyncio.gather(*(one(*t) for t in todo))
+
+
+async def unless_lost(request: Awaitable[T], lost: asyncio.Event) -> asyncio.Future[T] | None:
+    """Await `request` unless `lost` is set first: the finished call (its result or error), or
+    None when it was abandoned (cancelled) because its peer was declared lost."""
+    call = asyncio.ensure_future(request)
+    watch = asyncio.ensure_future(lost.wait())
+    abandoned = True
+    try:
+        await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        abandoned = not call.done()
+    finally:
+        watch.cancel()
+        if abandoned:
+            call.cancel()  # lost, or we were cancelled: the request is abandoned
+    return None if abandoned else call
 
 
 class _Mismatch(Exception):
