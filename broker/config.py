@@ -35,6 +35,11 @@ class BrokerConfig:
     api_keys: tuple[str, ...] = ()  # HTTP clients must present one (empty: the API is open)
     tls_cert: Path | None = None  # PEM certificate for HTTPS (with tls_key)
     tls_key: Path | None = None  # its PEM private key
+    verify_fraction: float = 0.05  # stage tasks of batch jobs and embedding requests run
+    # again for a second opinion (another provider holding the stage, else the broker)
+    verify_rtol: float = 1e-2  # answers agree when they differ by at most
+    verify_atol: float = 1e-3  # atol + rtol * (largest magnitude of the reference)
+    verify_redo_s: float = 3600.0  # a quarantined provider's results this recent are redone
     max_interactive: int = 64  # embedding and completion requests served at once (then 429)
 
     @property

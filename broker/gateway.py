@@ -208,6 +208,17 @@ class BrokerRouter:
     def lost(self, peer: str) -> asyncio.Event | None:
         return self.broker.registry.lost_event(peer)
 
+    async def checker(self, pos: int, avoid: set[str]) -> str | None:
+        plan = self.broker.serving.plans[self.model]
+        key = self.broker.serving.unit_keys(plan)[pos]
+        holders = self.broker.registry.holders(key, avoid)
+        return min(holders, key=lambda p: (self.load.get(p, 0), p)) if holders else None
+
+    async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
+        self.broker.events.emit("provider_reported", peer=peer, stage=key, reason=reason)
+        await self.broker.jobs.verifier.probe(peer, self.model, pos)
+        return self.broker.jobs.verifier.quarantined(peer)
+
 
 class Gateway:
     def __init__(self, broker: Broker) -> None:

@@ -257,7 +257,12 @@ def make_app(broker: Broker) -> web.Application:
         )
 
     async def providers(request: web.Request) -> web.Response:
-        return web.json_response({"providers": broker.registry.summary()})
+        return web.json_response(
+            {
+                "providers": broker.registry.summary(),
+                "quarantined": broker.jobs.verifier.quarantined_list(),
+            }
+        )
 
     async def list_models(request: web.Request) -> web.Response:
         return web.json_response({"models": [serving.describe(n) for n in sorted(serving.plans)]})
@@ -299,10 +304,19 @@ def make_app(broker: Broker) -> web.Application:
         if type(wait) not in (int, float) or not 0 <= wait < 1e9:
             raise JobError("timeout", "must be a non-negative number of seconds")
         wait = min(wait, limit)  # waits longer than the broker's request timeout are cut
+        check = body.get("check", False)
+        if type(check) is not bool:
+            raise JobError("check", "must be true or false")
+        key = serving.unit_keys(serving.plans[name])[stage]
+        if check:  # a provider to check another's answers: any holder of the stage, at once
+            holders = broker.registry.holders(key, set(avoid))
+            if not holders:
+                raise Unavailable(f"no other provider holds stage {stage} of {name}")
+            checker = min(holders, key=lambda p: (broker.jobs.inflight.get(p, 0), p))
+            return web.json_response({"key": key, **serving.peer_info(checker)})
         peer = await serving.pick(name, stage, set(avoid), broker.jobs.inflight, float(wait))
         if peer is None:
             raise Unavailable(f"no provider has served stage {stage} of {name} for {wait:g} s")
-        key = serving.unit_keys(serving.plans[name])[stage]
         return web.json_response({"key": key, **serving.peer_info(peer)})
 
     async def report(request: web.Request) -> web.Response:
@@ -311,8 +325,30 @@ def make_app(broker: Broker) -> web.Application:
         reason = body.get("reason") if isinstance(body, dict) else None
         if not isinstance(reason, str) or not reason or len(reason) > 1000:
             raise JobError("reason", "must be a non-empty string of at most 1000 characters")
-        await serving.suspect(peer, f"a client's request failed: {reason}")  # (if still alive)
-        return web.json_response({"peer_id": peer, "alive": broker.registry.alive(peer)})
+        assert isinstance(body, dict)
+        wrong = body.get("wrong_output")
+        if wrong is None:
+            await serving.suspect(peer, f"a client's request failed: {reason}")  # if alive
+            return web.json_response({"peer_id": peer, "alive": broker.registry.alive(peer)})
+        # A client's shadow step disagreed: the broker probes the provider itself (a client's
+        # word alone quarantines no one).
+        if not isinstance(wrong, str):
+            raise JobError("wrong_output", "must name the stage key (MODEL/INDEX) it answered")
+        name = wrong.rpartition("/")[0]
+        plan = serving.plans.get(name)
+        keys = serving.unit_keys(plan) if plan is not None else []
+        if wrong not in keys:
+            raise JobError("wrong_output", f"no provider stage {wrong!r}")
+        broker.events.emit("provider_reported", peer=peer, stage=wrong, reason=reason)
+        agreed = await broker.jobs.verifier.probe(peer, name, keys.index(wrong))
+        return web.json_response(
+            {
+                "peer_id": peer,
+                "alive": broker.registry.alive(peer),
+                "probe_agreed": agreed,
+                "quarantined": broker.jobs.verifier.quarantined(peer),
+            }
+        )
 
     async def put_artifact(request: web.Request) -> web.Response:
         sha = request.match_info["sha"]
@@ -458,8 +494,16 @@ def make_app(broker: Broker) -> web.Application:
     async def dashboard(request: web.Request) -> web.FileResponse:
         return web.FileResponse(DASHBOARD / "index.html")
 
+    files = {p.name for p in DASHBOARD.iterdir() if p.is_file()}  # nothing else is served
+
+    async def dashboard_file(request: web.Request) -> web.FileResponse:
+        name = request.match_info["path"]
+        if name not in files:
+            raise NotFound(f"no dashboard file {name!r}")
+        return web.FileResponse(DASHBOARD / name)
+
     app.router.add_get("/", dashboard)
-    app.router.add_static("/dashboard/", DASHBOARD)
+    app.router.add_get("/dashboard/{path}", dashboard_file)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/metrics", prometheus)
     app.router.add_post("/v1/embeddings", embeddings)

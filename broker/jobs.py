@@ -36,6 +36,7 @@ from broker.models import ModelStore
 from broker.queue import Fifo, Job, QueuePolicy, Running, SjfBsbf
 from broker.serving import Serving
 from broker.store import JobRow, Store
+from broker.verify import Verifier
 from client.session import unless_lost
 from client.stages import ClientStageError, ClientStages
 from dag.builders import inference_pipeline
@@ -154,6 +155,9 @@ class JobRunner:
         self._wake = asyncio.Event()
         self.on_stage: Callable[[str, float], None] = lambda model, seconds: None  # metrics
         serving.busy = self.busy
+        self.verifier = Verifier(config, store, events, serving.registry, models, self._check)
+        self.verifier.on_quarantine = self._redo
+        serving.registry.reputation_of = self.verifier.summary
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -299,7 +303,7 @@ class JobRunner:
         ref = Ref("request-" + uuid.uuid4().hex[:12], model)
         parts: dict[int, Array] = {}
 
-        def keep(idx: int, out: Array, attempts: int) -> None:
+        def keep(idx: int, out: Array, attempts: int, peers: tuple[str, ...]) -> None:
             parts[idx] = out
 
         try:
@@ -463,18 +467,43 @@ class JobRunner:
         todo = [i for i in range(job.microbatches) if i not in done]
         self.store.set_job_state(job.id, "running")
         self.events.emit("job_running", job=job.id, todo=len(todo), done=len(done))
-        finished = len(done)
         step = max(1, job.microbatches // 10)
 
-        def store(idx: int, out: Array, attempts: int) -> None:
-            nonlocal finished
-            self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes())
-            finished += 1
+        def store(idx: int, out: Array, attempts: int, peers: tuple[str, ...]) -> None:
+            self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes(), peers)
+            finished = self.store.count_done(job.id)
             if finished % step == 0 or finished == job.microbatches:
                 self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
 
-        await self._microbatches(Ref(job.id, job.model), graph, client, ids, mask, mb, todo, store)
+        while todo:  # again while a quarantined provider's results were dropped meanwhile
+            await self._microbatches(
+                Ref(job.id, job.model), graph, client, ids, mask, mb, todo, store
+            )
+            done = self.store.done_microbatches(job.id)
+            todo = [i for i in range(job.microbatches) if i not in done]
         self._finish(job.id, "succeeded")
+
+    def _redo(self, peer: str, dropped: dict[str, int]) -> None:
+        """A quarantined provider's results were dropped: finished jobs run again for them
+        (running ones notice by themselves)."""
+        for job_id, n in dropped.items():
+            job = self.store.job(job_id, full=False)
+            if job is None:
+                continue
+            self.events.emit("job_redo", job=job_id, peer=peer, microbatches=n, was=job.state)
+            if job.state == "succeeded":
+                self.store.set_job_state(job_id, "queued")
+        self._wake.set()
+
+    async def _check(
+        self, peer: str, spec: ProtocolSpec, msg: Message
+    ) -> asyncio.Future[Any] | None:
+        """A request of the verifier's (a second opinion, a probe)."""
+        self.inflight[peer] = self.inflight.get(peer, 0) + 1
+        try:
+            return await self.request_unless_lost(peer, spec, msg, self.config.request_timeout_s)
+        finally:
+            self.inflight[peer] -= 1
 
     async def _finetune(self, job: JobRow) -> None:
         from broker.finetune import SwarmFinetune
@@ -491,21 +520,21 @@ class JobRunner:
         mask: Array,
         mb: int,
         todo: Iterable[int],
-        done: Callable[[int, Array, int], None],
+        done: Callable[[int, Array, int, tuple[str, ...]], None],
     ) -> None:
         """Run microbatches `todo` (rows of `mb` sequences), up to `in_flight` at once, each
-        result handed to `done(index, output, attempts)`. One failure cancels the others; the
-        job's own failure (`JobFailed`) is raised before any other error."""
+        result handed to `done(index, output, attempts, providers that computed it)`. One
+        failure cancels the others; the job's own failure (`JobFailed`) is raised first."""
         gate = asyncio.Semaphore(self.config.in_flight)
 
         async def one(idx: int) -> None:
             async with gate:
                 rows = slice(idx * mb, (idx + 1) * mb)
                 used = int(mask[rows].sum(axis=1).max())  # trim padding beyond this microbatch
-                out, attempts = await self._microbatch(
+                out, attempts, peers = await self._microbatch(
                     ref, graph, client, idx, ids[rows, :used], mask[rows, :used]
                 )
-                done(idx, out, attempts)
+                done(idx, out, attempts, peers)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -523,8 +552,8 @@ class JobRunner:
         idx: int,
         ids: Array,
         mask: Array,
-    ) -> tuple[Array, int]:
-        """Run one microbatch through the job graph; returns (result, attempts)."""
+    ) -> tuple[Array, int, tuple[str, ...]]:
+        """Run one microbatch through the job graph; returns (result, attempts, providers)."""
         attempts = 0
         avoid: set[str] = set()
         busy_until: float | None = None
@@ -554,6 +583,19 @@ class JobRunner:
                     reason=exc.reason,
                 )
                 continue
+            distrusted = [p for p in used if self.verifier.quarantined(p)]
+            if distrusted:  # quarantined while this microbatch was on its way: redo it
+                avoid.update(distrusted)
+                attempts -= 1
+                self.events.emit(
+                    "microbatch_retry",
+                    job=job.id,
+                    peer=distrusted[0],
+                    microbatch=idx,
+                    attempt=attempts,
+                    reason="the provider was quarantined",
+                )
+                continue
             if attempts > 1:
                 self.events.emit(
                     "microbatch_recovered",
@@ -562,7 +604,7 @@ class JobRunner:
                     attempts=attempts,
                     route=used,
                 )
-            return out, attempts
+            return out, attempts, tuple(used)
 
     async def _walk(
         self,
@@ -641,10 +683,17 @@ class JobRunner:
         )
         self.serving.observe(peer, job.model, work, answer.compute_ms / 1e3 or elapsed)
         self.on_stage(job.model, elapsed)
-        out = answer.outputs.get("hidden_states_out")
-        if out is None:
+        self.verifier.answered[peer] = self.verifier.answered.get(peer, 0) + 1
+        tensor = answer.outputs.get("hidden_states_out")
+        if tensor is None:
             raise _StageFailed(peer, key, "the answer has no hidden_states_out")
-        return out.to_numpy()
+        try:
+            out = tensor.to_numpy()
+        except ValueError as exc:
+            raise _StageFailed(peer, key, f"a bad tensor: {exc}") from None
+        if self.verifier.due(key):
+            out, used[-1] = await self.verifier.check(job.model, pos, key, peer, msg, out)
+        return out
 
     async def request_unless_lost(
         self, peer: str, spec: ProtocolSpec, msg: Message, timeout: float

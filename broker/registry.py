@@ -88,6 +88,8 @@ class Registry:
         self.loaded: dict[str, set[str]] = {}  # unit keys each provider reports loaded
         self.load: dict[str, tuple[int, int]] = {}  # peer -> (queued, kv bytes), last heartbeat
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
+        self.quarantined: dict[str, str] = {}  # peer -> why its answers are not trusted
+        self.reputation_of: Callable[[str], dict[str, Any]] = lambda peer: {}
         self.on_actions: Callable[[list[Action]], None] = lambda actions: None
         self.on_joined: Callable[[str], None] = lambda peer: None
         self.on_draining: Callable[[str], None] = lambda peer: None
@@ -121,6 +123,21 @@ class Registry:
         p = self.state.providers.get(peer)
         return p is not None and p.status is not Status.DEAD
 
+    def holders(self, key: str, avoid: set[str]) -> list[str]:
+        """Live, trusted providers with stage `key` loaded (serving it or standing by with
+        it), but for those in `avoid`: who can check an answer of that stage."""
+        return [
+            p
+            for p, keys in self.loaded.items()
+            if key in keys and p not in avoid and p not in self.quarantined and self.alive(p)
+        ]
+
+    def quarantine(self, peer: str, reason: str) -> None:
+        """Take `peer` out of the pool and refuse its joins from now on."""
+        self.quarantined[peer] = reason
+        if self.alive(peer):
+            self.apply(ProviderLeft(peer, time.monotonic()))
+
     def mark_dead(self, peer: str, why: str) -> None:
         if self.alive(peer):
             self.events.emit("provider_unreachable", peer=peer, reason=why)
@@ -131,6 +148,8 @@ class Registry:
     def _refusal(self, peer: str, msg: Join) -> str:
         if peer in self.config.deny:
             return "this provider is on the broker's deny list"
+        if peer in self.quarantined:
+            return f"this provider is quarantined: {self.quarantined[peer]}"
         if self.config.allow and peer not in self.config.allow:
             return "this provider is not on the broker's allow list"
         if msg.broker != self.broker_id:
@@ -239,6 +258,7 @@ class Registry:
                     "loaded": sorted(self.loaded.get(peer, ())),
                     "addrs": list(profile.addrs) if profile else [],
                     "flapping": p.flapping(self.state.now, self.state.config),
+                    "reputation": self.reputation_of(peer),
                 }
             )
         return out

@@ -71,7 +71,23 @@ CREATE TABLE IF NOT EXISTS adapters (
     size INTEGER NOT NULL,
     created REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS work (
+    job TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    peer TEXT NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job, idx, peer)
+);
+CREATE TABLE IF NOT EXISTS reputation (
+    peer TEXT PRIMARY KEY,
+    checks INTEGER NOT NULL,
+    agreed INTEGER NOT NULL,
+    disagreed INTEGER NOT NULL,
+    quarantined REAL,
+    reason TEXT NOT NULL DEFAULT ''
+);
 CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
+CREATE INDEX IF NOT EXISTS work_peer ON work (peer, at);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, seq);
 """
 
@@ -248,13 +264,46 @@ class Store:
     # ---- results ---------------------------------------------------------------------------
 
     def put_result(
-        self, job_id: str, idx: int, attempts: int, shape: tuple[int, ...], data: bytes
+        self,
+        job_id: str,
+        idx: int,
+        attempts: int,
+        shape: tuple[int, ...],
+        data: bytes,
+        peers: tuple[str, ...] = (),
     ) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO results (job, idx, attempts, shape, data) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (job_id, idx, attempts, json.dumps(list(shape)), data),
-        )
+        """Keep a microbatch's result and which providers computed it (so a provider found
+        wrong later has its work redone)."""
+        now = time.time()
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute(
+                "INSERT OR REPLACE INTO results (job, idx, attempts, shape, data) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (job_id, idx, attempts, json.dumps(list(shape)), data),
+            )
+            self.db.execute("DELETE FROM work WHERE job = ? AND idx = ?", (job_id, idx))
+            self.db.executemany(
+                "INSERT OR REPLACE INTO work (job, idx, peer, at) VALUES (?, ?, ?, ?)",
+                [(job_id, idx, p, now) for p in set(peers)],
+            )
+
+    def forget_work(self, peer: str, since: float) -> dict[str, int]:
+        """Drop the results `peer` computed since `since` (Unix time), in jobs not cancelled
+        or failed: {job: microbatches dropped}."""
+        with self.db:
+            self.db.execute("BEGIN")
+            rows = self.db.execute(
+                "SELECT w.job, w.idx FROM work w JOIN jobs j ON j.id = w.job "
+                "WHERE w.peer = ? AND w.at >= ? AND j.state NOT IN ('cancelled', 'failed')",
+                (peer, since),
+            ).fetchall()
+            dropped: dict[str, int] = {}
+            for job, idx in rows:
+                self.db.execute("DELETE FROM results WHERE job = ? AND idx = ?", (job, idx))
+                self.db.execute("DELETE FROM work WHERE job = ? AND idx = ?", (job, idx))
+                dropped[job] = dropped.get(job, 0) + 1
+        return dropped
 
     def done_microbatches(self, job_id: str) -> set[int]:
         return {i for (i,) in self.db.execute("SELECT idx FROM results WHERE job = ?", (job_id,))}
@@ -292,6 +341,7 @@ class Store:
         return [(int(idx), json.loads(shape), bytes(data)) for idx, shape, data in rows]
 
     def delete_results(self, job_id: str) -> int:
+        self.db.execute("DELETE FROM work WHERE job = ?", (job_id,))
         cur = self.db.execute("DELETE FROM results WHERE job = ?", (job_id,))
         return cur.rowcount
 
@@ -308,6 +358,38 @@ class Store:
             (idx + 1, np.frombuffer(data, dtype=np.float64).tolist())
             for idx, _, data in self.results(job_id)
         ]
+
+    # ---- providers' reputation -------------------------------------------------------------
+
+    def put_reputation(
+        self,
+        peer: str,
+        checks: int,
+        agreed: int,
+        disagreed: int,
+        quarantined: float | None,
+        reason: str,
+    ) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO reputation (peer, checks, agreed, disagreed, quarantined, "
+            "reason) VALUES (?, ?, ?, ?, ?, ?)",
+            (peer, checks, agreed, disagreed, quarantined, reason),
+        )
+
+    def reputations(self) -> dict[str, dict[str, Any]]:
+        rows = self.db.execute(
+            "SELECT peer, checks, agreed, disagreed, quarantined, reason FROM reputation"
+        )
+        return {
+            peer: {
+                "checks": checks,
+                "agreed": agreed,
+                "disagreed": disagreed,
+                "quarantined": quarantined,
+                "reason": reason,
+            }
+            for peer, checks, agreed, disagreed, quarantined, reason in rows
+        }
 
     # ---- fine-tune snapshots and adapters --------------------------------------------------
 

@@ -43,6 +43,18 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--queue", choices=["fifo", "sjf-bsbf"], default="fifo")
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
     start.add_argument("--microbatch", type=int, default=32, help="sequences per microbatch")
+    start.add_argument(
+        "--verify-fraction",
+        type=float,
+        default=0.05,
+        help="share of stage tasks checked on a second provider (0: none, 1: all)",
+    )
+    start.add_argument(
+        "--verify-tolerance",
+        type=float,
+        default=1e-2,
+        help="relative tolerance of checked answers (of the largest magnitude)",
+    )
     start.add_argument("--json", action="store_true", help="print events as JSON lines")
     start.add_argument(
         "--max-body-mb", type=float, default=64, help="largest JSON request body (MiB)"
@@ -150,6 +162,9 @@ def start(args: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not 0 <= args.verify_fraction <= 1 or not args.verify_tolerance >= 0:
+        print("error: --verify-fraction is 0 to 1, --verify-tolerance at least 0", file=sys.stderr)
+        return 2
     cert = Path(args.tls_cert) if args.tls_cert else None
     key_file = Path(args.tls_key) if args.tls_key else None
     if args.tls_self_signed:
@@ -181,6 +196,8 @@ def start(args: argparse.Namespace) -> int:
         queue_policy=args.queue,
         replicas=args.replicas or None,
         microbatch=args.microbatch,
+        verify_fraction=args.verify_fraction,
+        verify_rtol=args.verify_tolerance,
         max_body_bytes=int(args.max_body_mb * 1024**2),
         api_keys=tuple(keys),
         tls_cert=cert,

@@ -36,6 +36,11 @@ def add_parsers(sub: Any) -> None:
     gen.add_argument("--model", help="the model (default: the broker's only decoder)")
     gen.add_argument("--timeout", type=float, default=30.0, help="per-step deadline, seconds")
     gen.add_argument("--adapter", help="a fine-tune job's id, or an adapter .safetensors file")
+    gen.add_argument(
+        "--verify",
+        action="store_true",
+        help="run every step also on a second provider and compare (shadow steps)",
+    )
     _client_options(gen)
     gen.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     gen.set_defaults(func=generate_cmd)
@@ -145,6 +150,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
                 stop=args.stop,
                 on_failover=failed,
                 adapter=args.adapter,
+                verify=args.verify,
             )
             start = time.perf_counter()
             async for piece in stream:
@@ -169,10 +175,19 @@ def generate_cmd(args: argparse.Namespace) -> int:
             ],
             "route": result.route,
         }
+        if args.verify:
+            out["checked"], out["unchecked"] = result.checked, result.unchecked
+            out["distrusted"] = result.distrusted
         print(json.dumps(out))
     else:
         rate = len(result.tokens) / seconds if seconds > 0 else 0.0
         print(f"[{len(result.tokens)} tokens, {rate:.1f}/s]", file=sys.stderr)
+        if args.verify:
+            print(
+                f"[{result.checked} stage steps checked on a second provider, "
+                f"{result.unchecked} could not be; distrusted: {result.distrusted or 'none'}]",
+                file=sys.stderr,
+            )
     return 0
 
 

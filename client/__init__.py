@@ -33,6 +33,7 @@ from client.errors import (
     RateLimitError,
     ServerError,
     UnavailableError,
+    VerificationError,
 )
 
 __all__ = [
@@ -57,4 +58,5 @@ __all__ = [
     "RateLimitError",
     "ServerError",
     "UnavailableError",
+    "VerificationError",
 ]

@@ -42,6 +42,7 @@ from client.errors import (
     GenerationError,
     JobFailed,
     JobTimeout,
+    UnavailableError,
     for_status,
 )
 from client.sampling import Sampler
@@ -145,6 +146,9 @@ class Generation:
     failovers: list[Failover] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # monotonic time of each token
     route: list[str] = field(default_factory=list)  # peer id per provider stage at the end
+    checked: int = 0  # with verify: stage steps a second provider's answer confirmed
+    unchecked: int = 0  # with verify: stage steps no second provider could check
+    distrusted: list[str] = field(default_factory=list)  # providers found wrong (quarantined)
 
 
 class GenerationStream:
@@ -384,6 +388,7 @@ class AsyncClient:
         stop: Sequence[str] = ...,
         on_failover: Callable[[Failover], None] | None = ...,
         adapter: str | Path | None = ...,
+        verify: bool = ...,
     ) -> GenerationStream: ...
 
     @overload
@@ -400,6 +405,7 @@ class AsyncClient:
         stop: Sequence[str] = ...,
         on_failover: Callable[[Failover], None] | None = ...,
         adapter: str | Path | None = ...,
+        verify: bool = ...,
     ) -> Awaitable[Generation]: ...
 
     def generate(
@@ -415,11 +421,15 @@ class AsyncClient:
         stop: Sequence[str] = (),
         on_failover: Callable[[Failover], None] | None = None,
         adapter: str | Path | None = None,
+        verify: bool = False,
     ) -> GenerationStream | Awaitable[Generation]:
         """Generate after `prompt` (text, or token ids). `temperature` 0 is greedy. With
         `stream=True` (default) returns a `GenerationStream` of text pieces; with
         `stream=False` an awaitable of the whole `Generation`. `adapter`: a fine-tune job's id
-        or a safetensors adapter file, applied by the providers for this generation."""
+        or a safetensors adapter file, applied by the providers for this generation.
+        `verify`: run every step also on a second provider holding the stage (a shadow step)
+        and compare; a provider whose answer the broker then finds wrong is replaced, and
+        `VerificationError` is raised when no one can be trusted."""
         if type(max_new_tokens) is not int or max_new_tokens < 1:
             raise ValueError("max_new_tokens must be a positive integer")
         if isinstance(stop, str):
@@ -427,7 +437,7 @@ class AsyncClient:
         sampler = Sampler(temperature, top_p, seed)  # checks their ranges
         result = Generation()
         pieces = self._generate(
-            prompt, max_new_tokens, sampler, model, stop, on_failover, result, adapter
+            prompt, max_new_tokens, sampler, model, stop, on_failover, result, adapter, verify
         )
         if stream:
             return GenerationStream(pieces, result)
@@ -449,6 +459,7 @@ class AsyncClient:
         on_failover: Callable[[Failover], None] | None,
         result: Generation,
         adapter: str | Path | None = None,
+        verify: bool = False,
     ) -> AsyncIterator[str]:
         name = model or await self._default_model(decoder=True)
         client = await self.stages(name)
@@ -480,6 +491,7 @@ class AsyncClient:
             timeout=self.timeout,
             on_failover=failed,
             adapters=tensors,
+            verify=verify,
         )
         text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
         tokens = generate(session, ids, max_new_tokens, sampler, eos=client.eos)
@@ -503,6 +515,8 @@ class AsyncClient:
         finally:
             await tokens.aclose()
             result.route = [s.peer or "" for s in session.stages]
+            result.checked, result.unchecked = session.checked, session.unchecked
+            result.distrusted = sorted(session.distrusted)
             await session.close()
 
     async def _p2p(self) -> Any:
@@ -773,6 +787,38 @@ class HttpRouter:
 
     def lost(self, peer: str) -> asyncio.Event | None:
         return None  # the client learns of a dead provider from its own requests
+
+    async def checker(self, pos: int, avoid: set[str]) -> str | None:
+        host = await self.client._p2p()
+        body = {"stage": pos, "avoid": sorted(avoid), "check": True}
+        try:
+            out = await self.client._request("POST", f"/v1/models/{_quote(self.model)}/pick", body)
+        except UnavailableError:
+            return None  # no one else holds the stage
+        except FusionAIError as exc:
+            raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
+        peer: str = out["peer_id"]
+        if peer in host.connected_peers():
+            return peer
+        for addr in out["addrs"]:
+            try:
+                full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
+                await asyncio.wait_for(host.connect(full), min(10.0, self.client.timeout))
+                return peer
+            except Exception:  # any dial failure: try the next address
+                continue
+        return None
+
+    async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
+        try:
+            out = await self.client._request(
+                "POST",
+                f"/v1/providers/{_quote(peer)}/report",
+                {"reason": reason[:1000], "wrong_output": key},
+            )
+        except FusionAIError:
+            return False  # unresolved: the session raises VerificationError
+        return bool(out.get("quarantined"))
 
 
 class Client:

@@ -60,6 +60,11 @@ class GenerationError(FusionAIError):
     """A generation step could not be completed on any provider; the message says why."""
 
 
+class VerificationError(GenerationError):
+    """Two providers' answers to a step disagree and the broker found neither wrong: the
+    output cannot be trusted."""
+
+
 class JobFailed(FusionAIError):
     """A batch job ended without succeeding (failed or cancelled); `job` is its last state."""
 

@@ -26,9 +26,10 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from client.errors import GenerationError
+from client.errors import GenerationError, VerificationError
 from client.sampling import Sampler
 from client.stages import ClientStageError, ClientStages
+from ir.checks import agree
 from ir.manifest import StageInfo
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
 from proto.session import SESSION, SessionClose, SessionOpen, SessionOutput, SessionStep
@@ -52,6 +53,16 @@ class Router(Protocol):
         """Set when the broker declares `peer` lost, if this router can tell (else None)."""
         ...
 
+    async def checker(self, pos: int, avoid: set[str]) -> str | None:
+        """Another provider holding stage `pos` (serving it or standing by), not in `avoid`,
+        to check answers with; None if there is none."""
+        ...
+
+    async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
+        """`peer`'s answer disagreed with another provider's: the broker probes it. True if
+        it is now quarantined (its answers are not to be used)."""
+        ...
+
 
 T = TypeVar("T")
 
@@ -64,6 +75,7 @@ class _Stage:
     sid: str | None = None  # the session id open on `peer` (None: open one first)
     opens: int = 0  # sessions opened for this stage so far (each gets a fresh id)
     history: list[dict[str, Array]] = field(default_factory=list)  # inputs of past steps
+    shadow: tuple[str, str] | None = None  # (peer, session id) of the shadow session
 
 
 class GenerationSession:
@@ -80,6 +92,9 @@ class GenerationSession:
         max_attempts: int = 5,
         on_failover: Callable[[int, str, str], None] | None = None,
         adapters: Mapping[str, Array] | None = None,
+        verify: bool = False,
+        rtol: float = 1e-2,
+        atol: float = 1e-3,
     ) -> None:
         provider = [s for s in stages.manifest.stages if s.placement == "provider"]
         if len(provider) != len(keys):
@@ -100,6 +115,12 @@ class GenerationSession:
         self.past = 0  # tokens fed so far
         self.failovers = 0
         self.abandoned: list[tuple[str, str, str]] = []  # (peer, stage key, session id)
+        # Shadow steps: each stage's step also runs on a second provider and the answers are
+        # compared; a provider the broker then finds wrong is not used again.
+        self.verify, self.rtol, self.atol = verify, rtol, atol
+        self.checked = 0  # stage steps whose answer a second provider confirmed
+        self.unchecked = 0  # stage steps no second provider could check
+        self.distrusted: set[str] = set()
 
     async def feed(self, tokens: Sequence[int]) -> Array:
         """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
@@ -111,15 +132,91 @@ class GenerationSession:
             feeds: dict[str, Array] = {"hidden_states": hidden}
             if "position_ids" in names:
                 feeds["position_ids"] = positions
-            hidden = await self._step(pos, stage, feeds, self.past + ids.shape[1])
+            expect = self.past + ids.shape[1]
+            if self.verify:
+                hidden = await self._checked_step(pos, stage, feeds, expect)
+            else:
+                hidden = await self._step(pos, stage, feeds, expect)
             stage.history.append(feeds)
         self.past += ids.shape[1]
         logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
         return np.asarray(logits[0, -1], dtype=np.float32)
 
+    async def _checked_step(
+        self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int
+    ) -> Array:
+        """A step run on the stage's provider and, at the same time, on a shadow session on
+        a second one. Disagreeing answers go to the broker, which probes the provider; one
+        it quarantines is replaced (history replayed) and the step run again."""
+        hidden: Array | None = None
+        second: Array | None = None
+        for _ in range(self.max_attempts):  # (each time: what is not known yet)
+            hidden, second = await asyncio.gather(
+                self._step(pos, stage, feeds, expect) if hidden is None else _known(hidden),
+                self._shadow_step(pos, stage, feeds, expect) if second is None else _known(second),
+            )
+            assert hidden is not None
+            if second is None:
+                self.unchecked += 1
+                return hidden
+            ok, diff = agree(hidden, second, self.rtol, self.atol)
+            if ok:
+                self.checked += 1
+                return hidden
+            assert stage.peer is not None and stage.shadow is not None
+            peers = (stage.peer, stage.shadow[0])
+            why = f"answers for {stage.key} differ by {diff:.3g} between {peers[0]} and {peers[1]}"
+            log.warning("session %s: %s", self.id, why)
+            wrong = [p for p in peers if await self.router.distrust(pos, stage.key, p, why)]
+            if not wrong:
+                raise VerificationError(f"{why}, and the broker's probes found neither wrong")
+            self.distrusted.update(wrong)
+            if peers[0] in wrong:
+                self._abandon(stage)
+                stage.peer, hidden = None, None
+            if peers[1] in wrong:
+                self._drop_shadow(stage)
+                second = None
+        raise VerificationError(f"stage {stage.key}: no two providers agreed")
+
+    async def _shadow_step(
+        self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int
+    ) -> Array | None:
+        """The step on the stage's shadow session (opened, with the history replayed, on a
+        provider other than the one serving it); None when no one can check it."""
+        if stage.shadow is not None and stage.shadow[0] == stage.peer:
+            self._drop_shadow(stage)  # the primary moved to it: a check needs another
+        try:
+            if stage.shadow is None:
+                avoid = self.distrusted | ({stage.peer} if stage.peer else set())
+                peer = await self.router.checker(pos, avoid)
+                if peer is None:
+                    return None
+                stage.opens += 1
+                sid = f"{self.id}.{stage.opens}"
+                await self._call(peer, self._opening(stage, sid, check=True))
+                stage.shadow = (peer, sid)
+                if stage.history:
+                    await self._request(stage, peer, _joined(stage.history), sid)
+            peer, sid = stage.shadow
+            out = await self._request(stage, peer, feeds, sid)
+            hidden = out.outputs.get("hidden_states_out")
+            if out.past_len != expect or hidden is None:
+                raise _Mismatch(f"its shadow session holds {out.past_len}, not {expect}")
+            return hidden.to_numpy()
+        except (RemoteError, RequestTimeout, P2PError, _Lost, _Mismatch, ValueError) as exc:
+            log.info("session %s: no shadow step for %s (%s)", self.id, stage.key, exc)
+            self._drop_shadow(stage)
+            return None
+
+    def _drop_shadow(self, stage: _Stage) -> None:
+        if stage.shadow is not None:
+            self.abandoned.append((stage.shadow[0], stage.key, stage.shadow[1]))
+            stage.shadow = None
+
     async def _step(self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int) -> Array:
         """Run one step of `stage`; the provider must then hold `expect` tokens of context."""
-        avoid: set[str] = set()
+        avoid: set[str] = set(self.distrusted)
         failures = 0
         busy_until: float | None = None
         while True:
@@ -178,26 +275,26 @@ class GenerationSession:
         replacement); only a session whose replay succeeded is used."""
         stage.opens += 1
         sid = f"{self.id}.{stage.opens}"
-        mine = {
-            name: Tensor.from_numpy(self.adapters[name])
-            for a in stage.info.adapters
-            for name in (a.a_input, a.b_input)
-            if name in self.adapters
-        }
-        await self._call(peer, SessionOpen(session=sid, stage=stage.key, adapters=mine))
+        await self._call(peer, self._opening(stage, sid))
         try:
             if stage.history:
-                replay = {
-                    name: np.concatenate([h[name] for h in stage.history], axis=1)
-                    for name in stage.history[0]
-                }
-                out = await self._request(stage, peer, replay, sid)
+                out = await self._request(stage, peer, _joined(stage.history), sid)
                 if out.past_len != self.past:
                     raise _Mismatch(f"after the replay it holds {out.past_len}, not {self.past}")
         except BaseException:
             self.abandoned.append((peer, stage.key, sid))
             raise
         stage.sid = sid
+
+    def _opening(self, stage: _Stage, sid: str, check: bool = False) -> SessionOpen:
+        """The open of session `sid` on a stage, with the session's adapter."""
+        mine = {
+            name: Tensor.from_numpy(self.adapters[name])
+            for a in stage.info.adapters
+            for name in (a.a_input, a.b_input)
+            if name in self.adapters
+        }
+        return SessionOpen(session=sid, stage=stage.key, adapters=mine, check=check)
 
     async def _request(
         self, stage: _Stage, peer: str, feeds: dict[str, Array], sid: str | None = None
@@ -231,6 +328,7 @@ class GenerationSession:
         gone has dropped them)."""
         for stage in self.stages:
             self._abandon(stage)
+            self._drop_shadow(stage)
         todo, self.abandoned = self.abandoned, []
 
         async def one(peer: str, key: str, sid: str) -> None:
@@ -242,6 +340,15 @@ class GenerationSession:
                 pass
 
         await asyncio.gather(*(one(*t) for t in todo))
+
+
+async def _known(value: T) -> T:
+    return value
+
+
+def _joined(history: list[dict[str, Array]]) -> dict[str, Array]:
+    """A stage's past steps as one step (a replay)."""
+    return {name: np.concatenate([h[name] for h in history], axis=1) for name in history[0]}
 
 
 async def unless_lost(request: Awaitable[T], lost: asyncio.Event) -> asyncio.Future[T] | None:

@@ -75,7 +75,7 @@ class ModelManifest(msgspec.Struct, frozen=True):
             manifest = msgspec.json.decode(data, type=cls)
         except msgspec.ValidationError as exc:
             raise ManifestError(f"invalid manifest: {exc}") from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise ManifestError(f"manifest is not valid JSON: {exc}") from None
         if manifest.format != FORMAT:
             raise ManifestError(f"not a model manifest (format {manifest.format!r})")

@@ -12,6 +12,7 @@ class Forward(Message, frozen=True, tag="Forward/1"):
     stage: str  # stage key
     inputs: dict[str, Tensor]  # graph input name -> tensor
     training: bool = False  # training work yields to inference when the queue is full
+    check: bool = False  # a spot check of another provider's answer: a standby stage answers it
 
 
 class ForwardResult(Message, frozen=True, tag="ForwardResult/1"):

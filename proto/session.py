@@ -21,6 +21,7 @@ class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
     batch: int = 1
     # a LoRA adapter (the stage's adapter inputs, A and B) applied to every step
     adapters: dict[str, Tensor] = msgspec.field(default_factory=dict)
+    check: bool = False  # a shadow session checking another provider: a standby stage serves it
 
 
 class SessionStep(Message, frozen=True, tag="SessionStep/1"):

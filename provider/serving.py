@@ -68,6 +68,7 @@ class _Session:
     batch: int
     cache: dict[str, Array]
     adapters: dict[str, Array] = field(default_factory=dict)
+    check: bool = False  # a shadow session: it may run on a standby stage
     past_len: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -164,11 +165,12 @@ class Server:
             stage.role = "active"
             return True
 
-    def _stage(self, key: str) -> LoadedStage:
+    def _stage(self, key: str, check: bool = False) -> LoadedStage:
+        """The stage `key`, if it serves (or, for a spot check, stands by) here."""
         stage = self.stages.get(key)
         if stage is None:
             raise Refused(ErrorCode.NOT_FOUND, f"stage {key!r} is not loaded here")
-        if stage.role != "active":
+        if stage.role != "active" and not check:
             raise Refused(ErrorCode.REFUSED, f"stage {key!r} is on standby here, not serving")
         return stage
 
@@ -256,7 +258,7 @@ class Server:
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, peer: str, request: Forward) -> ForwardResult:
-        stage = self._stage(request.stage)
+        stage = self._stage(request.stage, request.check)
         if stage.cache_inputs:
             raise Refused(
                 ErrorCode.REFUSED,
@@ -289,7 +291,7 @@ class Server:
     def _open(self, peer: str, request: SessionOpen) -> SessionOpened:
         if not 1 <= len(request.session) <= MAX_SESSION_ID:
             raise Refused(ErrorCode.REFUSED, f"a session id has 1 to {MAX_SESSION_ID} characters")
-        stage = self._stage(request.stage)
+        stage = self._stage(request.stage, request.check)
         if not stage.cache_inputs:
             raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
         if not 1 <= request.batch <= 1024:
@@ -324,7 +326,9 @@ class Server:
                 )
             if key in self.sessions:
                 raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
-            self.sessions[key] = _Session(peer, request.stage, request.batch, cache, adapters)
+            self.sessions[key] = _Session(
+                peer, request.stage, request.batch, cache, adapters, check=request.check
+            )
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
@@ -336,7 +340,7 @@ class Server:
                 f"no session {request.session!r} here (never opened, closed, or expired after "
                 f"{self.idle_timeout_s:g} s idle): open it again and replay its history",
             )
-        stage = self._stage(session.stage)
+        stage = self._stage(session.stage, session.check)
         sent_cache = [n for n in request.inputs if n.startswith("past_")]
         if sent_cache:
             raise Refused(ErrorCode.REFUSED, f"the provider keeps {sent_cache} itself")

@@ -19,16 +19,19 @@ function renderProviders(providers) {
   const rows = providers.map((p) => {
     pools[p.pool] = (pools[p.pool] || 0) + 1;
     const gflops = Object.entries(p.flops || {}).map(([k, v]) => `${k} ${(v / 1e9).toFixed(0)}`).join(", ");
-    const health = p.pool === "dead" ? "lost" : p.flapping ? "flapping" : `seen ${p.last_seen_s.toFixed(1)} s ago`;
+    const r = p.reputation || {};
+    const health = r.quarantined ? "quarantined" : p.pool === "dead" ? "lost" : p.flapping ? "flapping" : `seen ${p.last_seen_s.toFixed(1)} s ago`;
+    const checks = r.quarantined ? `quarantined: ${r.reason}` : r.checks ? `${r.agreed}/${r.checks} agreed` : "none yet";
     return `<tr data-peer="${esc(p.peer_id)}" data-pool="${esc(p.pool)}">
       <td class="peer" title="${esc(p.peer_id)}">${esc(short(p.peer_id))}</td>
       <td class="pool" data-pool="${esc(p.pool)}">${esc(p.pool)}</td>
       <td>${esc(p.hardware)}</td><td>${esc(p.executor || "")}</td><td>${esc(gflops)}</td>
       <td>${bytes(p.memory_bytes)}</td>
       <td>${p.queued} queued${p.kv_bytes ? ", KV " + bytes(p.kv_bytes) : ""}</td>
-      <td>${esc(health)}</td><td>${esc((p.loaded || []).join(", "))}</td></tr>`;
+      <td class="health">${esc(health)}</td><td class="checks">${esc(checks)}</td>
+      <td>${esc((p.loaded || []).join(", "))}</td></tr>`;
   });
-  $("#providers tbody").innerHTML = rows.join("") || `<tr><td colspan="9" class="muted">no providers have joined</td></tr>`;
+  $("#providers tbody").innerHTML = rows.join("") || `<tr><td colspan="10" class="muted">no providers have joined</td></tr>`;
   $("#pools").textContent = Object.entries(pools).map(([k, v]) => `${v} ${k}`).join(" · ");
 }
 

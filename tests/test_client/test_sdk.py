@@ -241,3 +241,35 @@ def local_greedy_ids(package: Path, prompt: list[int], steps: int) -> list[int]:
     executors = [OrtExecutor(pkg.models[s.index]) for s in pkg.manifest.stages]
     out: list[int] = LocalPipeline(pkg.manifest, executors).generate_greedy(prompt, steps)
     return out
+
+
+async def test_shadow_steps_catch_a_wrong_provider_and_generation_stays_exact(
+    broker: Spawner, provider: Spawner, llama_package: Path, tmp_path: Path
+) -> None:
+    """One of four providers adds 1 to every output. With `verify=True` each stage's step
+    also runs on the stage's other holder; the disagreement is reported, the broker's own
+    probe finds the wrong provider and quarantines it, and the tokens equal the local run."""
+    from client import AsyncClient
+
+    steps = 8
+    tokens, _ = local_greedy(llama_package, PROMPT, steps)
+    b: BrokerProc = broker("--verify-fraction", "0")
+    procs = start_providers(b, provider, ("--fault", "wrong-output"), (), (), ())
+    bad = next(iter(procs))
+    add_model(b.http, llama_package)
+    route = wait_ready(b.http, "tiny-llama", backups=1)  # every stage has a second holder
+    assert any(bad in peers_of(s) or bad in s["backups"] for s in route["stages"])
+    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=20) as fa:
+        result = await fa.generate(PROMPT, steps, stream=False, verify=True)
+        assert result.tokens == tokens
+        assert result.distrusted == [bad]
+        assert result.checked >= steps  # (a stage's steps before the first disagreement)
+        assert bad not in result.route
+        caught = b.proc.wait_for("provider_quarantined", lambda e: e["peer"] == bad, timeout=10)
+        assert "probe" in caught["reason"]
+        _, out = api(b.http, "GET", "/v1/providers")
+        assert [q["peer_id"] for q in out["quarantined"]] == [bad]
+        # Without verify, the repaired route gives the same tokens.
+        again = await fa.generate(PROMPT, steps, stream=False)
+        assert again.tokens == tokens and bad not in again.route
+    procs[bad].wait_for("join_refused", lambda e: "quarantined" in e["reason"], timeout=30)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -204,6 +205,9 @@ async def test_a_backup_stands_by_until_promoted(
         await client.connect(addr)
         with pytest.raises(RemoteError, match="standby"):
             await client.request(peer, FORWARD, request)
+        # A spot check of another provider's answer is the one thing a standby stage runs.
+        checked = await client.request(peer, FORWARD, msgspec.structs.replace(request, check=True))
+        assert checked.outputs["hidden_states_out"].shape == (1, 3, 384)
         mark = broker.mark()
         broker.send({"cmd": "promote", "peer": peer, "key": "minilm/1"})
         assert broker.wait_for("assign_ack", since=mark)["accepted"]

@@ -1,0 +1,114 @@
+"""Spot checks: a provider that answers wrongly is caught, quarantined, refused when it joins
+again, and its recent work is redone; the comparison and the sampling, unit by unit."""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker.config import BrokerConfig
+from ir.checks import agree
+from tests.procs import sample_texts as texts
+from tests.test_broker.conftest import (
+    BrokerProc,
+    add_model,
+    api,
+    free_port,
+    local_embeddings,
+    pools,
+    wait_job,
+    wait_ready,
+    wait_until,
+)
+from tests.test_broker.test_service import gone, peer_of, results
+
+Spawner = Callable[..., Any]
+FRACTION = 0.25  # one stage task in four is checked: a wrong provider is caught within 4
+
+
+def test_agree_uses_a_tolerance_relative_to_the_reference() -> None:
+    ref = np.array([[10.0, -0.001], [3.0, 0.0]], dtype=np.float32)
+    assert agree(ref + 0.05, ref, rtol=1e-2, atol=1e-3) == (True, pytest.approx(0.05, rel=1e-4))
+    assert not agree(ref + 1, ref, rtol=1e-2, atol=1e-3)[0]  # the wrong-output fault
+    assert agree(ref, ref.reshape(4, 1), 1e-2, 1e-3) == (False, math.inf)
+    nan = ref.copy()
+    nan[0, 0] = np.nan
+    assert agree(nan, ref, 1e-2, 1e-3) == (False, math.inf)
+    assert agree(nan, nan, 1e-2, 1e-3)[0]  # the same non-finite values in the same places
+    assert agree(np.zeros((0, 3)), np.zeros((0, 3)), 0.0, 0.0) == (True, 0.0)
+
+
+def test_one_task_in_every_1_over_fraction_is_checked(tmp_path: Path) -> None:
+    from broker.verify import Verifier
+
+    v = Verifier.__new__(Verifier)  # only the sampling: no store or registry needed
+    v.config = BrokerConfig(data_dir=tmp_path, verify_fraction=FRACTION)
+    v.phase = {}
+    due = [i for i in range(400) if v.due("m/1")]
+    assert len(due) == 100
+    assert max(b - a for a, b in zip([-1, *due], due, strict=False)) <= 4
+    v.config = BrokerConfig(data_dir=tmp_path, verify_fraction=0.0)
+    assert not any(v.due("m/2") for _ in range(100))
+
+
+@pytest.mark.timeout(300)
+def test_wrong_output_provider_is_caught_quarantined_and_its_work_redone(
+    broker: Spawner, provider: Spawner, minilm_package: Path, tmp_path: Path
+) -> None:
+    port, data = free_port(), tmp_path / "broker-data"
+    b: BrokerProc = broker("--verify-fraction", "0", data_dir=data, port=port)
+    bad = provider(b.addr, "--fault", "wrong-output")
+    good = provider(b.addr)
+    bad_id, good_id = peer_of(bad), peer_of(good)
+    wait_until("two providers", lambda: set(pools(b.http)) == {bad_id, good_id})
+    add_model(b.http, minilm_package)
+    route = wait_ready(b.http, "minilm")
+    assert bad_id in {p["peer_id"] for s in route["stages"] for p in s["providers"]}
+
+    # Unchecked, the wrong answers go through: a job finishes with wrong embeddings.
+    first = texts(8)
+    want_first = local_embeddings(minilm_package, first)
+    _, early = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": first})
+    assert wait_job(b.http, early["id"])["state"] == "succeeded"
+    assert np.abs(results(b.http, early["id"]) - want_first).max() > 0.01
+
+    # The same broker with spot checks on. No other provider holds the wrong one's stage:
+    # the broker itself gives the second opinion.
+    b.proc.signal(signal.SIGTERM)
+    assert gone(b.proc)
+    b = broker("--verify-fraction", str(FRACTION), data_dir=data, port=port)
+    route = wait_ready(b.http, "minilm")
+    assert bad_id in {p["peer_id"] for s in route["stages"] for p in s["providers"]}
+    batch = texts(32)
+    _, job = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": batch, "microbatch": 2})
+
+    caught = b.proc.wait_for("provider_quarantined", lambda e: e["peer"] == bad_id, timeout=120)
+    assert caught["caught_at"] <= math.ceil(1 / FRACTION), caught  # within 4 of its answers
+    assert "differs from the broker's" in caught["reason"]
+    assert early["id"] in caught["redo"]  # its finished work is redone too
+    done = wait_job(b.http, job["id"])
+    assert done["state"] == "succeeded", done
+    want = local_embeddings(minilm_package, batch)
+    assert np.abs(results(b.http, job["id"]) - want).max() <= 1e-4
+    b.proc.wait_for("job_redo", lambda e: e["job"] == early["id"], timeout=10)
+    assert wait_job(b.http, early["id"])["state"] == "succeeded"
+    assert np.abs(results(b.http, early["id"]) - want_first).max() <= 1e-4
+
+    # Reputation in the API: the wrong one quarantined with its reason, the others trusted.
+    _, out = api(b.http, "GET", "/v1/providers")
+    assert [q["peer_id"] for q in out["quarantined"]] == [bad_id]
+    rep = {p["peer_id"]: p["reputation"] for p in out["providers"]}
+    assert rep[bad_id]["quarantined"] and rep[bad_id]["disagreed"] >= 1
+    assert not rep[good_id]["quarantined"] and rep[good_id]["disagreed"] == 0
+    assert rep[good_id]["agreed"] >= 1  # its stage was checked too, and agreed
+    # It is out of the pool (the good one serves both stages now) and refused when it tries
+    # to join again.
+    assert pools(b.http).get(bad_id) in (None, "dead")
+    refused = bad.wait_for("join_refused", lambda e: "quarantined" in e["reason"], timeout=30)
+    assert "differs" in refused["reason"]
