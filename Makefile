@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow lint demo bench constraints clean browser
+.PHONY: install test test-slow lint demo bench chaos constraints clean browser
 
 # torch first, pinned: the CPU wheel is local; an unpinned torch pulls several GB of CUDA.
 $(STAMP): pyproject.toml constraints.txt
@@ -33,6 +33,11 @@ browser:
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# A broker and 5 providers, 100 mixed jobs, providers killed and frozen, one broker restart:
+# prints a JSON summary; fails unless every job succeeded with single-process output.
+chaos: $(STAMP)
+	$(PY) -m tests.chaos --seed 1 --jobs 100
 
 demo: $(STAMP)
 	$(VENV)/bin/fusionai demo

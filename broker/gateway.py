@@ -18,6 +18,7 @@ import base64
 import contextlib
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -212,7 +213,7 @@ class BrokerRouter:
         plan = self.broker.serving.plans[self.model]
         key = self.broker.serving.unit_keys(plan)[pos]
         holders = self.broker.registry.holders(key, avoid)
-        return min(holders, key=lambda p: (self.load.get(p, 0), p)) if holders else None
+        return random.choice(holders) if holders else None  # unpredictable checkers
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
         self.broker.events.emit("provider_reported", peer=peer, stage=key, reason=reason)

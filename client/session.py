@@ -151,11 +151,17 @@ class GenerationSession:
         hidden: Array | None = None
         second: Array | None = None
         for _ in range(self.max_attempts):  # (each time: what is not known yet)
+            if stage.peer is None:  # known before the shadow picks a provider other than it
+                stage.peer = await self.router.pick(pos, set(self.distrusted))
             hidden, second = await asyncio.gather(
                 self._step(pos, stage, feeds, expect) if hidden is None else _known(hidden),
                 self._shadow_step(pos, stage, feeds, expect) if second is None else _known(second),
             )
             assert hidden is not None
+            if stage.shadow is not None and stage.shadow[0] == stage.peer:
+                self._drop_shadow(stage)  # the step failed over onto the checker: check again
+                second = None
+                continue
             if second is None:
                 self.unchecked += 1
                 return hidden

@@ -143,6 +143,8 @@ async def test_dashboard_lists_providers_and_updates_when_one_leaves(
         )
         assert "minilm/1" in route and "minilm/2" in route and "no route" not in route
         assert await page.eval("document.querySelectorAll('#events li').length") > 0
+        checks = f"document.querySelector('tr[data-peer=\"{peers[1]}\"] td.checks')?.textContent"
+        assert await page.eval(checks) == "none yet"  # its reputation: no answer checked yet
 
         procs[0].signal(signal.SIGKILL)  # one provider leaves: the page shows it lost
         shown = await page.wait(
