@@ -91,6 +91,9 @@ def check_graph(model: onnx.ModelProto, *, name: str, limits: Limits | None = No
     if len(nodes) > limits.max_nodes:
         raise TooLarge(f"{name} has {len(nodes)} nodes; the limit is {limits.max_nodes}")
     for node in nodes:
+        if not isinstance(node.op_type, str) or not isinstance(node.domain, str):
+            # (protobuf hands over invalid UTF-8 in these string fields as bytes)
+            raise CorruptModel(f"{name}: a node's operator or domain name is not valid text")
         if node.domain not in STANDARD_DOMAINS:
             raise ForbiddenOperator(
                 f"{name}: node {node.name or node.op_type!r} uses operator "

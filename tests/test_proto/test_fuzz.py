@@ -254,6 +254,14 @@ def test_the_onnx_seed_is_valid(tmp_path: Path) -> None:
     assert validate_onnx_file(path, sha256=None, package_dir=tmp_path).graph.node[0].op_type
 
 
+def test_an_operator_name_that_is_not_text_is_refused(tmp_path: Path) -> None:
+    """Found by the fuzzer: invalid UTF-8 in a node's op_type reached onnx.defs as bytes."""
+    path = tmp_path / "stage.onnx"
+    path.write_bytes(VALID_ONNX.replace(b"Relu", b"Re\xffu"))
+    with pytest.raises(IRError, match="not valid text"):
+        validate_onnx_file(path, sha256=None, package_dir=tmp_path)
+
+
 @given(data=damaged_onnx())
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_a_damaged_onnx_file_is_refused_with_an_ir_error(
