@@ -121,6 +121,7 @@ class Swarm:
     addr: str = ""
     http: str = ""
     port: int = 0
+    http_port: int = 0  # both fixed: the restarted broker is where clients left it
     providers: dict[int, Proc] = field(default_factory=dict)
     down: set[int] = field(default_factory=set)  # killed or frozen now
     kills: int = 0
@@ -134,8 +135,11 @@ class Swarm:
         from tests.test_broker.conftest import free_port
 
         self.port = self.port or free_port()
+        self.http_port = self.http_port or free_port()
         self.broker = Proc(
-            broker_command(self.root / "broker", port=self.port, heartbeat_s=0.5),
+            broker_command(
+                self.root / "broker", port=self.port, http_port=self.http_port, heartbeat_s=0.5
+            ),
             env={"FUSIONAI_THREADS": "1"},
         )
         started = self.broker.wait_for("broker_started", timeout=60)
@@ -259,7 +263,7 @@ def run_job(swarm: Swarm, refs: References, kind: str, rng: random.Random) -> Ou
         error = ""
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                out = fa.generate(prompt, GEN_TOKENS, stream=False, model=FT)
+                out = _retry(lambda: fa.generate(prompt, GEN_TOKENS, stream=False, model=FT))
             except FusionAIError as exc:
                 error = str(exc)
                 time.sleep(1.0)
