@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _resources() -> dict[str, object]:
+    gc.collect()  # garbage of earlier tests (e.g. their HTTP clients' sockets) closes first
     proc = psutil.Process()
     return {
         "threads": sorted(t.name for t in threading.enumerate()),
