@@ -216,9 +216,7 @@ class BrokerRouter:
         return random.choice(holders) if holders else None  # unpredictable checkers
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
-        self.broker.events.emit("provider_reported", peer=peer, stage=key, reason=reason)
-        await self.broker.jobs.verifier.probe(peer, self.model, pos)
-        return self.broker.jobs.verifier.quarantined(peer)
+        return (await self.broker.jobs.verifier.report(peer, self.model, pos, reason))[1]
 
 
 class Gateway:

@@ -340,14 +340,15 @@ def make_app(broker: Broker) -> web.Application:
         keys = serving.unit_keys(plan) if plan is not None else []
         if wrong not in keys:
             raise JobError("wrong_output", f"no provider stage {wrong!r}")
-        broker.events.emit("provider_reported", peer=peer, stage=wrong, reason=reason)
-        agreed = await broker.jobs.verifier.probe(peer, name, keys.index(wrong))
+        agreed, quarantined = await broker.jobs.verifier.report(
+            peer, name, keys.index(wrong), reason
+        )
         return web.json_response(
             {
                 "peer_id": peer,
                 "alive": broker.registry.alive(peer),
                 "probe_agreed": agreed,
-                "quarantined": broker.jobs.verifier.quarantined(peer),
+                "quarantined": quarantined,
             }
         )
 

@@ -150,7 +150,7 @@ class Verifier:
             good, d = agree(answer, referee, self.config.verify_rtol, self.config.verify_atol)
             self._count(p, good)
             if not good:
-                await self.quarantine(
+                self.quarantine(
                     p,
                     f"its answer for {key} differs from the broker's by {d:.3g} (tolerance "
                     f"{self.config.verify_atol:g} + {self.config.verify_rtol:g} x scale)",
@@ -170,11 +170,8 @@ class Verifier:
         holders.sort(key=lambda p: (state[p].status is not Status.BACKUP, random.random()))
         check = msgspec.structs.replace(msg, check=True)
         for other in holders[:2]:
-            call = await self.request(other, FORWARD, check)
-            if call is None:
-                continue
             try:
-                answer: ForwardResult = call.result()
+                answer: ForwardResult = await self._ask(other, FORWARD, check)
             except (RemoteError, RequestTimeout, P2PError) as exc:
                 log.info("a spot check on %s failed (%s); trying elsewhere", other, exc)
                 continue
@@ -256,13 +253,24 @@ class Verifier:
         self._probed[peer] = (time.monotonic(), good)
         self.events.emit("provider_probed", peer=peer, stage=key, agreed=good, diff=diff)
         if not good:
-            await self.quarantine(
+            self.quarantine(
                 peer,
                 f"its answer for {key} to the broker's probe differs from the broker's by "
                 f"{diff:.3g}",
                 self.answered[peer],
             )
         return good
+
+    async def report(
+        self, peer: str, model: str, pos: int, reason: str
+    ) -> tuple[bool | None, bool]:
+        """A client's shadow step disagreed with `peer`'s answer: probe it. Returns (the
+        probe's verdict, as `probe`; whether `peer` is quarantined now)."""
+        stored = self.models.models[model]
+        key = stored.unit_key(stored.units[pos])
+        self.events.emit("provider_reported", peer=peer, stage=key, reason=reason)
+        agreed = await self.probe(peer, model, pos)
+        return agreed, self.quarantined(peer)
 
     async def _ask(self, peer: str, spec: ProtocolSpec, msg: Message) -> Any:
         call = await self.request(peer, spec, msg)
@@ -282,7 +290,7 @@ class Verifier:
     def _save(self, peer: str, r: Reputation) -> None:
         self.store.put_reputation(peer, r.checks, r.agreed, r.disagreed, r.quarantined, r.reason)
 
-    async def quarantine(self, peer: str, reason: str, caught_at: int | None = None) -> None:
+    def quarantine(self, peer: str, reason: str, caught_at: int | None = None) -> None:
         """Take `peer` out of the pool for good and redo its recent work (`caught_at`: which
         of its answers since this broker started was found wrong)."""
         if self.quarantined(peer):

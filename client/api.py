@@ -755,26 +755,12 @@ class HttpRouter:
             if peer in tried and time.monotonic() < patience:
                 await asyncio.sleep(0.2)
                 continue
-            if peer in host.connected_peers():
+            reason = await _dial(host, peer, list(out["addrs"]), deadline)
+            if reason is None:
                 return peer
-            errors = []
-            addrs = list(out["addrs"])
-            for n, addr in enumerate(addrs):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                # an unreachable address must not use up the time the others need
-                cap = left if n == len(addrs) - 1 else min(left, 10.0)
-                try:
-                    full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
-                    await asyncio.wait_for(host.connect(full), cap)
-                    return peer
-                except Exception as exc:  # any dial failure: try the next
-                    errors.append(f"{addr}: {exc or type(exc).__name__}")
-            reason = "; ".join(errors) or "it has no addresses"
             await self.failed(pos, peer, f"cannot connect: {reason}")
             if peer in tried:  # the broker had no other: give it a moment to notice
-                await asyncio.sleep(min(0.5, max(left, 0)))
+                await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
             tried.add(peer)
 
     async def failed(self, pos: int, peer: str, reason: str) -> None:
@@ -798,16 +784,8 @@ class HttpRouter:
         except FusionAIError as exc:
             raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
         peer: str = out["peer_id"]
-        if peer in host.connected_peers():
-            return peer
-        for addr in out["addrs"]:
-            try:
-                full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
-                await asyncio.wait_for(host.connect(full), min(10.0, self.client.timeout))
-                return peer
-            except Exception:  # any dial failure: try the next address
-                continue
-        return None
+        deadline = time.monotonic() + self.client.timeout
+        return peer if await _dial(host, peer, list(out["addrs"]), deadline) is None else None
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
         try:
@@ -819,6 +797,27 @@ class HttpRouter:
         except FusionAIError:
             return False  # unresolved: the session raises VerificationError
         return bool(out.get("quarantined"))
+
+
+async def _dial(host: Any, peer: str, addrs: list[str], deadline: float) -> str | None:
+    """Connect to `peer` by the first of `addrs` that answers before `deadline` (monotonic);
+    None once connected, else why not."""
+    if peer in host.connected_peers():
+        return None
+    errors = []
+    for n, addr in enumerate(addrs):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        # an unreachable address must not use up the time the others need
+        cap = left if n == len(addrs) - 1 else min(left, 10.0)
+        try:
+            full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
+            await asyncio.wait_for(host.connect(full), cap)
+            return None
+        except Exception as exc:  # any dial failure: try the next
+            errors.append(f"{addr}: {exc or type(exc).__name__}")
+    return "; ".join(errors) or "it has no addresses"
 
 
 class Client:

@@ -220,7 +220,7 @@ class Swarm:
                 proc.stop()
 
 
-def _poll(swarm: Swarm, fa: Any, job_id: str) -> str:
+def _poll(fa: Any, job_id: str) -> str:
     """The job's final state ("lost" past the deadline), through broker restarts."""
     from client import FusionAIError
 
@@ -243,7 +243,7 @@ def run_job(swarm: Swarm, refs: References, kind: str, rng: random.Random) -> Ou
         if kind == "embed":
             picked = rng.sample(range(len(TEXTS)), 4)
             job = _retry(lambda: fa.submit({"model": EMBED, "texts": [TEXTS[i] for i in picked]}))
-            state = _poll(swarm, fa, job.id)
+            state = _poll(fa, job.id)
             if state != "succeeded":
                 return Outcome(kind, state, False, detail=fa.job(job.id).error or "")
             got = _retry(lambda: fa.results(job.id))
@@ -251,7 +251,7 @@ def run_job(swarm: Swarm, refs: References, kind: str, rng: random.Random) -> Ou
         if kind == "finetune":
             body = {"kind": "finetune", "model": FT, "texts": _sample_texts(), **FT_SETTINGS}
             job = _retry(lambda: fa.submit(body))
-            state = _poll(swarm, fa, job.id)
+            state = _poll(fa, job.id)
             if state != "succeeded":
                 return Outcome(kind, state, False, detail=fa.job(job.id).error or "")
             losses = [s.loss for s in _retry(lambda: fa.finetune_steps(job.id))]
@@ -360,6 +360,7 @@ def run_chaos(minilm: Path, llama: Path, root: Path, seed: int, jobs: int) -> di
         "generation_retries": sum(o.attempts - 1 for o in final),
         "by_kind": {k: kinds.count(k) for k in sorted(set(kinds))},
         "seconds": round(time.monotonic() - started, 1),
+        "timeline": swarm.log,  # the faults, in order (monotonic seconds)
         "problems": [
             {"job": n, "kind": o.kind, "state": o.state, "detail": o.detail[:300]}
             for n, o in enumerate(final)

@@ -5,7 +5,7 @@ every error is JSON that says what is wrong, and the broker stays up throughout.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +14,7 @@ from tests.procs import ROOT
 from tests.test_broker.conftest import BrokerProc, api
 
 schemathesis = pytest.importorskip("schemathesis")
+import requests  # noqa: E402  (a dependency of schemathesis)
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 SCHEMA = (
@@ -36,6 +37,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
         proc.stop()
 
 
+@pytest.fixture(scope="module")
+def http() -> Iterator[requests.Session]:
+    """One HTTP session for every generated request, closed at the end (no sockets left)."""
+    with requests.Session() as session:
+        yield session
+
+
 def _check(response: Any) -> None:
     what = f"{response.request.method} {response.request.url} -> {response.status_code}"
     assert response.status_code != 500, f"{what}: {response.text[:500]}"
@@ -55,8 +63,10 @@ def _check(response: Any) -> None:
     suppress_health_check=list(HealthCheck),
     derandomize=True,
 )
-def test_generated_requests_get_clear_answers(case: Any, live: BrokerProc) -> None:
-    response = case.call(base_url=live.http, timeout=30)
+def test_generated_requests_get_clear_answers(
+    case: Any, live: BrokerProc, http: requests.Session
+) -> None:
+    response = case.call(base_url=live.http, session=http, timeout=30)
     _check(response)
     if response.status_code >= 400 and case.method != "GET":
         assert live.proc.proc.poll() is None, "the broker died"
@@ -65,6 +75,3 @@ def test_generated_requests_get_clear_answers(case: Any, live: BrokerProc) -> No
 def test_the_broker_is_still_up_after_the_fuzzing(live: BrokerProc) -> None:
     status, out = api(live.http, "GET", "/healthz")
     assert status == 200 and out["ok"]
-
-
-Check = Callable[[Any], None]
