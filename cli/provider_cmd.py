@@ -30,6 +30,12 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     start.add_argument("--join-token", help="the broker's join token, if it requires one")
     start.add_argument("--drain", type=float, default=30.0, help="seconds to finish requests")
     start.add_argument("--max-queue", type=int, default=32, help="requests in flight at most")
+    start.add_argument(
+        "--compute-slots",
+        type=int,
+        default=1,
+        help="stage runs at once (default 1: one run already uses every core, or the GPU)",
+    )
     start.add_argument("--reprofile", action="store_true", help="measure the hardware again")
     start.add_argument("--json", action="store_true", help="print events as JSON lines")
     start.add_argument("--fault", help=argparse.SUPPRESS)  # tests: die-at-step=N, slow=MS, ...
@@ -84,7 +90,7 @@ def start(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for name in ("max_memory", "cache_size", "drain", "max_queue"):
+    for name in ("max_memory", "cache_size", "drain", "max_queue", "compute_slots"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
@@ -100,6 +106,7 @@ def start(args: argparse.Namespace) -> int:
         join_token=args.join_token,
         reprofile=args.reprofile,
         max_queue=args.max_queue,
+        compute_slots=args.compute_slots,
         fault=fault,
     )
     if args.json:

@@ -71,6 +71,7 @@ class ProviderConfig:
     reprofile: bool = False
     max_queue: int = 32
     per_peer: int = 8
+    compute_slots: int = 1  # stage runs at once (each uses every core, or the GPU)
     kv_budget_bytes: int | None = None  # None: a quarter of the memory budget
     idle_timeout_s: float = 300.0
     fault: Fault | None = None
@@ -110,6 +111,7 @@ class Provider:
             kv_budget_bytes=config.kv_budget_bytes or 1,
             idle_timeout_s=config.idle_timeout_s,
             fault=config.fault,
+            compute_slots=config.compute_slots,
         )
         self.cache = ArtifactCache(config.data_dir / "artifacts", config.cache_bytes)
         self.profile: MachineProfile | None = None
@@ -166,7 +168,13 @@ class Provider:
         now = now or asyncio.Event()
         if self.profile is None:
             await self.prepare()
-        config = HostConfig(listen=self.config.listen, data_dir=self.config.data_dir)
+        # Threads beyond the compute slots decode the next requests while a stage runs, and
+        # leave one free for a session step to wait in line ahead of queued batch work.
+        config = HostConfig(
+            listen=self.config.listen,
+            data_dir=self.config.data_dir,
+            compute_threads=self.config.compute_slots + 7,
+        )
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_read=60.0)
         )

@@ -54,7 +54,7 @@ from proto.train import (
     TrainUpdate,
     TrainUpdated,
 )
-from provider.serving import LoadedStage, Server
+from provider.serving import LoadedStage, Priority, Server
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]
@@ -264,18 +264,22 @@ class Training:
         with self.server._admit(peer, training=True) as number:
             self.server._apply_fault(number, request.stage)
             inputs = _arrays(request.inputs)
-            start = time.perf_counter()
-            out = run.trainer.forward(request.step, request.microbatch, inputs)
-            ms = (time.perf_counter() - start) * 1e3
+            with self.server.gate.slot(Priority.TRAINING):
+                start = time.perf_counter()
+                out = run.trainer.forward(request.step, request.microbatch, inputs)
+                ms = (time.perf_counter() - start) * 1e3
         return TrainOutput(output=Tensor.from_numpy(out), compute_ms=ms)
 
     def _backward(self, peer: str, run: _Run, request: TrainBackward) -> TrainOutput:
         with self.server._admit(peer, training=True) as number:
             self.server._apply_fault(number, request.stage)
             grad = _arrays({"grad": request.grad})["grad"]
-            start = time.perf_counter()
-            out = run.trainer.backward(request.step, request.microbatch, grad, request.input_grad)
-            ms = (time.perf_counter() - start) * 1e3
+            with self.server.gate.slot(Priority.TRAINING):
+                start = time.perf_counter()
+                out = run.trainer.backward(
+                    request.step, request.microbatch, grad, request.input_grad
+                )
+                ms = (time.perf_counter() - start) * 1e3
         return TrainOutput(output=None if out is None else Tensor.from_numpy(out), compute_ms=ms)
 
     # ---- shards (compute handler) ----------------------------------------------------------

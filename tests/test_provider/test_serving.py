@@ -30,7 +30,7 @@ from p2p import (
 )
 from proto.forward import FORWARD, Forward
 from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
-from provider.serving import Fault, LoadedStage, Server
+from provider.serving import ComputeGate, Fault, LoadedStage, Priority, Server
 from tests.procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
@@ -283,6 +283,73 @@ def test_a_full_queue_answers_busy_at_once(minilm_package: Path) -> None:
         server.forward("p2", training)
     assert refused.value.code == ErrorCode.BUSY
     slow.join()
+
+
+def _wait_for(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_compute_gate_runs_one_at_a_time_most_urgent_first() -> None:
+    gate = ComputeGate(1)
+    order: list[str] = []
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def run(name: str, priority: Priority) -> None:
+        nonlocal running, most
+        with gate.slot(priority):
+            with lock:
+                running += 1
+                most = max(most, running)
+            order.append(name)
+            time.sleep(0.01)
+            with lock:
+                running -= 1
+
+    threads = []
+    with gate.slot(Priority.FORWARD):  # busy: everyone below waits in line
+        for name, priority in [
+            ("train-1", Priority.TRAINING),
+            ("batch-1", Priority.FORWARD),
+            ("step-1", Priority.SESSION),
+            ("batch-2", Priority.FORWARD),
+            ("step-2", Priority.SESSION),
+        ]:
+            threads.append(threading.Thread(target=run, args=(name, priority)))
+            threads[-1].start()
+            n = len(threads)
+            _wait_for(lambda n=n: gate.waiting == n)
+    for t in threads:
+        t.join(5)
+    assert order == ["step-1", "step-2", "batch-1", "batch-2", "train-1"]
+    assert most == 1 and gate.waiting == 0
+    with pytest.raises(ValueError, match="slots"):
+        ComputeGate(0)
+
+
+def test_a_provider_runs_inference_before_queued_training_work(minilm_package: Path) -> None:
+    server = _server_with(minilm_package, 1, "m/1", max_queue=8, per_peer=8)
+    inputs = _tensors(_minilm_feeds(2, 0.0))
+    done: list[str] = []
+
+    def send(name: str, training: bool) -> None:
+        server.forward(name, Forward(stage="m/1", inputs=inputs, training=training))
+        done.append(name)
+
+    threads = []
+    with server.gate.slot(Priority.FORWARD):  # a stage run in progress
+        for name, training in [("trainer", True), ("client", False)]:
+            threads.append(threading.Thread(target=send, args=(name, training)))
+            threads[-1].start()
+            n = len(threads)
+            _wait_for(lambda n=n: server.gate.waiting == n)
+    for t in threads:
+        t.join(30)
+    assert done == ["client", "trainer"]
 
 
 def test_session_caches_stay_within_budget_and_expire(llama_package: Path) -> None:
