@@ -26,6 +26,8 @@ class BrokerConfig:
     max_attempts: int = 5  # tries of one microbatch before its job fails
     request_timeout_s: float = 60.0  # one stage request may take this long; seconds
     in_flight: int = 4  # microbatches of one job in the pipeline at once
+    relay: str = "chain"  # batch activations go provider to provider ("chain"), or each
+    # stage's there and back through the broker ("star")
     restart_grace_s: float | None = None  # after a restart, how long placed providers have to
     # re-join before they count as lost (None: one heartbeat timeout plus a heartbeat)
     event_log_size: int = 100_000  # events kept in the bounded log

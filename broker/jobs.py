@@ -43,9 +43,19 @@ from dag.builders import inference_pipeline
 from dag.cost import Workload
 from dag.tasks import TaskKind, task
 from dag.wire import from_json, to_json
-from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
+from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout, Tensor
 from p2p.codec import Message, ProtocolSpec
-from proto.forward import FORWARD, Forward, ForwardResult
+from proto.forward import (
+    FORWARD,
+    ROUTE_DOMAIN,
+    ChainAccepted,
+    ChainBroken,
+    ChainResult,
+    Forward,
+    ForwardResult,
+    Hop,
+    route_bytes,
+)
 
 log = logging.getLogger("fusionai.broker")
 Array = np.ndarray[Any, Any]
@@ -151,9 +161,12 @@ class JobRunner:
         self.models_of: dict[str, str] = {}  # running job -> its model
         self.clients: dict[str, ClientStages] = {}
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
+        # chained requests waiting for their result: chain id -> (last hop, its outputs)
+        self.chains: dict[str, tuple[str, asyncio.Future[dict[str, Tensor]]]] = {}
         self.interactive: dict[str, int] = {}  # embedding requests and sessions per model
         self._wake = asyncio.Event()
-        self.on_stage: Callable[[str, float], None] = lambda model, seconds: None  # metrics
+        # metrics: (model, seconds, "chain" or "direct") per stage task answered
+        self.on_stage: Callable[[str, float, str], None] = lambda model, seconds, relay: None
         serving.busy = self.busy
         self.verifier = Verifier(config, store, events, serving.registry, models, self._check)
         self.verifier.on_quarantine = self._redo
@@ -618,7 +631,11 @@ class JobRunner:
     ) -> Array:
         values: dict[str, dict[str, Array]] = {}
         result: Array | None = None
-        for node in nx.topological_sort(graph):
+        order = list(nx.topological_sort(graph))
+        n = 0
+        while n < len(order):
+            node = order[n]
+            n += 1
             t = task(graph, node)
             inputs = {
                 e["into"]: values[src][e["tensor"]] for src, _, e in graph.in_edges(node, data=True)
@@ -629,7 +646,16 @@ class JobRunner:
                 values[node] = {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
             elif t.kind is TaskKind.FORWARD:
                 assert t.stage is not None
-                hidden = await self._forward(job, t.stage, inputs["hidden"], mask, avoid, used)
+                stages = [t.stage]  # with the FORWARD tasks that directly follow it
+                while n < len(order) and graph.has_edge(node, order[n]):
+                    after = task(graph, order[n])
+                    if after.kind is not TaskKind.FORWARD or graph.in_degree(order[n]) != 1:
+                        break
+                    assert after.stage is not None
+                    stages.append(after.stage)
+                    node = order[n]
+                    n += 1
+                hidden = await self._stages(job, stages, inputs["hidden"], mask, avoid, used)
                 values[node] = {"hidden": hidden}
             elif t.kind is TaskKind.HEAD:
                 result = await asyncio.to_thread(client.head, inputs["hidden"], mask)
@@ -639,13 +665,153 @@ class JobRunner:
             raise JobFailed("the job graph has no head task")
         return np.ascontiguousarray(result, dtype=np.float32)
 
-    async def _forward(
-        self, job: Ref, pos: int, hidden: Array, mask: Array, avoid: set[str], used: list[str]
+    async def _stages(
+        self,
+        job: Ref,
+        stages: list[int],
+        hidden: Array,
+        mask: Array,
+        avoid: set[str],
+        used: list[str],
     ) -> Array:
+        """Run consecutive stages: chained provider to provider, but for stages due a spot
+        check, whose input and output the broker must see (they run on their own)."""
+        model = self.models.models[job.model]
+        peers = [await self.pick(job, pos, avoid) for pos in stages]
+        tasks = []
+        for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
+            due = self.verifier.due(model.unit_key(model.units[pos]))
+            self.verifier.answered[peer] = nth = self.verifier.answered.get(peer, 0) + 1
+            tasks.append((pos, peer, nth if due else 0))
+        run: list[tuple[int, str]] = []
+        for pos, peer, nth in tasks:
+            if nth or self.config.relay == "star":
+                if run:
+                    hidden = await self._chain(job, run, hidden, mask, used)
+                    run = []
+                hidden = await self._forward(job, pos, peer, hidden, mask, used, nth)
+            else:
+                run.append((pos, peer))
+        if len(run) == 1:
+            return await self._forward(job, run[0][0], run[0][1], hidden, mask, used, 0)
+        if run:
+            hidden = await self._chain(job, run, hidden, mask, used)
+        return hidden
+
+    async def _chain(
+        self, job: Ref, hops: list[tuple[int, str]], hidden: Array, mask: Array, used: list[str]
+    ) -> Array:
+        """Stages as one chained request along `hops` (stage, provider): the activations go
+        from provider to provider, and the last pushes the result here (`on_chain_result`)."""
+        model = self.models.models[job.model]
+        stages = [pos for pos, _ in hops]
+        keys = [model.unit_key(model.units[pos]) for pos in stages]
+        peers = [peer for _, peer in hops]
+        used.extend(peers)
+        profiles = self.serving.registry.profiles
+        route = [
+            Hop(peer, key, list(profiles[peer].addrs) if peer in profiles else [])
+            for peer, key in zip(peers, keys, strict=True)
+        ]
+        chain = uuid.uuid4().hex
+        timeout = self.config.request_timeout_s * len(route)
+        expires = time.time() + timeout + 5.0
+        signature = self.host.identity.sign(route_bytes(chain, route, expires), domain=ROUTE_DOMAIN)
+        info = model.manifest.stages[model.units[stages[0]]]
+        names = {i.name for i in info.inputs}
+        feeds = {"hidden_states": hidden, "attention_mask": mask}
+        msg = Forward(
+            stage=keys[0],
+            inputs={k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names},
+            chain=chain,
+            route=route,
+            expires=expires,
+            signature=signature,
+        )
+        arrived: asyncio.Future[dict[str, Tensor]] = asyncio.get_running_loop().create_future()
+        self.chains[chain] = (peers[-1], arrived)
+        for peer in peers:
+            self.inflight[peer] = self.inflight.get(peer, 0) + 1
+        start = time.perf_counter()
+        try:
+            lost = [self.serving.registry.lost_event(p) for p in dict.fromkeys(peers)]
+            call = await unless_lost(
+                self.host.request(peers[0], FORWARD, msg, timeout=timeout), lost
+            )
+        finally:
+            del self.chains[chain]
+            for peer in peers:
+                self.inflight[peer] -= 1
+        if call is None:
+            gone = next(p for p in peers if self.serving.registry.lost_event(p).is_set())
+            raise _StageFailed(gone, keys[peers.index(gone)], "the provider was declared lost")
+        answer = await self._answer(call, peers[0], keys[0])
+        if isinstance(answer, ChainBroken):
+            peer = answer.peer or peers[-1]  # "": pushing the result here failed
+            key = answer.stage or keys[-1]
+            if answer.code == ErrorCode.BUSY:
+                await asyncio.sleep(BUSY_WAIT_S)
+                raise _StageFailed(peer, key, answer.reason, busy=True)
+            if answer.code in ("timeout", "unreachable"):
+                await self.serving.suspect(peer, f"a chained stage request failed: {answer.reason}")
+            else:
+                await self.serving.changed(0.5)
+            raise _StageFailed(peer, key, answer.reason)
+        if not arrived.done() or [h.peer for h in answer.hops] != peers:
+            raise _StageFailed(peers[-1], keys[-1], "the chain's result did not arrive whole")
+        elapsed = time.perf_counter() - start
+        work = _workload(hidden)
+        for hop in answer.hops:
+            self.serving.observe(hop.peer, job.model, work, hop.compute_ms / 1e3)
+        for _ in route:
+            self.on_stage(job.model, elapsed / len(route), "chain")
+        return self._hidden(arrived.result(), peers[-1], keys[-1])
+
+    async def on_chain_result(self, peer: str, msg: ChainResult) -> ChainAccepted:
+        """The last hop of a chain pushes its outputs here."""
+        waiting = self.chains.get(msg.chain)
+        if waiting is None or waiting[0] != peer:
+            raise Refused(ErrorCode.NOT_FOUND, "no chain of yours with that id is waiting here")
+        if not waiting[1].done():
+            waiting[1].set_result(msg.outputs)
+        return ChainAccepted(chain=msg.chain)
+
+    async def _answer(self, call: asyncio.Future[Any], peer: str, key: str) -> Any:
+        """A stage request's answer; a failure becomes `_StageFailed` (after a busy wait, a
+        liveness check of `peer`, or a moment for the route table to catch up)."""
+        try:
+            return call.result()
+        except RemoteError as exc:
+            if exc.code == ErrorCode.BUSY:  # full or leaving: wait, it is not a failure
+                await asyncio.sleep(BUSY_WAIT_S)
+                raise _StageFailed(peer, key, f"{exc.code}: {exc}", busy=True) from None
+            await self.serving.changed(0.5)  # e.g. promoted but not confirmed yet
+            raise _StageFailed(peer, key, f"{exc.code}: {exc}") from None
+        except RequestTimeout as exc:
+            await self.serving.suspect(peer, "a stage request timed out")
+            raise _StageFailed(peer, key, str(exc)) from None
+        except P2PError as exc:
+            await self.serving.suspect(peer, f"a stage request failed: {exc}")
+            raise _StageFailed(peer, key, str(exc)) from None
+
+    @staticmethod
+    def _hidden(outputs: dict[str, Tensor], peer: str, key: str) -> Array:
+        tensor = outputs.get("hidden_states_out")
+        if tensor is None:
+            raise _StageFailed(peer, key, "the answer has no hidden_states_out")
+        try:
+            return tensor.to_numpy()
+        except ValueError as exc:
+            raise _StageFailed(peer, key, f"a bad tensor: {exc}") from None
+
+    async def _forward(
+        self, job: Ref, pos: int, peer: str, hidden: Array, mask: Array, used: list[str], nth: int
+    ) -> Array:
+        """Stage `pos` on `peer`; `nth` (when not 0): check the answer, the `nth` task the
+        broker gave that provider."""
         model = self.models.models[job.model]
         key = model.unit_key(model.units[pos])
         info = model.manifest.stages[model.units[pos]]
-        peer = await self.pick(job, pos, avoid)
         used.append(peer)
         feeds = {"hidden_states": hidden, "attention_mask": mask}  # adapters: the provider's zeros
         names = {i.name for i in info.inputs}
@@ -660,39 +826,15 @@ class JobRunner:
             self.inflight[peer] -= 1
         if call is None:
             raise _StageFailed(peer, key, "the provider was declared lost")
-        try:
-            answer: ForwardResult = call.result()
-        except RemoteError as exc:
-            if exc.code == ErrorCode.BUSY:  # full or leaving: wait, it is not a failure
-                await asyncio.sleep(BUSY_WAIT_S)
-                raise _StageFailed(peer, key, f"{exc.code}: {exc}", busy=True) from None
-            await self.serving.changed(0.5)  # e.g. promoted but not confirmed yet
-            raise _StageFailed(peer, key, f"{exc.code}: {exc}") from None
-        except RequestTimeout as exc:
-            await self.serving.suspect(peer, "a stage request timed out")
-            raise _StageFailed(peer, key, str(exc)) from None
-        except P2PError as exc:
-            await self.serving.suspect(peer, f"a stage request failed: {exc}")
-            raise _StageFailed(peer, key, str(exc)) from None
+        answer = await self._answer(call, peer, key)
+        if not isinstance(answer, ForwardResult):
+            raise _StageFailed(peer, key, f"an unexpected {type(answer).__name__}")
         elapsed = time.perf_counter() - start
-        work = Workload(
-            tokens=int(hidden.shape[0] * hidden.shape[1]),
-            sequences=int(hidden.shape[0]),
-            context=int(hidden.shape[1]),
-            dtype="float32",
-        )
-        self.serving.observe(peer, job.model, work, answer.compute_ms / 1e3 or elapsed)
-        self.on_stage(job.model, elapsed)
-        self.verifier.answered[peer] = self.verifier.answered.get(peer, 0) + 1
-        tensor = answer.outputs.get("hidden_states_out")
-        if tensor is None:
-            raise _StageFailed(peer, key, "the answer has no hidden_states_out")
-        try:
-            out = tensor.to_numpy()
-        except ValueError as exc:
-            raise _StageFailed(peer, key, f"a bad tensor: {exc}") from None
-        if self.verifier.due(key):
-            out, used[-1] = await self.verifier.check(job.model, pos, key, peer, msg, out)
+        self.serving.observe(peer, job.model, _workload(hidden), answer.compute_ms / 1e3 or elapsed)
+        self.on_stage(job.model, elapsed, "direct")
+        out = self._hidden(answer.outputs, peer, key)
+        if nth:
+            out, used[-1] = await self.verifier.check(job.model, pos, key, peer, msg, out, nth)
         return out
 
     async def request_unless_lost(
@@ -763,6 +905,15 @@ class NotReady(Conflict):
 
 class JobFailed(Exception):
     """The job cannot go on; the message says why (it becomes the job's error)."""
+
+
+def _workload(hidden: Array) -> Workload:
+    return Workload(
+        tokens=int(hidden.shape[0] * hidden.shape[1]),
+        sequences=int(hidden.shape[0]),
+        context=int(hidden.shape[1]),
+        dtype="float32",
+    )
 
 
 class _StageFailed(Exception):

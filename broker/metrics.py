@@ -10,7 +10,8 @@ Each broker has its own collector registry, so several brokers can live in one p
     fusionai_model_stages_served{model}           provider stages with at least one route
     fusionai_job_outcomes_total{outcome}          finished jobs: succeeded, failed, cancelled
     fusionai_failovers_total{kind}                providers lost, microbatch retries, session moves
-    fusionai_stage_requests_total{model}          stage requests answered by providers
+    fusionai_stage_requests_total{model,relay}    stage tasks answered by providers (relay:
+                                                  "chain" from provider to provider, "direct")
     fusionai_stage_seconds{model}                 their latency (histogram)
     fusionai_generated_tokens_total{model}        tokens generated through /v1/completions
     fusionai_interactive_seconds{endpoint}        embeddings and completions latency (histogram)
@@ -82,7 +83,10 @@ class Metrics:
             registry=r,
         )
         self.stage_requests = Counter(
-            "fusionai_stage_requests", "Stage requests answered by providers", ["model"], registry=r
+            "fusionai_stage_requests",
+            "Stage tasks answered by providers",
+            ["model", "relay"],
+            registry=r,
         )
         self.stage_seconds = Histogram(
             "fusionai_stage_seconds", "Stage request latency", ["model"], buckets=FAST, registry=r
@@ -122,8 +126,8 @@ class Metrics:
     def failover(self, kind: str) -> None:
         self.failovers.labels(kind).inc()
 
-    def stage(self, model: str, seconds: float) -> None:
-        self.stage_requests.labels(model).inc()
+    def stage(self, model: str, seconds: float, relay: str) -> None:
+        self.stage_requests.labels(model, relay).inc()
         self.stage_seconds.labels(model).observe(seconds)
 
     def tokens(self, model: str, n: int) -> None:

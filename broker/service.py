@@ -33,6 +33,7 @@ from broker.serving import Serving
 from broker.store import Store
 from p2p import Host, HostConfig
 from proto.assign import STAGE_STATUS
+from proto.forward import CHAIN
 from proto.heartbeat import HEARTBEAT
 from proto.join import JOIN
 from proto.ping import PING, Ping, Pong
@@ -102,6 +103,7 @@ class Broker:
         self.host.add_control_handler(HEARTBEAT, self.registry.on_heartbeat)
         self.host.add_control_handler(STAGE_STATUS, self.serving.on_status)
         self.host.add_control_handler(PING, self._on_ping)
+        self.host.add_control_handler(CHAIN, self.jobs.on_chain_result)
         self._restore()
         self._tasks = [
             asyncio.create_task(self.registry.tick(self._stop)),

@@ -98,7 +98,7 @@ class Verifier:
             p: r.reason for p, r in self.reputation.items() if r.quarantined is not None
         }
         self.phase: dict[str, float] = {}  # stage key -> checks owed, in [0, 1)
-        self.answered: dict[str, int] = {}  # peer -> FORWARD answers since this broker started
+        self.answered: dict[str, int] = {}  # peer -> FORWARD tasks given since this broker started
         self.on_quarantine: Callable[[str, dict[str, int]], None] = lambda peer, redo: None
         self._local: OrderedDict[str, OrtExecutor] = OrderedDict()
         self._local_lock = asyncio.Lock()
@@ -117,12 +117,13 @@ class Verifier:
         return owed >= 1.0
 
     async def check(
-        self, model: str, pos: int, key: str, peer: str, msg: Forward, out: Array
+        self, model: str, pos: int, key: str, peer: str, msg: Forward, out: Array, nth_task: int
     ) -> tuple[Array, str]:
-        """Check `peer`'s answer `out` to `msg`: (the answer to use, who computed it). A peer
-        found wrong is quarantined before this returns (the referee's answer is used)."""
+        """Check `peer`'s answer `out` to `msg`, the `nth_task` task it was given: (the answer
+        to use, who computed it). A peer found wrong is quarantined before this returns (the
+        referee's answer is used)."""
         started = time.perf_counter()
-        nth = {peer: self.answered.get(peer, 0)}  # which of its answers each one checked is
+        nth = {peer: nth_task}  # which of its tasks each one checked is
         try:
             second, who = await self._second_opinion(model, pos, key, peer, msg)
         except Exception as exc:  # e.g. the broker cannot load the stage: the task goes on

@@ -44,6 +44,12 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
     start.add_argument("--microbatch", type=int, default=32, help="sequences per microbatch")
     start.add_argument(
+        "--relay",
+        choices=["chain", "star"],
+        default="chain",
+        help="batch activations go provider to provider (chain, default) or through the broker",
+    )
+    start.add_argument(
         "--verify-fraction",
         type=float,
         default=0.05,
@@ -196,6 +202,7 @@ def start(args: argparse.Namespace) -> int:
         queue_policy=args.queue,
         replicas=args.replicas or None,
         microbatch=args.microbatch,
+        relay=args.relay,
         verify_fraction=args.verify_fraction,
         verify_rtol=args.verify_tolerance,
         max_body_bytes=int(args.max_body_mb * 1024**2),

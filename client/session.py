@@ -357,17 +357,22 @@ def _joined(history: list[dict[str, Array]]) -> dict[str, Array]:
     return {name: np.concatenate([h[name] for h in history], axis=1) for name in history[0]}
 
 
-async def unless_lost(request: Awaitable[T], lost: asyncio.Event) -> asyncio.Future[T] | None:
-    """Await `request` unless `lost` is set first: the finished call (its result or error), or
-    None when it was abandoned (cancelled) because its peer was declared lost."""
+async def unless_lost(
+    request: Awaitable[T], lost: asyncio.Event | Sequence[asyncio.Event]
+) -> asyncio.Future[T] | None:
+    """Await `request` unless `lost` (or any of several) is set first: the finished call (its
+    result or error), or None when it was abandoned (cancelled) because a peer it needs was
+    declared lost."""
     call = asyncio.ensure_future(request)
-    watch = asyncio.ensure_future(lost.wait())
+    events = [lost] if isinstance(lost, asyncio.Event) else list(lost)
+    watches = [asyncio.ensure_future(e.wait()) for e in events]
     abandoned = True
     try:
-        await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({call, *watches}, return_when=asyncio.FIRST_COMPLETED)
         abandoned = not call.done()
     finally:
-        watch.cancel()
+        for watch in watches:
+            watch.cancel()
         if abandoned:
             call.cancel()  # lost, or we were cancelled: the request is abandoned
     return None if abandoned else call

@@ -8,7 +8,7 @@ long-lived streams, message streams with credit-based flow control, and the wire
 Importing this package is cheap: libp2p and trio are loaded only when a `Host` starts.
 """
 
-from p2p.codec import ErrorCode, Message, ProtocolSpec
+from p2p.codec import ErrorCode, Message, ProtocolSpec, Relay
 from p2p.config import HostConfig
 from p2p.errors import (
     ConnectionLost,
@@ -40,6 +40,7 @@ __all__ = [
     "P2PError",
     "ProtocolSpec",
     "Refused",
+    "Relay",
     "RemoteError",
     "RequestTimeout",
     "Stream",

@@ -2,6 +2,8 @@
 
 Everything here runs in the p2p trio thread except `_run_compute`, which runs in a worker
 thread and answers straight back into trio: compute requests never touch the asyncio loop.
+A compute handler may also answer with a `Relay`: its result goes on to another peer first,
+from the trio side (no thread waits on it), and the answer is made from that peer's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,25 @@ import trio
 
 from p2p._channel import Channel
 from p2p._runtime import TrioRuntime, post
-from p2p.codec import ErrorCode, Kind, ProtocolSpec, encode_error, encode_message
+from p2p.codec import (
+    ErrorCode,
+    Kind,
+    ProtocolSpec,
+    Relay,
+    decode_error,
+    encode_error,
+    encode_message,
+)
 from p2p.config import HostConfig
-from p2p.errors import ConnectionLost, FrameError, HostClosed, P2PError, Refused
+from p2p.errors import (
+    ConnectionLost,
+    FrameError,
+    HostClosed,
+    P2PError,
+    Refused,
+    RemoteError,
+    RequestTimeout,
+)
 from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -38,8 +56,30 @@ class HandlerEntry:
     max_message: int
 
 
-def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, bytes]:
-    """Decode, run a compute handler, encode: (RESPONSE or ERROR, payload). Never raises."""
+class _TrioSink:
+    """A call's outcome, for a waiter in the trio thread."""
+
+    __slots__ = ("call_id", "cancelled", "channel", "done", "outcome")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.outcome: tuple[int, bytes] | BaseException | None = None
+        self.channel: Channel | None = None
+        self.call_id = 0
+        self.cancelled = False
+
+    def resolve(self, kind: int, payload: bytes) -> None:
+        self.outcome = (kind, payload)
+        self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self.outcome = exc
+        self.done.set()
+
+
+def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, bytes] | Relay:
+    """Decode, run a compute handler, encode: (RESPONSE or ERROR, payload), or the handler's
+    `Relay`. Never raises."""
     try:
         request = entry.spec.decode_request(payload)
     except FrameError as exc:
@@ -51,6 +91,8 @@ def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, byt
     except Exception as exc:
         log.warning("%s handler raised for %s", entry.spec.protocol_id, peer_id, exc_info=True)
         return Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
+    if isinstance(response, Relay):
+        return response
     return encode_response(entry, response)
 
 
@@ -238,11 +280,96 @@ class HostCore:
     def _run_compute(
         self, channel: Channel, call_id: int, entry: HandlerEntry, payload: bytes
     ) -> None:
-        kind, out = execute(entry, channel.peer_id, payload)
+        result = execute(entry, channel.peer_id, payload)
         try:
-            self.runtime.call_soon(channel.respond, call_id, kind, out)
+            if isinstance(result, Relay):
+                try:
+                    out = encode_message(result.message)
+                except Exception as exc:
+                    failed = FrameError(ErrorCode.HANDLER_ERROR, f"cannot encode: {exc}")
+                    self.runtime.call_soon(self._finish, channel, call_id, entry, result, failed)
+                    return
+                self.runtime.call_soon(self._start_relay, channel, call_id, entry, result, out)
+            else:
+                self.runtime.call_soon(channel.respond, call_id, *result)
         except HostClosed:
             pass
+
+    def _start_relay(
+        self, channel: Channel, call_id: int, entry: HandlerEntry, relay: Relay, payload: bytes
+    ) -> None:
+        if self.closing or self._nursery is None:
+            self._finish(channel, call_id, entry, relay, HostClosed("the host is closing"))
+        else:
+            self._nursery.start_soon(self._relay, channel, call_id, entry, relay, payload)
+
+    async def _relay(
+        self, channel: Channel, call_id: int, entry: HandlerEntry, relay: Relay, payload: bytes
+    ) -> None:
+        """Send a handler's relayed message on, then answer `call_id` from its outcome."""
+        outcome: Any
+        try:
+            outcome = await self.call(relay, payload)
+        except P2PError as exc:
+            outcome = exc
+        except Exception as exc:  # nothing may escape a task: it would stop the host
+            log.warning("relaying a %s call", entry.spec.protocol_id, exc_info=True)
+            outcome = ConnectionLost(f"relay failed: {type(exc).__name__}: {exc}")
+        self._finish(channel, call_id, entry, relay, outcome)
+
+    @staticmethod
+    def _finish(
+        channel: Channel, call_id: int, entry: HandlerEntry, relay: Relay, outcome: Any
+    ) -> None:
+        """Answer a relayed call from its outcome (an answer or a `P2PError`); always called
+        once per relay, so handlers may count on it."""
+        answer: tuple[int, bytes]
+        try:
+            response = relay.finish(outcome)
+        except Exception as exc:
+            log.warning("finishing a relayed %s call", entry.spec.protocol_id, exc_info=True)
+            answer = (Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"relay: {exc}"))
+        else:
+            answer = encode_response(entry, response)
+        channel.respond(call_id, *answer)
+
+    async def call(self, relay: Relay, payload: bytes) -> Any:
+        """Request `relay.message` (already encoded as `payload`) from `relay.peer`, from the
+        trio thread; returns the decoded answer or raises a `P2PError`."""
+        limit = relay.max_message or relay.spec.max_message_bytes
+        if len(payload) > limit:
+            raise FrameError(ErrorCode.TOO_LARGE, f"{len(payload)} bytes exceed {limit}")
+        if relay.peer not in self.connected_peers():
+            errors = []
+            for addr in relay.addrs:
+                try:
+                    if await self.connect(addr) == relay.peer:
+                        break
+                except (P2PError, ValueError) as exc:
+                    errors.append(str(exc))
+            else:
+                raise ConnectionLost(f"could not reach {relay.peer}: {'; '.join(errors)}")
+        sink = _TrioSink()
+        entry = HandlerEntry(relay.spec, "", lambda *_: None, limit)
+        self.start_call(relay.peer, entry, payload, sink)
+        with trio.move_on_after(relay.timeout):
+            await sink.done.wait()
+        if not sink.done.is_set():
+            sink.cancelled = True
+            if sink.channel is not None:
+                sink.channel.forget(sink.call_id)
+            raise RequestTimeout(
+                f"{relay.peer} did not answer {relay.spec.protocol_id} within {relay.timeout} s"
+            )
+        outcome = sink.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        kind, answer = outcome
+        if kind == Kind.ERROR:
+            info = decode_error(answer)
+            raise RemoteError(info.code, info.message, relay.peer)
+        return relay.spec.decode_response(answer)
 
     def on_message(self, channel: Channel, kind: int, payload: bytes) -> None:
         inbox = self._inboxes.get(channel)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, Union
@@ -274,3 +274,22 @@ class Reassembler:
     @property
     def buffered(self) -> int:
         return sum(len(p) for p in self._partial.values())
+
+
+@dataclass(frozen=True)
+class Relay:
+    """A compute handler's answer that is not ready yet.
+
+    `message` is sent to `peer`'s handler of `spec` (dialling `addrs` first if there is no
+    connection), from the trio thread; `finish` then turns that peer's answer, or the
+    `P2PError` the call ended with, into this handler's answer. `finish` runs in the trio
+    thread, so it must be quick; the message is encoded in the worker thread.
+    """
+
+    peer: str
+    addrs: Sequence[str]
+    spec: ProtocolSpec
+    message: Message
+    timeout: float
+    finish: Callable[[Any], Message]
+    max_message: int = 0  # 0: the spec's limit

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 DRAIN_TIMEOUT = 60.0  # seconds a finished stream handler keeps reading what the peer still sends
 
 ControlHandler = Callable[[str, Any], Awaitable[Message]]
-ComputeHandler = Callable[[str, Any], Message]
+ComputeHandler = Callable[[str, Any], Any]  # a Message, or a Relay
 StreamHandler = Callable[["Stream"], Awaitable[None]]
 
 
@@ -202,7 +202,8 @@ class Host:
         """Serve `spec` with `fn(peer_id, request) -> response` in a worker thread.
 
         For the hot path (model stages): the request is decoded, run and answered without
-        touching the event loop. `fn` must be thread-safe.
+        touching the event loop. `fn` must be thread-safe. It may return a `Relay` to pass its
+        result on to another peer and answer from that peer's answer.
         """
         self._add(spec, COMPUTE, fn)
 

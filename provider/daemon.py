@@ -181,6 +181,7 @@ class Provider:
         try:
             async with Host(config) as h:
                 self.host = h
+                self.server.peer_id, self.server.broker_id = h.peer_id, self.broker_id
                 h.add_compute_handler(FORWARD, self.server.forward)
                 h.add_compute_handler(SESSION, self.server.session)
                 h.add_control_handler(ASSIGN, self._on_assign)

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -35,8 +35,21 @@ from ir.executors.base import Executor
 from ir.manifest import StageInfo
 from ir.pipeline import zero_adapters
 from ir.training import TrainingError, check_adapters
-from p2p import ErrorCode, Refused, Tensor
-from proto.forward import Forward, ForwardResult
+from p2p import ErrorCode, P2PError, Refused, Relay, RemoteError, RequestTimeout, Tensor, verify
+from proto.forward import (
+    CHAIN,
+    FORWARD,
+    MAX_HOPS,
+    ROUTE_DOMAIN,
+    ChainAccepted,
+    ChainBroken,
+    ChainResult,
+    Forward,
+    ForwardResult,
+    Hop,
+    HopDone,
+    route_bytes,
+)
 from proto.session import (
     SessionClose,
     SessionClosed,
@@ -188,12 +201,15 @@ class Server:
         self.idle_timeout_s = idle_timeout_s
         self.fault = fault
         self.gate = ComputeGate(compute_slots)
+        self.peer_id = ""  # ours and our broker's, once the host runs: chained requests
+        self.broker_id = ""  # are accepted only along a route the broker signed
         self.stages: dict[str, LoadedStage] = {}
         self.sessions: dict[tuple[str, str, str], _Session] = {}  # (peer, stage, session)
         self.draining = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
+        self._relaying = 0  # chained requests computed here, waiting on the hops after us
         self._per_peer: dict[str, int] = {}
         self._served = 0
         self._last_sweep = 0.0  # when idle sessions were last expired
@@ -274,7 +290,7 @@ class Server:
         end = time.monotonic() + deadline_s
         with self._lock:
             self.draining = True
-            while self._in_flight:
+            while self._in_flight or self._relaying:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -303,17 +319,24 @@ class Server:
             self._stopped.wait()
             raise Refused(ErrorCode.SHUTTING_DOWN, "the provider is closing")
 
-    def _outputs(self, outputs: dict[str, Array]) -> dict[str, Tensor]:
+    def _faulty(self, outputs: dict[str, Array]) -> dict[str, Array]:
         if self.fault is not None and self.fault.wrong_output:
-            outputs = {
+            return {
                 k: (v + 1).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
                 for k, v in outputs.items()
             }
-        return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in outputs.items()}
+        return outputs
+
+    def _outputs(self, outputs: dict[str, Array]) -> dict[str, Tensor]:
+        return {
+            k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in self._faulty(outputs).items()
+        }
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def forward(self, peer: str, request: Forward) -> ForwardResult:
+    def forward(self, peer: str, request: Forward) -> ForwardResult | Relay:
+        if request.route:
+            return self._chained(peer, request)
         stage = self._stage(request.stage, request.check)
         if stage.cache_inputs:
             raise Refused(
@@ -329,6 +352,76 @@ class Server:
                 outputs = _run(stage.executor, feeds)
                 ms = (time.perf_counter() - start) * 1e3
         return ForwardResult(outputs=self._outputs(outputs), compute_ms=ms)
+
+    def _chained(self, peer: str, request: Forward) -> Relay:
+        """Run this hop of a chain (and the next ones if they are ours too), then relay the
+        hidden states to the next hop's provider, or the outputs to the broker."""
+        route, i = request.route, request.hop
+        if not self.broker_id:
+            raise Refused(ErrorCode.REFUSED, "this provider takes no chained requests")
+        if len(route) > MAX_HOPS or not 0 <= i < len(route):
+            raise Refused(ErrorCode.REFUSED, f"a route has 1 to {MAX_HOPS} hops, hop within it")
+        if route[i].peer != self.peer_id or route[i].stage != request.stage:
+            raise Refused(ErrorCode.REFUSED, f"hop {i} of this route is not this provider's")
+        if peer != (self.broker_id if i == 0 else route[i - 1].peer):
+            raise Refused(ErrorCode.REFUSED, f"hop {i} of this route comes from another peer")
+        if request.expires < time.time():
+            raise Refused(ErrorCode.REFUSED, "the route has expired")
+        signed = route_bytes(request.chain, route, request.expires)
+        if not verify(self.broker_id, signed, request.signature, domain=ROUTE_DOMAIN):
+            raise Refused(ErrorCode.REFUSED, "the route is not signed by this provider's broker")
+        feeds = _arrays(request.inputs)
+        done: list[HopDone] = []
+        while True:  # this hop, and the following ones while they are ours
+            stage = self._stage(route[i].stage)
+            if stage.cache_inputs:
+                raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} keeps a KV cache")
+            names = {t.name for t in stage.info.inputs}
+            with self._admit(peer, request.training) as number:
+                self._apply_fault(number, stage.key)
+                run = {k: v for k, v in feeds.items() if k in names}
+                stage.with_adapters(run, {})
+                with self.gate.slot(Priority.TRAINING if request.training else Priority.FORWARD):
+                    start = time.perf_counter()
+                    outputs = _run(stage.executor, run)
+                    ms = (time.perf_counter() - start) * 1e3
+            hidden = self._faulty(outputs).get("hidden_states_out")
+            if hidden is None:
+                raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} has no hidden_states_out")
+            done.append(HopDone(self.peer_id, stage.key, ms))
+            feeds = {**feeds, "hidden_states": hidden}
+            if i + 1 == len(route) or route[i + 1].peer != self.peer_id:
+                break
+            i += 1
+        tensors = {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
+        timeout = max(request.expires - time.time(), 1.0)
+        with self._lock:  # a drain waits for the rest of the route too
+            self._relaying += 1
+        if i + 1 == len(route):  # the last hop: the outputs go to the broker
+            result = ChainResult(
+                chain=request.chain, outputs={"hidden_states_out": tensors["hidden_states"]}
+            )
+            finish = _finish(done, None, self._relayed)
+            return Relay(self.broker_id, [], CHAIN, result, timeout, finish)
+        nxt = route[i + 1]
+        message = Forward(
+            stage=nxt.stage,
+            inputs=tensors,
+            training=request.training,
+            chain=request.chain,
+            route=route,
+            hop=i + 1,
+            expires=request.expires,
+            signature=request.signature,
+        )
+        return Relay(
+            nxt.peer, nxt.addrs, FORWARD, message, timeout, _finish(done, nxt, self._relayed)
+        )
+
+    def _relayed(self) -> None:
+        with self._lock:
+            self._relaying -= 1
+            self._idle.notify_all()
 
     # ---- sessions --------------------------------------------------------------------------
 
@@ -448,6 +541,35 @@ class Server:
     def kv_bytes(self) -> int:
         with self._lock:
             return sum(s.nbytes for s in self.sessions.values())
+
+
+def _finish(
+    done: list[HopDone], nxt: Hop | None, relayed: Callable[[], None]
+) -> Callable[[Any], ForwardResult | ChainBroken]:
+    """How a chain hop answers once the next hop (`nxt`; None: the broker) has answered."""
+
+    relaying = {"open": True}
+
+    def finish(outcome: Any) -> ForwardResult | ChainBroken:
+        if relaying["open"]:  # the relay is over: counted once, however often asked
+            relaying["open"] = False
+            relayed()
+        if isinstance(outcome, ChainBroken):  # further down the route
+            return outcome
+        if isinstance(outcome, ForwardResult):
+            return ForwardResult(outputs={}, hops=[*done, *outcome.hops])
+        if isinstance(outcome, ChainAccepted):
+            return ForwardResult(outputs={}, hops=done)
+        peer, stage = (nxt.peer, nxt.stage) if nxt else ("", "")  # "": the broker itself
+        if isinstance(outcome, RemoteError):
+            return ChainBroken(peer, stage, str(outcome.code), str(outcome))
+        if isinstance(outcome, RequestTimeout):
+            return ChainBroken(peer, stage, "timeout", str(outcome))
+        if isinstance(outcome, P2PError):
+            return ChainBroken(peer, stage, "unreachable", str(outcome))
+        return ChainBroken(peer, stage, "bad_answer", f"unexpected {type(outcome).__name__}")
+
+    return finish
 
 
 def _arrays(tensors: dict[str, Tensor]) -> dict[str, Array]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -353,3 +354,34 @@ def test_queue_policy_orders_jobs_waiting_for_a_route(
     assert first["job"] == (long["id"] if policy == "fifo" else short["id"])
     for job in (long, short):
         assert wait_job(b.http, job["id"])["state"] == "succeeded"
+
+
+@pytest.mark.parametrize("relay", ["chain", "star"])
+def test_batch_activations_go_provider_to_provider_or_through_the_broker(
+    broker: Spawner, provider: Spawner, minilm_package: Path, relay: str
+) -> None:
+    """`--relay chain` (the default) sends a microbatch's hidden states from each stage's
+    provider straight to the next one's; `--relay star` through the broker. Same results."""
+    b: BrokerProc = broker("--relay", relay, "--verify-fraction", "0")
+    for _ in range(2):
+        peer_of(provider(b.addr))
+    wait_until("two providers", lambda: len(pools(b.http)) == 2)
+    add_model(b.http, minilm_package)
+    wait_ready(b.http, "minilm")
+    batch = texts(96)  # 3 microbatches of 32, each through 2 provider stages
+    _, job = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": batch})
+    assert wait_job(b.http, job["id"])["state"] == "succeeded"
+    got = results(b.http, job["id"])
+    assert np.abs(got - local_embeddings(minilm_package, batch)).max() <= 1e-4
+    with urllib.request.urlopen(b.http + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    counts = {
+        kind: float(n)
+        for kind, n in re.findall(
+            r'fusionai_stage_requests_total\{model="minilm",relay="(\w+)"\} (\S+)', metrics
+        )
+    }
+    if relay == "chain":
+        assert counts.get("chain", 0) >= 6 and counts.get("direct", 0) == 0, counts
+    else:
+        assert counts.get("direct", 0) >= 6 and counts.get("chain", 0) == 0, counts

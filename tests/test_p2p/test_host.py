@@ -16,6 +16,7 @@ from p2p import (
     HostClosed,
     HostConfig,
     ProtocolSpec,
+    Relay,
     RemoteError,
     RequestTimeout,
     Stream,
@@ -270,3 +271,41 @@ async def test_a_stream_handler_that_returns_early_does_not_hang_the_sender() ->
                 await stream.close()
                 with pytest.raises(EndOfStream):
                     await stream.recv()
+
+
+async def test_a_compute_handler_relays_its_result_through_another_peer() -> None:
+    """A -> B's compute handler answers with a `Relay` to C: B dials C by address, sends its
+    result on from the trio side (no worker thread waits), and answers A from C's answer; a
+    relay to a peer that cannot be reached is finished with the error, once."""
+    relay_spec = ProtocolSpec("/fusionai/test-relay/1", Echo, Echo)
+    finished: list[str] = []
+    async with Host(LOCAL) as a, Host(LOCAL) as b, Host(LOCAL) as c:
+        serve_test_protocols(c)
+        target = {"peer": c.peer_id, "addrs": list(c.addrs)}
+
+        def relay(peer_id: str, msg: Echo) -> Relay:
+            def finish(outcome: object) -> Echo:
+                finished.append(type(outcome).__name__)
+                if isinstance(outcome, Echo):
+                    return Echo(data=outcome.data, n=outcome.n * 10, thread=outcome.thread)
+                return Echo(data=str(outcome).encode(), n=-1)
+
+            on = Echo(data=msg.data, n=msg.n + 1)
+            return Relay(target["peer"], target["addrs"], ECHO_COMPUTE, on, 10.0, finish)
+
+        b.add_compute_handler(relay_spec, relay)
+        peer = await a.connect(b.addrs[0])
+        assert c.peer_id not in b.connected_peers()
+        answers = await asyncio.gather(*(a.request(peer, relay_spec, Echo(n=i)) for i in range(20)))
+        # B adds 1, C's compute echo adds 2, B's finish multiplies by 10.
+        assert [x.n for x in answers] == [(i + 3) * 10 for i in range(20)]
+        assert all(x.thread.startswith("fusionai-compute") for x in answers)
+        assert c.peer_id in b.connected_peers() and finished == ["Echo"] * 20
+
+        await c.close()
+        answer = await a.request(peer, relay_spec, Echo(n=1), timeout=30)
+        assert answer.n == -1 and finished[-1] in {"ConnectionLost", "RemoteError"}
+        target["peer"] = "12D3KooWNotAPeerThatExistsAnywhereXXXXXXXXXXXXXXXXXXX"
+        target["addrs"] = ["/ip4/127.0.0.1/tcp/1/p2p/" + target["peer"]]
+        answer = await a.request(peer, relay_spec, Echo(n=1), timeout=30)
+        assert answer.n == -1 and finished[-1] == "ConnectionLost" and len(finished) == 22

@@ -23,12 +23,24 @@ from p2p import (
     ErrorCode,
     Host,
     HostConfig,
+    Identity,
     Refused,
+    Relay,
     RemoteError,
     RequestTimeout,
     Tensor,
 )
-from proto.forward import FORWARD, Forward
+from proto.forward import (
+    FORWARD,
+    ROUTE_DOMAIN,
+    ChainAccepted,
+    ChainBroken,
+    Forward,
+    ForwardResult,
+    Hop,
+    HopDone,
+    route_bytes,
+)
 from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
 from provider.serving import ComputeGate, Fault, LoadedStage, Priority, Server
 from tests.procs import Proc
@@ -401,3 +413,67 @@ def test_addresses_on_all_interfaces_are_announced_as_dialable_ones() -> None:
     assert out[-1] == "/ip4/10.1.2.3/tcp/9/p2p/12D3KooWX"
     expanded = out[:-1]
     assert expanded[-1].startswith("/ip4/127."), "loopback is tried last"
+
+
+def test_chained_requests_follow_only_a_route_the_broker_signed(minilm_package: Path) -> None:
+    """A provider runs a chained request only on the hop the broker's signed route gives it,
+    from the peer before it, before the route expires; it then relays its hidden states to the
+    next hop (stages that are also its own run here first), or its outputs to the broker."""
+    broker, me, other = Identity.ephemeral(), Identity.ephemeral(), Identity.ephemeral()
+    server = _server_with(minilm_package, 1, "m/1")
+    stage2 = load_package(minilm_package, stages=[2])
+    info2 = stage2.manifest.stages[2]
+    server.add(LoadedStage("m/2", info2, OrtExecutor(stage2.models[2]), "active"))
+    server.peer_id, server.broker_id = me.peer_id, broker.peer_id
+    feeds = _tensors(_minilm_feeds(4, 0.5))
+
+    def chained(route: list[Hop], hop: int = 0, *, signer: Identity = broker, ttl: float = 60):
+        expires = time.time() + ttl
+        sig = signer.sign(route_bytes("c1", route, expires), domain=ROUTE_DOMAIN)
+        return Forward(
+            stage=route[hop].stage,
+            inputs=feeds,
+            chain="c1",
+            route=route,
+            hop=hop,
+            expires=expires,
+            signature=sig,
+        )
+
+    mine_then_other = [Hop(me.peer_id, "m/1"), Hop(other.peer_id, "m/2", ["/ip4/1.2.3.4/tcp/9"])]
+    refusals = {
+        "not signed by": (broker.peer_id, chained(mine_then_other, signer=other)),
+        "comes from another peer": (other.peer_id, chained(mine_then_other)),
+        "expired": (broker.peer_id, chained(mine_then_other, ttl=-1)),
+        "not this provider's": (broker.peer_id, chained(mine_then_other[::-1])),
+    }
+    for reason, (sender, request) in refusals.items():
+        with pytest.raises(Refused, match=reason):
+            server.forward(sender, request)
+    tampered = chained(mine_then_other)
+    tampered = msgspec.structs.replace(
+        tampered, route=[mine_then_other[0], Hop(broker.peer_id, "m/2")]
+    )
+    with pytest.raises(Refused, match="not signed by"):
+        server.forward(broker.peer_id, tampered)
+
+    one = server.forward(broker.peer_id, chained(mine_then_other))
+    assert isinstance(one, Relay) and one.peer == other.peer_id
+    assert one.addrs == ["/ip4/1.2.3.4/tcp/9"] and one.message.hop == 1
+    want1 = server.stages["m/1"].executor.run(_minilm_feeds(4, 0.5))["hidden_states_out"]
+    sent = one.message.inputs["hidden_states"].to_numpy()
+    assert np.array_equal(sent, want1) and "attention_mask" in one.message.inputs
+    later = ForwardResult(outputs={}, hops=[HopDone(other.peer_id, "m/2", 1.0)])
+    assert [h.peer for h in one.finish(later).hops] == [me.peer_id, other.peer_id]
+    broken = one.finish(ConnectionLost("gone"))
+    assert isinstance(broken, ChainBroken) and broken.peer == other.peer_id
+    # Both hops ours: both run here, and the outputs go to the broker.
+    both = server.forward(broker.peer_id, chained([Hop(me.peer_id, "m/1"), Hop(me.peer_id, "m/2")]))
+    assert isinstance(both, Relay) and both.peer == broker.peer_id
+    want2 = server.stages["m/2"].executor.run(
+        {"hidden_states": want1, "attention_mask": np.ones((1, 4), dtype=np.int64)}
+    )["hidden_states_out"]
+    assert np.array_equal(both.message.outputs["hidden_states_out"].to_numpy(), want2)
+    answer = both.finish(ChainAccepted(chain="c1"))
+    assert [(h.peer, h.stage) for h in answer.hops] == [(me.peer_id, "m/1"), (me.peer_id, "m/2")]
+    assert server.drain(1.0)  # the relays were finished: nothing is left in flight
