@@ -9,6 +9,9 @@ Prints one JSON object:
                           (the baseline, measured in the same run). Target: the better of the
                           two ratios >= 0.7.
     embed_ratio_fp16      the same with fp16 activations on the wire (`ir split --fp16`).
+    embed_ratio_fp32_star the fp32 ratio with `broker start --relay star`: each stage's
+                          activations there and back through the broker, instead of from
+                          provider to provider (the default, `--relay chain`).
     embed_texts_s_*       the throughputs behind the ratios (swarm fp32, swarm fp16, local).
     transport_cpu_s       CPU seconds the broker and providers spent beyond the stage
                           computation itself during the fp32 run: their process CPU time minus
@@ -16,6 +19,7 @@ Prints one JSON object:
                           That is what moving activations costs: encoding, the p2p transport,
                           decoding, scheduling.
     transport_cpu_share   transport_cpu_s over the swarm processes' whole CPU time.
+    transport_cpu_s_star  the same for the `--relay star` run.
     token_ms_swarm        p50 time per generated token (greedy, batch 1) through a decoder cut
                           into 4 provider stages on 4 providers, the client SDK driving the
                           session over p2p (4 round trips per token).
@@ -112,12 +116,15 @@ def _cpu(pids: list[int]) -> float:
 
 
 class Swarm:
-    def __init__(self, tmp: Path, name: str, providers: int, *extra: str) -> None:
+    def __init__(
+        self, tmp: Path, name: str, providers: int, *extra: str, relay: str = "chain"
+    ) -> None:
         self.procs: list[Proc] = []
         self.peers: dict[str, Proc] = {}
         try:
             env = {"FUSIONAI_THREADS": "1", "FUSIONAI_CACHE_DIR": str(tmp / "client-cache")}
-            self.broker = Proc(broker_command(tmp / f"{name}-broker", heartbeat_s=0.5), env)
+            command = broker_command(tmp / f"{name}-{relay}", "--relay", relay, heartbeat_s=0.5)
+            self.broker = Proc(command, env)
             self.procs.append(self.broker)
             started = self.broker.wait_for("broker_started", timeout=60)
             self.http = started["http"]
@@ -150,11 +157,13 @@ def _ready(http: str, name: str) -> bool:
         return bool(json.loads(resp.read())["ready"])
 
 
-def embed_swarm(tmp: Path, packages: dict[str, Path], name: str, mbs: int) -> dict[str, float]:
+def embed_swarm(
+    tmp: Path, packages: dict[str, Path], name: str, mbs: int, relay: str = "chain"
+) -> dict[str, float]:
     """texts/s of `mbs` microbatches of 32 x 128 through a 3-stage swarm, and its CPU time."""
     from client import Client
 
-    swarm = Swarm(tmp, name, 3)
+    swarm = Swarm(tmp, name, 3, relay=relay)
     try:
         swarm.add(packages[name])
         ids = _ids(BATCH * mbs, 30522, seed=1).tolist()
@@ -243,6 +252,7 @@ def main() -> int:
         _, local_cpu_1 = embed_local(packages["minilm"], args.microbatches, threads=1)
         fp32 = embed_swarm(tmp, packages, "minilm", args.microbatches)
         fp16 = embed_swarm(tmp, packages, "minilm-fp16", args.microbatches)
+        star = embed_swarm(tmp, packages, "minilm", args.microbatches, relay="star")
         local_ms = token_local(packages["decoder"], args.tokens)
         swarm_ms, stall, reasons = token_swarm(tmp, packages["decoder"], args.tokens)
     finally:
@@ -253,12 +263,14 @@ def main() -> int:
             {
                 "embed_ratio_fp32": round(fp32["texts_s"] / local_s, 3),
                 "embed_ratio_fp16": round(fp16["texts_s"] / local_s, 3),
+                "embed_ratio_fp32_star": round(star["texts_s"] / local_s, 3),
                 "embed_texts_s_swarm_fp32": round(fp32["texts_s"], 1),
                 "embed_texts_s_swarm_fp16": round(fp16["texts_s"], 1),
                 "embed_texts_s_local": round(local_s, 1),
                 "microbatches": args.microbatches,
                 "transport_cpu_s": round(transport, 2),
                 "transport_cpu_share": round(transport / fp32["cpu_s"], 3),
+                "transport_cpu_s_star": round(max(star["cpu_s"] - local_cpu_1, 0.0), 2),
                 "token_ms_swarm": round(swarm_ms, 2),
                 "token_ms_local": round(local_ms, 2),
                 "token_ms_target": round(local_ms + 3 * DECODER_STAGES, 2),
