@@ -63,6 +63,7 @@ Array = np.ndarray[Any, Any]
 TERMINAL = ("succeeded", "failed", "cancelled")
 ACTIVE = ("placed", "running")
 BUSY_WAIT_S = 0.2  # pause before trying again after a "busy" answer; seconds
+UNREACHABLE_S = 300.0  # a provider that could not reach the next in a chain: star for so long
 NOMINAL_FLOPS = 1e11  # FLOP/s used only to rank jobs by size (SJF); not a prediction
 
 
@@ -163,6 +164,8 @@ class JobRunner:
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
         # chained requests waiting for their result: chain id -> (last hop, its outputs)
         self.chains: dict[str, tuple[str, asyncio.Future[dict[str, Tensor]]]] = {}
+        # (provider, next provider) -> until when the first cannot reach the second
+        self.unreachable: dict[tuple[str, str], float] = {}
         self.interactive: dict[str, int] = {}  # embedding requests and sessions per model
         self._wake = asyncio.Event()
         # metrics: (model, seconds, "chain" or "direct") per stage task answered
@@ -683,20 +686,32 @@ class JobRunner:
             due = self.verifier.due(model.unit_key(model.units[pos]))
             self.verifier.answered[peer] = nth = self.verifier.answered.get(peer, 0) + 1
             tasks.append((pos, peer, nth if due else 0))
+
+        async def flush(run: list[tuple[int, str]], hidden: Array) -> Array:
+            if len(run) == 1:
+                return await self._forward(job, run[0][0], run[0][1], hidden, mask, used, 0)
+            return await self._chain(job, run, hidden, mask, used) if run else hidden
+
         run: list[tuple[int, str]] = []
         for pos, peer, nth in tasks:
-            if nth or self.config.relay == "star":
-                if run:
-                    hidden = await self._chain(job, run, hidden, mask, used)
-                    run = []
+            alone = bool(nth) or self.config.relay == "star"
+            if alone or (run and self._unreachable(run[-1][1], peer)):
+                hidden = await flush(run, hidden)
+                run = []
+            if alone:
                 hidden = await self._forward(job, pos, peer, hidden, mask, used, nth)
             else:
                 run.append((pos, peer))
-        if len(run) == 1:
-            return await self._forward(job, run[0][0], run[0][1], hidden, mask, used, 0)
-        if run:
-            hidden = await self._chain(job, run, hidden, mask, used)
-        return hidden
+        return await flush(run, hidden)
+
+    def _unreachable(self, source: str, target: str) -> bool:
+        """Whether `source` recently failed to reach `target` (their hidden states then go
+        through the broker)."""
+        until = self.unreachable.get((source, target))
+        if until is not None and until <= time.monotonic():
+            del self.unreachable[(source, target)]
+            return False
+        return until is not None
 
     async def _chain(
         self, job: Ref, hops: list[tuple[int, str]], hidden: Array, mask: Array, used: list[str]
@@ -752,6 +767,17 @@ class JobRunner:
             if answer.code == ErrorCode.BUSY:
                 await asyncio.sleep(BUSY_WAIT_S)
                 raise _StageFailed(peer, key, answer.reason, busy=True)
+            if answer.code == "unreachable" and peer in peers[1:]:
+                source = peers[peers.index(peer) - 1]
+                self.unreachable[(source, peer)] = time.monotonic() + UNREACHABLE_S
+                self.events.emit(
+                    "chain_unreachable",
+                    job=job.id,
+                    peer=source,
+                    to=peer,
+                    reason=answer.reason,
+                    seconds=UNREACHABLE_S,
+                )
             if answer.code in ("timeout", "unreachable"):
                 await self.serving.suspect(peer, f"a chained stage request failed: {answer.reason}")
             else:

@@ -23,6 +23,12 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     start.add_argument("--broker", required=True, help="the broker's multiaddr (.../p2p/<id>)")
     start.add_argument("--data-dir", help=data_help)
     start.add_argument("--listen", action="append", help="multiaddr (default /ip4/0.0.0.0/tcp/0)")
+    start.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        help="multiaddr others dial instead of the listen ones (e.g. a forwarded public port)",
+    )
     start.add_argument("--max-memory", type=float, help="GB of memory stages may use")
     start.add_argument("--cache-size", type=float, default=20.0, help="GB of artifact cache")
     start.add_argument("--executor", choices=["ort", "torch"], default="ort")
@@ -95,10 +101,19 @@ def start(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
+    for addr in args.announce:
+        import multiaddr
+
+        try:
+            multiaddr.Multiaddr(addr)
+        except Exception as exc:
+            print(f"error: --announce {addr!r} is not a multiaddr: {exc}", file=sys.stderr)
+            return 2
     config = ProviderConfig(
         broker=args.broker,
         data_dir=_data_dir(args),
         listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/0",),
+        announce=tuple(args.announce),
         executor=ExecutorChoice(args.executor, args.device),
         max_memory_bytes=int(args.max_memory * GB) if args.max_memory else None,
         cache_bytes=int(args.cache_size * GB),

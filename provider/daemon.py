@@ -43,7 +43,7 @@ from proto.assign import (
 from proto.forward import FORWARD
 from proto.heartbeat import HEARTBEAT, Heartbeat
 from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, Leave, signed_join_bytes
-from proto.ping import PING, Ping
+from proto.ping import PING, Ping, Pong
 from proto.session import SESSION
 from proto.snapshot import SHARD, SNAPSHOT
 from proto.train import TRAIN
@@ -63,6 +63,8 @@ class ProviderConfig:
     broker: str  # the broker's multiaddr, ending in /p2p/<peer id>
     data_dir: Path
     listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce: tuple[str, ...] = ()  # addresses others dial instead of the listen ones (e.g.
+    # a public address forwarded to this machine); /p2p/<peer id> is added when missing
     executor: ExecutorChoice = field(default_factory=ExecutorChoice)
     max_memory_bytes: int | None = None  # None: the device's free memory when profiled
     cache_bytes: int = 20 * 1024**3  # artifact cache size limit
@@ -183,6 +185,7 @@ class Provider:
                 self.host = h
                 self.server.peer_id, self.server.broker_id = h.peer_id, self.broker_id
                 h.add_compute_handler(FORWARD, self.server.forward)
+                h.add_control_handler(PING, self._on_ping)
                 h.add_compute_handler(SESSION, self.server.session)
                 h.add_control_handler(ASSIGN, self._on_assign)
                 h.add_compute_handler(TRAIN, self.training.train)
@@ -324,6 +327,17 @@ class Provider:
         transfer = max(1e-6, min(times) - rtt)
         return 2 * len(payload) / transfer, rtt
 
+    async def _on_ping(self, peer: str, msg: Ping) -> Pong:
+        """The broker checks that we answer (a request to us failed); only it gets the
+        payload echoed (it measures bandwidth with it), others the nonce."""
+        return Pong(nonce=msg.nonce, payload=msg.payload if peer == self.broker_id else b"")
+
+    def _announced(self) -> list[str]:
+        assert self.host is not None
+        if self.config.announce:
+            return announced(self.config.announce, self.host.peer_id)
+        return dialable(self.host.addrs)
+
     async def _join(self) -> None:
         assert self.host is not None and self.profile is not None
         await self.host.connect(self.config.broker)
@@ -348,7 +362,7 @@ class Provider:
             net_up_bytes_s=up,
             rtt_s=rtt,
             version=_version(),
-            addrs=dialable(self.host.addrs),
+            addrs=self._announced(),
         )
         body = msgspec.json.encode(profile)
         stamp = time.time()
@@ -530,6 +544,11 @@ class Provider:
             except TimeoutError:
                 pass
         sys.stderr.write("\n")
+
+
+def announced(announce: tuple[str, ...], peer_id: str) -> list[str]:
+    """`--announce` addresses, each ending in /p2p/<our peer id>."""
+    return [a if "/p2p/" in a else f"{a.rstrip('/')}/p2p/{peer_id}" for a in announce]
 
 
 def dialable(addrs: list[str]) -> list[str]:

@@ -385,3 +385,34 @@ def test_batch_activations_go_provider_to_provider_or_through_the_broker(
         assert counts.get("chain", 0) >= 6 and counts.get("direct", 0) == 0, counts
     else:
         assert counts.get("direct", 0) >= 6 and counts.get("chain", 0) == 0, counts
+
+
+def test_providers_that_cannot_reach_each_other_relay_through_the_broker(
+    broker: Spawner, provider: Spawner, minilm_package: Path
+) -> None:
+    """Both providers announce an address nobody listens on: the broker reaches them over
+    the connections they opened, but the first hop of a chain cannot dial the second. The
+    broker notes the pair, checks the second is alive (it answers a ping, so it stays), and
+    sends their hidden states through itself from then on; the job succeeds."""
+    b: BrokerProc = broker("--verify-fraction", "0")
+    for _ in range(2):
+        peer_of(provider(b.addr, "--announce", f"/ip4/127.0.0.1/tcp/{free_port()}"))
+    wait_until("two providers", lambda: len(pools(b.http)) == 2)
+    add_model(b.http, minilm_package)
+    route = wait_ready(b.http, "minilm")
+    first, second = (s["providers"][0]["peer_id"] for s in route["stages"])
+    batch = texts(64)
+    _, job = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": batch})
+    assert wait_job(b.http, job["id"])["state"] == "succeeded"
+    got = results(b.http, job["id"])
+    assert np.abs(got - local_embeddings(minilm_package, batch)).max() <= 1e-4
+    noted = b.proc.wait_for("chain_unreachable", timeout=5)
+    assert (noted["peer"], noted["to"]) == (first, second)
+    b.proc.mark()
+    assert not [e for e in b.proc.events if e["event"] == "provider_lost"]
+    with urllib.request.urlopen(b.http + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    direct = re.search(
+        r'fusionai_stage_requests_total\{model="minilm",relay="direct"\} (\S+)', metrics
+    )
+    assert direct is not None and float(direct.group(1)) >= 2 * 7  # the 7 or 8 after the first
