@@ -758,10 +758,22 @@ class SwarmFinetune:
     async def _steps(
         self, client: ClientStages, data: Data, head: HeadLoss, graph: nx.DiGraph, step: int
     ) -> None:
-        r = self.request
         self.events.emit(
             "finetune_started", job=self.job.id, route=self.route, step=step, tokens=data.tokens
         )
+        while True:
+            step = await self._run_steps(client, data, head, graph, step)
+            try:
+                await self._finish_adapter(step)
+                return
+            except StageFailed as exc:  # a provider lost while reading the adapters back:
+                step = await self._recover(exc)  # redo the steps after the newest snapshot
+
+    async def _run_steps(
+        self, client: ClientStages, data: Data, head: HeadLoss, graph: nx.DiGraph, step: int
+    ) -> int:
+        """Steps after `step` up to the last (recovering from lost providers); the last."""
+        r = self.request
         while step < r.steps:
             step += 1
             started = time.perf_counter()
@@ -796,18 +808,18 @@ class SwarmFinetune:
         if self.snapshotting is not None:
             await self.snapshotting
             self.snapshotting = None
-        await self._finish_adapter(step)
+        return step
 
     async def _finish_adapter(self, step: int) -> None:
+        """Read the adapters back from the providers into one file (`StageFailed` if one of
+        them is lost meanwhile)."""
+
         async def export(pos: int) -> TrainState:
             msg = TrainExport(job=self.job.id, stage=self.keys[pos])
             state: TrainState = await self._call(pos, TRAIN, msg, 60.0)
             return state
 
-        try:
-            states = await self._each(export)
-        except StageFailed as exc:
-            raise JobFailed(f"could not read the trained adapters back: {exc}") from None
+        states = await self._each(export)
         adapters: dict[str, Array] = {}
         for s in states:
             adapters.update({k: t.to_numpy() for k, t in s.adapters.items()})

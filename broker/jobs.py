@@ -748,8 +748,8 @@ class JobRunner:
         for peer in peers:
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
         start = time.perf_counter()
+        lost = [self.serving.registry.lost_event(p) for p in peers]
         try:
-            lost = [self.serving.registry.lost_event(p) for p in dict.fromkeys(peers)]
             call = await unless_lost(
                 self.host.request(peers[0], FORWARD, msg, timeout=timeout), lost
             )
@@ -757,8 +757,8 @@ class JobRunner:
             del self.chains[chain]
             for peer in peers:
                 self.inflight[peer] -= 1
-        if call is None:
-            gone = next(p for p in peers if self.serving.registry.lost_event(p).is_set())
+        if call is None:  # (the events as they were: a peer that joins again gets a new one)
+            gone = next((p for p, e in zip(peers, lost, strict=True) if e.is_set()), peers[0])
             raise _StageFailed(gone, keys[peers.index(gone)], "the provider was declared lost")
         answer = await self._answer(call, peers[0], keys[0])
         if isinstance(answer, ChainBroken):
