@@ -6,11 +6,12 @@ topological order: the client-side tasks (load, embed, head) through the client 
 stage code here, each FORWARD task on a provider serving that stage. Consecutive FORWARD
 tasks go as one chained request (`proto.forward`): the hidden states pass from provider to
 provider and the last pushes the result here, unless a stage is due a spot check (it then
-runs on its own) or `relay` is "star". Several microbatches are in the pipeline at once. A microbatch that fails (provider lost, stalled, busy, refused) is
-retried on another route, up to `max_attempts`; results are stored per microbatch as they
-arrive, so a broker restarted mid-job only redoes what was in flight. Which queued job starts
-next is the queue policy's choice (FIFO or SJF-BSBF, `broker.queue`): each model's pipeline
-replicas are its "GPU sets", and a job that may share one starts alongside its host.
+runs on its own) or `relay` is "star". Several microbatches are in the pipeline at once. A
+microbatch that fails (provider lost, stalled, busy, refused) is retried on another route,
+up to `max_attempts`; results are stored per microbatch as they arrive, so a broker restarted
+mid-job only redoes what was in flight. Which queued job starts next is the queue policy's
+choice (FIFO or SJF-BSBF, `broker.queue`): each model's pipeline replicas are its "GPU sets",
+and a job that may share one starts alongside its host.
 """
 
 from __future__ import annotations
