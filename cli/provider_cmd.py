@@ -101,13 +101,13 @@ def start(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    for addr in args.announce:
-        import multiaddr
+    from p2p import check_multiaddr
 
+    for addr in args.announce:
         try:
-            multiaddr.Multiaddr(addr)
-        except Exception as exc:
-            print(f"error: --announce {addr!r} is not a multiaddr: {exc}", file=sys.stderr)
+            check_multiaddr(addr)
+        except ValueError as exc:
+            print(f"error: --announce: {exc}", file=sys.stderr)
             return 2
     config = ProviderConfig(
         broker=args.broker,

@@ -22,7 +22,7 @@ from p2p.errors import (
     RequestTimeout,
 )
 from p2p.host import EndOfStream, Host, Stream
-from p2p.identity import Identity, default_data_dir, verify
+from p2p.identity import Identity, check_multiaddr, default_data_dir, verify
 from p2p.tensor import Tensor
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "RequestTimeout",
     "Stream",
     "Tensor",
+    "check_multiaddr",
     "default_data_dir",
     "verify",
 ]

@@ -218,3 +218,14 @@ class Identity:
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id})"
+
+
+def check_multiaddr(addr: str) -> str:
+    """`addr` if it is a well-formed multiaddr (e.g. /ip4/1.2.3.4/tcp/4001), else ValueError."""
+    import multiaddr
+
+    try:
+        multiaddr.Multiaddr(addr)
+    except Exception as exc:
+        raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/4001: {exc}") from None
+    return addr

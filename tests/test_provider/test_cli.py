@@ -51,3 +51,7 @@ def test_start_refuses_bad_arguments_clearly(tmp_path: Path) -> None:
     assert bad_peer.returncode == 2 and "valid peer id" in bad_peer.stderr
     bad_memory = _cli("provider", "start", "--broker", addr, "--max-memory", "-1")
     assert bad_memory.returncode == 2 and "--max-memory must be positive" in bad_memory.stderr
+    bad_slots = _cli("provider", "start", "--broker", addr, "--compute-slots", "0")
+    assert bad_slots.returncode == 2 and "--compute-slots must be positive" in bad_slots.stderr
+    bad_announce = _cli("provider", "start", "--broker", addr, "--announce", "1.2.3.4:5")
+    assert bad_announce.returncode == 2 and "not a multiaddr" in bad_announce.stderr
