@@ -761,17 +761,18 @@ class JobRunner:
             for peer in peers:
                 self.inflight[peer] -= 1
         if call is None:  # (the events as they were: a peer that joins again gets a new one)
-            gone = next((p for p, e in zip(peers, lost, strict=True) if e.is_set()), peers[0])
-            raise _StageFailed(gone, keys[peers.index(gone)], "the provider was declared lost")
+            at = next((i for i, e in enumerate(lost) if e.is_set()), 0)
+            raise _StageFailed(peers[at], keys[at], "the provider was declared lost")
         answer = await self._answer(call, peers[0], keys[0])
         if isinstance(answer, ChainBroken):
-            peer = answer.peer or peers[-1]  # "": pushing the result here failed
-            key = answer.stage or keys[-1]
+            # the hop that failed ("": pushing the result here failed, after the last hop)
+            at = keys.index(answer.stage) if answer.stage in keys else len(keys) - 1
+            peer, key = peers[at], keys[at]
             if answer.code == ErrorCode.BUSY:
                 await asyncio.sleep(BUSY_WAIT_S)
                 raise _StageFailed(peer, key, answer.reason, busy=True)
-            if answer.code == "unreachable" and peer in peers[1:]:
-                source = peers[peers.index(peer) - 1]
+            if answer.code == "unreachable" and answer.stage in keys and at > 0:
+                source = peers[at - 1]
                 self.unreachable[(source, peer)] = time.monotonic() + UNREACHABLE_S
                 self.events.emit(
                     "chain_unreachable",
