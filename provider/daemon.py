@@ -126,6 +126,7 @@ class Provider:
         self._http: aiohttp.ClientSession | None = None
         self._seq = 0
         self._wake = asyncio.Event()  # send a heartbeat now (draining started)
+        self._told_draining = asyncio.Event()  # the broker acknowledged we are draining
         self._status_tasks: set[asyncio.Task[None]] = set()
         self._reserved: dict[str, int] = {}  # memory reserved by stages being loaded
         self._pending: dict[str, Assign] = {}  # the assignment each load is for
@@ -252,6 +253,18 @@ class Provider:
         cut.cancel()
         clean = drained.done() and drained.result()
         _event("drained", clean=bool(clean), in_flight=self.server.in_flight)
+        if self.joined.is_set() and not now.is_set():
+            # The broker hears "draining" (and hands our stages over) before "left", however
+            # quick the drain was; bounded, in case it cannot be reached.
+            told = asyncio.create_task(self._told_draining.wait())
+            cut = asyncio.create_task(now.wait())
+            await asyncio.wait(
+                [told, cut],
+                timeout=max(2.0, 2 * self.heartbeat_s),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            told.cancel()
+            cut.cancel()
         if self.joined.is_set() and self.host is not None and not now.is_set():
             try:
                 await self.host.request(
@@ -328,8 +341,9 @@ class Provider:
         return 2 * len(payload) / transfer, rtt
 
     async def _on_ping(self, peer: str, msg: Ping) -> Pong:
-        """The broker checks that we answer (a request to us failed); only it gets the
-        payload echoed (it measures bandwidth with it), others the nonce."""
+        """The broker checks that we answer before it declares us lost (a request to us
+        failed). Only the broker gets the payload echoed; others get the nonce alone, so we
+        are no bandwidth reflector."""
         return Pong(nonce=msg.nonce, payload=msg.payload if peer == self.broker_id else b"")
 
     def _announced(self) -> list[str]:
@@ -400,6 +414,8 @@ class Provider:
         while not stop.is_set():
             self._seq += 1
             self.server.expire()
+            self._wake.clear()  # (a wake while this heartbeat is on its way sends another)
+            draining = self.server.draining
             ack = await self.host.request(
                 self.broker_id,
                 HEARTBEAT,
@@ -408,13 +424,14 @@ class Provider:
                     loaded=sorted(self.server.stages),
                     queued=self.server.in_flight,
                     kv_bytes=self.server.kv_bytes(),
-                    draining=self.server.draining,
+                    draining=draining,
                 ),
                 timeout=max(2.0, 2 * self.heartbeat_s),
             )
             if not ack.known:
                 raise _Rejoin("the broker does not know this provider (it restarted)")
-            self._wake.clear()
+            if draining:
+                self._told_draining.set()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
             except TimeoutError:
