@@ -51,6 +51,8 @@ from p2p.codec import Message, ProtocolSpec
 from proto.forward import (
     FORWARD,
     ROUTE_DOMAIN,
+    TIMEOUT,
+    UNREACHABLE,
     ChainAccepted,
     ChainBroken,
     ChainResult,
@@ -687,7 +689,7 @@ class JobRunner:
         tasks = []
         for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
             due = self.verifier.due(model.unit_key(model.units[pos]))
-            self.verifier.answered[peer] = nth = self.verifier.answered.get(peer, 0) + 1
+            nth = self.verifier.count(peer)
             tasks.append((pos, peer, nth if due else 0))
 
         async def flush(run: list[tuple[int, str]], hidden: Array) -> Array:
@@ -771,7 +773,7 @@ class JobRunner:
             if answer.code == ErrorCode.BUSY:
                 await asyncio.sleep(BUSY_WAIT_S)
                 raise _StageFailed(peer, key, answer.reason, busy=True)
-            if answer.code == "unreachable" and answer.stage in keys and at > 0:
+            if answer.code == UNREACHABLE and answer.stage in keys and at > 0:
                 source = peers[at - 1]
                 self.unreachable[(source, peer)] = time.monotonic() + UNREACHABLE_S
                 self.events.emit(
@@ -782,7 +784,7 @@ class JobRunner:
                     reason=answer.reason,
                     seconds=UNREACHABLE_S,
                 )
-            if answer.code in ("timeout", "unreachable"):
+            if answer.code in (TIMEOUT, UNREACHABLE):
                 await self.serving.suspect(peer, f"a chained stage request failed: {answer.reason}")
             else:
                 await self.serving.changed(0.5)

@@ -107,6 +107,11 @@ class Verifier:
     def quarantined(self, peer: str) -> bool:
         return peer in self.registry.quarantined
 
+    def count(self, peer: str) -> int:
+        """One more task given to `peer`; its number (`caught_at` counts in these)."""
+        self.answered[peer] = n = self.answered.get(peer, 0) + 1
+        return n
+
     def due(self, key: str) -> bool:
         """Whether this task of stage `key` is checked (one in every 1/fraction)."""
         fraction = self.config.verify_fraction
@@ -176,7 +181,7 @@ class Verifier:
             except (RemoteError, RequestTimeout, P2PError) as exc:
                 log.info("a spot check on %s failed (%s); trying elsewhere", other, exc)
                 continue
-            self.answered[other] = self.answered.get(other, 0) + 1
+            self.count(other)
             second = answer.outputs.get("hidden_states_out")
             if second is not None:
                 try:
@@ -238,7 +243,7 @@ class Verifier:
         except (RemoteError, RequestTimeout, P2PError) as exc:
             log.info("probe of %s on %s failed: %s", key, peer, exc)
             return None
-        self.answered[peer] = self.answered.get(peer, 0) + 1
+        self.count(peer)
         tensor = answer.outputs.get("hidden_states_out") if answer is not None else None
         try:
             theirs: Array | None = tensor.to_numpy() if tensor is not None else None

@@ -77,6 +77,14 @@ class _TrioSink:
         self.done.set()
 
 
+def decode_answer(spec: ProtocolSpec, peer_id: str, kind: int, payload: bytes) -> Any:
+    """A call's answer: the typed response, or `RemoteError` for an error frame."""
+    if kind == Kind.ERROR:
+        info = decode_error(payload)
+        raise RemoteError(info.code, info.message, peer_id)
+    return spec.decode_response(payload)
+
+
 def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, bytes] | Relay:
     """Decode, run a compute handler, encode: (RESPONSE or ERROR, payload), or the handler's
     `Relay`. Never raises."""
@@ -365,11 +373,7 @@ class HostCore:
         if isinstance(outcome, BaseException):
             raise outcome
         assert outcome is not None
-        kind, answer = outcome
-        if kind == Kind.ERROR:
-            info = decode_error(answer)
-            raise RemoteError(info.code, info.message, relay.peer)
-        return relay.spec.decode_response(answer)
+        return decode_answer(relay.spec, relay.peer, *outcome)
 
     def on_message(self, channel: Channel, kind: int, payload: bytes) -> None:
         inbox = self._inboxes.get(channel)

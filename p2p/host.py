@@ -31,6 +31,7 @@ from p2p._core import (
     HandlerEntry,
     HostCore,
     StreamInbox,
+    decode_answer,
     encode_response,
 )
 from p2p._runtime import TrioRuntime, post
@@ -330,10 +331,7 @@ class Host:
         except asyncio.CancelledError:
             self._forget(runtime, sink)
             raise
-        if kind == Kind.ERROR:
-            info = decode_error(answer)
-            raise RemoteError(info.code, info.message, peer_id)
-        return spec.decode_response(answer)
+        return decode_answer(spec, peer_id, kind, answer)
 
     @staticmethod
     def _forget(runtime: TrioRuntime, sink: _CallSink) -> None:

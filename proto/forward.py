@@ -19,6 +19,9 @@ from p2p.tensor import Tensor
 MAX_ACTIVATION_BYTES = 256 * 1024 * 1024
 MAX_HOPS = 64
 ROUTE_DOMAIN = "fusionai-route/1"  # signature domain of a chain's route
+# `ChainBroken.code` besides the ErrorCode values: the next hop did not answer in time, could
+# not be reached, or answered something else than the protocol's messages
+TIMEOUT, UNREACHABLE, BAD_ANSWER = "timeout", "unreachable", "bad_answer"
 
 
 class Hop(msgspec.Struct, frozen=True, array_like=True):
@@ -61,7 +64,7 @@ class ChainBroken(Message, frozen=True, tag="ChainBroken/1"):
 
     peer: str
     stage: str
-    code: str  # an ErrorCode value, or "timeout" / "unreachable"
+    code: str  # an ErrorCode value, TIMEOUT, UNREACHABLE or BAD_ANSWER
     reason: str
 
 

@@ -37,10 +37,13 @@ from ir.pipeline import zero_adapters
 from ir.training import TrainingError, check_adapters
 from p2p import ErrorCode, P2PError, Refused, Relay, RemoteError, RequestTimeout, Tensor, verify
 from proto.forward import (
+    BAD_ANSWER,
     CHAIN,
     FORWARD,
     MAX_HOPS,
     ROUTE_DOMAIN,
+    TIMEOUT,
+    UNREACHABLE,
     ChainAccepted,
     ChainBroken,
     ChainResult,
@@ -337,21 +340,29 @@ class Server:
     def forward(self, peer: str, request: Forward) -> ForwardResult | Relay:
         if request.route:
             return self._chained(peer, request)
-        stage = self._stage(request.stage, request.check)
+        stage = self._forward_stage(request.stage, request.check)
+        outputs, ms = self._run_forward(peer, stage, _arrays(request.inputs), request.training)
+        return ForwardResult(outputs=self._outputs(outputs), compute_ms=ms)
+
+    def _forward_stage(self, key: str, check: bool = False) -> LoadedStage:
+        stage = self._stage(key, check)
         if stage.cache_inputs:
             raise Refused(
-                ErrorCode.REFUSED,
-                f"stage {request.stage!r} keeps a KV cache: use a generation session",
+                ErrorCode.REFUSED, f"stage {key!r} keeps a KV cache: use a generation session"
             )
-        with self._admit(peer, request.training) as number:
-            self._apply_fault(number, request.stage)
-            feeds = _arrays(request.inputs)
+        return stage
+
+    def _run_forward(
+        self, peer: str, stage: LoadedStage, feeds: dict[str, Array], training: bool
+    ) -> tuple[dict[str, Array], float]:
+        """Admit, wait for a compute slot, run: (outputs, milliseconds the run took)."""
+        with self._admit(peer, training) as number:
+            self._apply_fault(number, stage.key)
             stage.with_adapters(feeds, {})
-            with self.gate.slot(Priority.TRAINING if request.training else Priority.FORWARD):
+            with self.gate.slot(Priority.TRAINING if training else Priority.FORWARD):
                 start = time.perf_counter()
                 outputs = _run(stage.executor, feeds)
-                ms = (time.perf_counter() - start) * 1e3
-        return ForwardResult(outputs=self._outputs(outputs), compute_ms=ms)
+                return outputs, (time.perf_counter() - start) * 1e3
 
     def _chained(self, peer: str, request: Forward) -> Relay:
         """Run this hop of a chain (and the next ones if they are ours too), then relay the
@@ -373,18 +384,10 @@ class Server:
         feeds = _arrays(request.inputs)
         done: list[HopDone] = []
         while True:  # this hop, and the following ones while they are ours
-            stage = self._stage(route[i].stage)
-            if stage.cache_inputs:
-                raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} keeps a KV cache")
+            stage = self._forward_stage(route[i].stage)
             names = {t.name for t in stage.info.inputs}
-            with self._admit(peer, request.training) as number:
-                self._apply_fault(number, stage.key)
-                run = {k: v for k, v in feeds.items() if k in names}
-                stage.with_adapters(run, {})
-                with self.gate.slot(Priority.TRAINING if request.training else Priority.FORWARD):
-                    start = time.perf_counter()
-                    outputs = _run(stage.executor, run)
-                    ms = (time.perf_counter() - start) * 1e3
+            run = {k: v for k, v in feeds.items() if k in names}
+            outputs, ms = self._run_forward(peer, stage, run, request.training)
             hidden = self._faulty(outputs).get("hidden_states_out")
             if hidden is None:
                 raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} has no hidden_states_out")
@@ -564,10 +567,10 @@ def _finish(
         if isinstance(outcome, RemoteError):
             return ChainBroken(peer, stage, str(outcome.code), str(outcome))
         if isinstance(outcome, RequestTimeout):
-            return ChainBroken(peer, stage, "timeout", str(outcome))
+            return ChainBroken(peer, stage, TIMEOUT, str(outcome))
         if isinstance(outcome, P2PError):
-            return ChainBroken(peer, stage, "unreachable", str(outcome))
-        return ChainBroken(peer, stage, "bad_answer", f"unexpected {type(outcome).__name__}")
+            return ChainBroken(peer, stage, UNREACHABLE, str(outcome))
+        return ChainBroken(peer, stage, BAD_ANSWER, f"unexpected {type(outcome).__name__}")
 
     return finish
 
