@@ -134,6 +134,9 @@ class Swarm:
                 proc = Proc(args)
                 self.procs.append(proc)
                 self.peers[proc.wait_for("listening", timeout=120)["peer_id"]] = proc
+            # Every provider joined before a model is added: one still joining would be left
+            # out of the placement (a spare), and the pipeline would have fewer stages.
+            wait_until(f"{providers} providers joined", lambda: _joined(self.http) >= providers, 60)
         except BaseException:
             self.stop()
             raise
@@ -148,6 +151,13 @@ class Swarm:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
+
+
+def _joined(http: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{http}/v1/providers", timeout=30) as resp:
+        return len(json.loads(resp.read())["providers"])
 
 
 def _ready(http: str, name: str) -> bool:

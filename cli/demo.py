@@ -271,6 +271,8 @@ async def _drive(
     from client import AsyncClient, Failover, FusionAIError
 
     async with AsyncClient(http, timeout=10) as fa:
+        say(f"waiting for the {len(providers)} providers to join ...")
+        await _wait_joined(fa, set(providers))
         for name, path in models.items():
             say(f"adding {name} ...")
             try:
@@ -352,6 +354,20 @@ async def _drive(
         },
         "dashboard": http + "/",
     }
+
+
+async def _wait_joined(fa: Any, peers: set[str]) -> None:
+    """Until the broker lists every provider started (one still joining when a model is added
+    would be left out of its placement, as a spare)."""
+    end = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        joined = {p["peer_id"] for p in (await fa.swarm())["providers"]}
+        if peers <= joined:
+            return
+        if time.monotonic() > end:
+            missing = ", ".join(sorted(p[-8:] for p in peers - joined))
+            raise DemoError(f"providers {missing} did not join within {STARTUP_TIMEOUT:g} s")
+        await asyncio.sleep(0.2)
 
 
 async def _wait_ready(fa: Any, names: list[str]) -> dict[str, Any]:
