@@ -180,10 +180,10 @@ def embed_swarm(
         pids = [p.proc.pid for p in swarm.procs]
         with Client(swarm.http, timeout=600) as fa:
             warm = fa.submit({"model": name, "token_ids": ids[:BATCH], "microbatch": BATCH})
-            fa.wait(warm.id, poll=0.05)
+            fa.wait(warm.id)
             cpu0, start = _cpu(pids), time.perf_counter()
             job = fa.submit({"model": name, "token_ids": ids, "microbatch": BATCH})
-            fa.wait(job.id, poll=0.02)
+            fa.wait(job.id)
             seconds = time.perf_counter() - start
             cpu = _cpu(pids) - cpu0
         return {"texts_s": BATCH * mbs / seconds, "cpu_s": cpu, "seconds": seconds}

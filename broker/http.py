@@ -104,6 +104,7 @@ OPENAPI = Path(__file__).parent / "openapi.json"
 PUBLIC = frozenset({"/healthz", "/openapi.json", "/"})  # no key needed, nor below /dashboard/
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
+MAX_JOB_WAIT_S = 30.0  # longest `GET /v1/jobs/{id}?wait=S` holds a request for a change
 
 
 RESULT_ROWS = 8  # microbatches per `results` event of a job's stream
@@ -172,6 +173,19 @@ def int_param(request: web.Request, name: str, default: int, low: int, high: int
         raise JobError(name, f"must be an integer, got {raw!r}") from None
     if not low <= value <= high:
         raise JobError(name, f"must be from {low} to {high}")
+    return value
+
+
+def float_param(request: web.Request, name: str, default: float, low: float, high: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise JobError(name, f"must be a number, got {raw!r}") from None
+    if not low <= value <= high:  # (NaN fails this too)
+        raise JobError(name, f"must be from {low:g} to {high:g}")
     return value
 
 
@@ -373,8 +387,23 @@ def make_app(broker: Broker) -> web.Application:
         return web.json_response({"jobs": [job_json(j, store.count_done(j.id)) for j in rows]})
 
     async def get_job(request: web.Request) -> web.Response:
+        """A job's state; with `wait=S`, a job still going is answered once its state or
+        progress changes, or after S seconds (a long poll: no polling loop needed)."""
         job = job_or_404(request.match_info["id"])
-        return web.json_response(job_json(job, store.count_done(job.id)))
+        hold = float_param(request, "wait", 0.0, 0.0, MAX_JOB_WAIT_S)
+        done = store.count_done(job.id)
+        seen, loop = (job.state, done), asyncio.get_running_loop()
+        end = loop.time() + hold
+        while job.state not in TERMINAL and not broker.stopping:
+            left = end - loop.time()
+            if left <= 0:
+                break
+            await broker.events.wait(left)  # progress and state changes are events
+            job = store.job(job.id, full=False) or job
+            done = store.count_done(job.id)
+            if (job.state, done) != seen:
+                break
+        return web.json_response(job_json(job, done))
 
     async def cancel(request: web.Request) -> web.Response:
         job = jobs.cancel(request.match_info["id"])

@@ -9,7 +9,6 @@ import os
 import signal
 import ssl
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -366,8 +365,7 @@ def job_submit(args: argparse.Namespace) -> int:
     while job["state"] not in ("succeeded", "failed", "cancelled"):
         if not args.json:
             print(f"\r{job['id']}: {job['state']} {job['progress']:.0%}", end="", file=sys.stderr)
-        time.sleep(0.5)
-        job = _call(args, "GET", f"/v1/jobs/{job['id']}")
+        job = _call(args, "GET", f"/v1/jobs/{job['id']}?wait=10")  # answered on a change
     if not args.json:
         print(file=sys.stderr)
     _print(

@@ -58,6 +58,7 @@ DEFAULT_URL = "http://127.0.0.1:7371"
 EMBED_CHUNK = 256  # texts per embeddings request
 AVOID_PATIENCE_S = 5.0  # how long a failed peer is not taken back while others may come
 TERMINAL = ("succeeded", "failed", "cancelled")
+MAX_HOLD_S = 30.0  # the broker holds a status request at most this long (`?wait=`)
 
 
 def default_cache_dir() -> Path:
@@ -538,8 +539,13 @@ class AsyncClient:
         """Submit a batch job: `{"model", "texts" | "token_ids", "microbatch"?, ...}`."""
         return Job.from_json(await self._request("POST", "/v1/jobs", dict(job)))
 
-    async def job(self, job_id: str) -> Job:
-        return Job.from_json(await self._request("GET", f"/v1/jobs/{_quote(job_id)}"))
+    async def job(self, job_id: str, *, wait: float = 0.0) -> Job:
+        """A job's state and progress. With `wait` (at most 30 s), a job still going is
+        answered once its state or progress changes, or after `wait` seconds."""
+        path = f"/v1/jobs/{_quote(job_id)}"
+        if wait > 0:
+            path += f"?wait={wait:.3f}"
+        return Job.from_json(await self._request("GET", path, timeout=self.timeout + wait))
 
     async def cancel(self, job_id: str) -> Job:
         return Job.from_json(await self._request("POST", f"/v1/jobs/{_quote(job_id)}/cancel"))
@@ -549,23 +555,29 @@ class AsyncClient:
         job_id: str,
         *,
         timeout: float | None = None,
-        poll: float = 0.5,
+        poll: float = 10.0,
         progress: Callable[[Job], None] | None = None,
     ) -> Job:
         """Wait for the job to end; returns it once it has succeeded. Raises `JobFailed` if it
-        failed or was cancelled, `JobTimeout` after `timeout` seconds (the job goes on)."""
+        failed or was cancelled, `JobTimeout` after `timeout` seconds (the job goes on).
+
+        The broker answers as soon as the job's state or progress changes (a long poll), so
+        the end is seen at once; `poll` (at most 30 s) is the longest one request waits, and
+        so the longest between two calls of `progress`."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        hold = 0.0  # the first answer comes at once
         while True:
-            job = await self.job(job_id)
+            job = await self.job(job_id, wait=hold)
             if progress is not None:
                 progress(job)
             if job.finished:
                 if job.state != "succeeded":
                     raise JobFailed(job)
                 return job
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise JobTimeout(f"job {job_id} is still {job.state} after {timeout} s")
-            await asyncio.sleep(poll)
+            hold = _hold(poll, left)
 
     async def results(self, job_id: str, *, page: int = 10_000) -> Array:
         """A succeeded job's embeddings, one row per input, fetched page by page."""
@@ -588,14 +600,15 @@ class AsyncClient:
         steps: int = 20,
         progress: Callable[[FinetuneStep], None] | None = None,
         timeout: float | None = None,
-        poll: float = 0.5,
+        poll: float = 10.0,
         **options: Any,
     ) -> FineTune:
         """Fine-tune `model` through the swarm on `data` (texts, or a JSONL file of
         {"text": ...} lines, or a plain text file of one example per line) and wait for it.
         `options`: batch, microbatches, seq_len, method ("lora-fa" or "lora"), rank, lr,
         weight_decay, seed, snapshot_every, shards ([k, n]). `progress` gets each step as it
-        is done. Returns the losses and the downloaded adapter."""
+        is done (`poll`: the longest one status request waits for a change, as in `wait`).
+        Returns the losses and the downloaded adapter."""
         if isinstance(data, str | Path):
             texts = await asyncio.to_thread(read_texts, data)
         else:
@@ -606,8 +619,9 @@ class AsyncClient:
         job = await self.submit(body)
         seen = 0
         deadline = None if timeout is None else time.monotonic() + timeout
+        hold = 0.0
         while True:
-            current = await self.job(job.id)
+            current = await self.job(job.id, wait=hold)
             done = await self._steps(job.id, seen, current.microbatches)
             for s in done:
                 if progress is not None:
@@ -617,11 +631,12 @@ class AsyncClient:
                 if current.state != "succeeded":
                     raise JobFailed(current)
                 break
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise JobTimeout(
                     f"fine-tune job {job.id} is still {current.state} after {timeout} s"
                 )
-            await asyncio.sleep(poll)
+            hold = _hold(poll, left)
         path, sha = await self._download_adapter(job.id)
         return FineTune(
             job.id, model, await self._steps(job.id, 0, current.microbatches), path, sha
@@ -994,6 +1009,11 @@ def _error(status: int, data: bytes, retry_after: str | None) -> FusionAIError:
         pass
     retry = float(retry_after) if retry_after and retry_after.isdigit() else None
     return for_status(status, message, field_name, retry)
+
+
+def _hold(poll: float, left: float | None) -> float:
+    """How long the next status request may wait at the broker for a change (a long poll)."""
+    return min(max(poll, 0.0), MAX_HOLD_S, MAX_HOLD_S if left is None else left)
 
 
 def _quote(part: str) -> str:

@@ -4,6 +4,7 @@ restart. Every wait has a deadline; faults are signals sent at chosen moments.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -354,6 +355,65 @@ def test_queue_policy_orders_jobs_waiting_for_a_route(
     assert first["job"] == (long["id"] if policy == "fifo" else short["id"])
     for job in (long, short):
         assert wait_job(b.http, job["id"])["state"] == "succeeded"
+
+
+def test_a_job_status_request_waits_for_the_next_change(
+    broker: Spawner, provider: Spawner, minilm_package: Path
+) -> None:
+    """`GET /v1/jobs/{id}?wait=S` holds the request until the job changes (a cancel answers
+    it at once) or S seconds pass; `Client.wait` uses it, so it makes a few requests, not a
+    polling loop, and still sees the end at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client import Client
+
+    b: BrokerProc = broker("--verify-fraction", "0")
+    add_model(b.http, minilm_package)  # no providers yet: the job waits for a route
+    _, job = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(8)})
+    path = f"/v1/jobs/{job['id']}"
+    start = time.monotonic()
+    status, out = api(b.http, "GET", path + "?wait=1")
+    assert status == 200 and out["state"] == "queued", out
+    assert time.monotonic() - start >= 0.9  # nothing changed: held for the whole second
+    for bad in ("31", "-1", "soon", "nan"):
+        status, out = api(b.http, "GET", f"{path}?wait={bad}")
+        assert status == 400 and "wait" in out["error"]["message"], (bad, out)
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        held = pool.submit(api, b.http, "GET", path + "?wait=25")
+        time.sleep(1.0)
+        assert not held.done()
+        api(b.http, "POST", path + "/cancel")
+        status, out = held.result(timeout=10)
+    assert status == 200 and out["state"] == "cancelled", out
+    assert time.monotonic() - start < 8  # answered on the change, not after 25 s
+    start = time.monotonic()
+    assert api(b.http, "GET", path + "?wait=25")[1]["state"] == "cancelled"  # ended: at once
+    assert time.monotonic() - start < 5
+
+    peer_of(provider(b.addr))
+    wait_ready(b.http, "minilm")
+    with Client(b.http, timeout=30) as fa:
+        submitted = fa.submit({"model": "minilm", "texts": texts(96), "microbatch": 8})
+        seen: list[tuple[str, int]] = []
+        done = fa.wait(
+            submitted.id, timeout=120, poll=25, progress=lambda j: seen.append((j.state, j.done))
+        )
+    assert done.state == "succeeded" and seen[-1] == ("succeeded", 12), seen
+    assert all(a != b for a, b in itertools.pairwise(seen)), seen  # every answer was a change
+    with urllib.request.urlopen(b.http + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    polls = sum(
+        float(n)
+        for n in re.findall(
+            r'fusionai_http_request_seconds_count\{method="GET",route="/v1/jobs/\{id\}",'
+            r'status="200"\} (\S+)',
+            metrics,
+        )
+    )
+    # 3 requests above, then one per change the client saw (12 microbatches report progress
+    # in 12 events at most, plus the state changes)
+    assert len(seen) <= 16 and polls == 3 + len(seen), (polls, seen)
 
 
 @pytest.mark.parametrize("relay", ["chain", "star"])
