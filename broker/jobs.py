@@ -354,6 +354,7 @@ class JobRunner:
             yield
         finally:
             self.interactive[model] -= 1
+            self.serving.idle(model)
 
     def client(self, model: str) -> ClientStages:
         """The model's client-side stages, loaded once (a new version of the model drops them)."""
@@ -465,12 +466,14 @@ class JobRunner:
 
     def _release(self, job_id: str) -> None:
         """A job stopped: a job sharing its route carries on, holding the route."""
-        self.models_of.pop(job_id, None)
+        model = self.models_of.pop(job_id, None)
         partner = self.partner.pop(job_id, None)
         held = self.held.pop(job_id, 0)
         if partner is not None and partner in self.tasks:
             self.partner[partner] = None
             self.held[partner] = self.held.get(partner, 0) + held
+        if model is not None:
+            self.serving.idle(model)
 
     async def _execute(self, job: JobRow) -> None:
         if job.kind == "finetune":

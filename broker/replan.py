@@ -198,6 +198,28 @@ def on_join(
     return replace(placement, spares=(*placement.spares, peer))
 
 
+def rescored(
+    placement: Placement,
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> Placement:
+    """`placement` with its stage times worked out again from `providers`' profiles as they
+    are now (corrected by observed times), so it can be compared with a fresh placement made
+    from the same profiles. A stage whose provider is not among them keeps its old time."""
+    cost = _Cost(model, providers, config or PlacementConfig())
+    replicas = tuple(
+        Replica(
+            tuple(
+                cost.stage(st.provider, st.first, st.end) if st.provider in providers else st
+                for st in rep.stages
+            )
+        )
+        for rep in placement.replicas
+    )
+    return replace(placement, replicas=replicas)
+
+
 def should_rebalance(
     current: Placement, candidate: Placement, threshold: float = REBALANCE_THRESHOLD
 ) -> bool:

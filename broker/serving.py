@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -42,9 +43,9 @@ from broker.pool import (
     Status,
 )
 from broker.registry import Registry
-from broker.replan import on_join, on_leave, should_rebalance
+from broker.replan import on_join, on_leave, rescored, should_rebalance
 from broker.store import Store
-from dag.cost import HardwareProfile, Workload, layer_time
+from dag.cost import Correction, HardwareProfile, Workload, layer_time
 from dag.model import ModelSpec
 from p2p import Host, P2PError
 from proto.assign import ASSIGN, Assign, AssignAck, Promote, StageStatus, StatusAck, Unassign
@@ -64,6 +65,7 @@ class Plan:
     restored_until: float | None = None  # after a restart: members have until then to re-join
     cannot: dict[str, str] = field(default_factory=dict)  # peer -> why it cannot host this model
     waiting_reason: str = ""  # why the model is not placed yet
+    rebalance_due: bool = False  # a provider joined while the model was busy: look once idle
 
 
 def range_key(model: str, first: int, end: int) -> str:
@@ -193,8 +195,22 @@ class Serving:
                 continue
             hw = self.registry.hardware.get(peer)
             if hw is not None:
-                out[peer] = p.correction.apply(hw)
+                correction = p.correction if p.correction.samples else self._prior(hw.name)
+                out[peer] = correction.apply(hw)
         return out
+
+    def _prior(self, hardware: str) -> Correction:
+        """The correction to assume for a provider not yet seen running a stage: the median of
+        those seen on the same hardware, else of all seen (profiles measure peak FLOP/s,
+        which real stages reach only a share of; an unseen provider rated as its peak would
+        look faster than its measured twins), else none."""
+        seen = [
+            (self.registry.hardware[peer].name == hardware, p.correction.factor)
+            for peer, p in self.registry.state.providers.items()
+            if p.correction.samples and peer in self.registry.hardware
+        ]
+        same = [f for alike, f in seen if alike] or [f for _, f in seen]
+        return Correction(factor=statistics.median(same)) if same else Correction()
 
     def _place(self, plan: Plan) -> None:
         """Place a model on free providers; if that fails, other models' warm backups may
@@ -270,19 +286,31 @@ class Serving:
         self._adopt(plan, fixed.placement, "repaired", lost=gone, reason=why, moves=moves)
 
     def _maybe_rebalance(self, plan: Plan) -> None:
-        if plan.placement is None or plan.restored_until is not None or self.busy(plan.model.name):
+        if plan.placement is None or plan.restored_until is not None:
             return
+        if self.busy(plan.model.name):
+            plan.rebalance_due = True  # not under a running job: once it is idle (`idle`)
+            return
+        plan.rebalance_due = False
+        profiles = self.candidates(plan)
         try:
-            candidate = place(plan.spec, self.candidates(plan), self.pcfg)
+            candidate = place(plan.spec, profiles, self.pcfg)
         except PlacementError:
             return
-        if should_rebalance(plan.placement, candidate):
+        current = rescored(plan.placement, plan.spec, profiles, self.pcfg)  # as now measured
+        if should_rebalance(current, candidate):
             self._adopt(
                 plan,
                 candidate,
                 "rebalanced",
-                before_tokens_s=round(plan.placement.throughput, 1),
+                before_tokens_s=round(current.throughput, 1),
             )
+
+    def idle(self, model: str) -> None:
+        """Nothing uses `model` any more: a rebalance put off while it was busy happens now."""
+        plan = self.plans.get(model)
+        if plan is not None and plan.rebalance_due and not self.busy(model):
+            self._maybe_rebalance(plan)
 
     # ---- desired state -> messages ---------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +17,7 @@ from broker.placement import (
     place,
     round_robin_throughput,
 )
-from broker.replan import on_join, on_leave, should_rebalance
+from broker.replan import on_join, on_leave, rescored, should_rebalance
 from broker.swarms import random_swarm
 from dag.cost import HardwareProfile, Workload, layer_memory, stage_workspace
 from dag.model import LLAMA2_13B, LLAMA2_70B, ModelSpec
@@ -295,3 +296,21 @@ def test_petals_newcomer_takes_the_weakest_blocks_and_others_keep_theirs() -> No
     # The newcomer's window is the one whose sorted block rates were lowest.
     windows = [sorted(before[s : s + width]) for s in range(LLAMA2_13B.n_layers - width + 1)]
     assert sorted(before[start:end]) == min(windows)
+
+
+def test_a_placement_is_rescored_with_the_profiles_as_now_measured() -> None:
+    """A rebalance compares like with like: the current placement's times are worked out
+    again from today's (corrected) profiles, as the candidate's are."""
+    swarm = random_swarm(12, 3)
+    config = PlacementConfig(work=WORK)
+    placed = place(LLAMA2_13B, swarm, config)
+    assert rescored(placed, LLAMA2_13B, swarm, config) == placed  # nothing changed
+    slow = next(iter(placed.providers()))
+    later = {**swarm, slow: replace(swarm[slow], slowdown=3.0)}  # observed 3x its profile
+    now = rescored(placed, LLAMA2_13B, later, config)
+    before = {s.provider: s.time for r in placed.replicas for s in r.stages}
+    for stage in (s for r in now.replicas for s in r.stages):
+        assert (stage.time > before[stage.provider]) == (stage.provider == slow)
+    assert now.throughput < placed.throughput
+    gone = {k: v for k, v in swarm.items() if k != slow}  # its stages keep their old times
+    assert rescored(placed, LLAMA2_13B, gone, config) == placed
