@@ -167,6 +167,9 @@ class Broker:
         return self._stop.is_set()
 
     async def close(self) -> None:
+        serving: Serving | None = getattr(self, "serving", None)
+        if serving is not None:
+            serving.closing = True  # jobs cancelled below rebalance nothing on their way out
         if not self._stop.is_set():
             self._stop.set()
             if self._runner is not None:  # started: open event streams wake up and end
@@ -174,7 +177,6 @@ class Broker:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        serving: Serving | None = getattr(self, "serving", None)
         if serving is not None:
             await serving.close()
         if self._runner is not None:

@@ -132,6 +132,7 @@ class Serving:
         self.sent: dict[tuple[str, str], str] = {}  # (peer, unit key) -> role sent
         self.confirmed: dict[tuple[str, str], str] = {}  # role the provider reported ready in
         self.busy: Callable[[str], bool] = lambda model: False  # a job runs on the model
+        self.closing = False  # the broker is stopping: placements are left as they are
         self._outbox: dict[str, asyncio.Queue[Assign | Unassign | Promote]] = {}
         self._senders: dict[str, asyncio.Task[None]] = {}
         self._changed = asyncio.Event()
@@ -309,7 +310,7 @@ class Serving:
     def idle(self, model: str) -> None:
         """Nothing uses `model` any more: a rebalance put off while it was busy happens now."""
         plan = self.plans.get(model)
-        if plan is not None and plan.rebalance_due and not self.busy(model):
+        if plan is not None and plan.rebalance_due and not self.busy(model) and not self.closing:
             self._maybe_rebalance(plan)
 
     # ---- desired state -> messages ---------------------------------------------------------
