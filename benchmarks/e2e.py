@@ -153,18 +153,19 @@ class Swarm:
             proc.stop()
 
 
-def _joined(http: str) -> int:
+def _get(http: str, path: str) -> Any:
     import urllib.request
 
-    with urllib.request.urlopen(f"{http}/v1/providers", timeout=30) as resp:
-        return len(json.loads(resp.read())["providers"])
+    with urllib.request.urlopen(http + path, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _joined(http: str) -> int:
+    return len(_get(http, "/v1/providers")["providers"])
 
 
 def _ready(http: str, name: str) -> bool:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{http}/v1/models/{name}", timeout=30) as resp:
-        return bool(json.loads(resp.read())["ready"])
+    return bool(_get(http, f"/v1/models/{name}")["ready"])
 
 
 def embed_swarm(

@@ -163,29 +163,33 @@ async def json_body(request: web.Request) -> Any:
         raise JobError("body", "JSON nested too deeply") from None
 
 
-def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+def _number_param(
+    request: web.Request, name: str, default: float, low: float, high: float, kind: type
+) -> Any:
     raw = request.query.get(name)
     if raw is None:
         return default
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise JobError(name, f"must be an integer, got {raw!r}") from None
-    if not low <= value <= high:
-        raise JobError(name, f"must be from {low} to {high}")
+        what = "an integer" if kind is int else "a number"
+        raise JobError(name, f"must be {what}, got {raw!r}") from None
+    if not low <= value <= high:  # (NaN fails this too)
+        raise JobError(name, f"must be from {_plain(low)} to {_plain(high)}")
+    return value
+
+
+def _plain(v: float) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    value: int = _number_param(request, name, default, low, high, int)
     return value
 
 
 def float_param(request: web.Request, name: str, default: float, low: float, high: float) -> float:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise JobError(name, f"must be a number, got {raw!r}") from None
-    if not low <= value <= high:  # (NaN fails this too)
-        raise JobError(name, f"must be from {low:g} to {high:g}")
+    value: float = _number_param(request, name, default, low, high, float)
     return value
 
 

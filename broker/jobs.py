@@ -740,12 +740,9 @@ class JobRunner:
         timeout = self.config.request_timeout_s * len(route)
         expires = time.time() + timeout + 5.0
         signature = self.host.identity.sign(route_bytes(chain, route, expires), domain=ROUTE_DOMAIN)
-        info = model.manifest.stages[model.units[stages[0]]]
-        names = {i.name for i in info.inputs}
-        feeds = {"hidden_states": hidden, "attention_mask": mask}
         msg = Forward(
             stage=keys[0],
-            inputs={k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names},
+            inputs=self._inputs(job, stages[0], hidden, mask),
             chain=chain,
             route=route,
             expires=expires,
@@ -839,6 +836,14 @@ class JobRunner:
         except ValueError as exc:
             raise _StageFailed(peer, key, f"a bad tensor: {exc}") from None
 
+    def _inputs(self, job: Ref, pos: int, hidden: Array, mask: Array) -> dict[str, Tensor]:
+        """What stage `pos` takes of the hidden states and the mask (adapters: the provider's
+        zeros)."""
+        model = self.models.models[job.model]
+        names = {i.name for i in model.manifest.stages[model.units[pos]].inputs}
+        feeds = {"hidden_states": hidden, "attention_mask": mask}
+        return {k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names}
+
     async def _forward(
         self, job: Ref, pos: int, peer: str, hidden: Array, mask: Array, used: list[str], nth: int
     ) -> Array:
@@ -846,13 +851,8 @@ class JobRunner:
         broker gave that provider."""
         model = self.models.models[job.model]
         key = model.unit_key(model.units[pos])
-        info = model.manifest.stages[model.units[pos]]
         used.append(peer)
-        feeds = {"hidden_states": hidden, "attention_mask": mask}  # adapters: the provider's zeros
-        names = {i.name for i in info.inputs}
-        msg = Forward(
-            stage=key, inputs={k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names}
-        )
+        msg = Forward(stage=key, inputs=self._inputs(job, pos, hidden, mask))
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         start = time.perf_counter()
         try:

@@ -331,9 +331,7 @@ class Server:
         return outputs
 
     def _outputs(self, outputs: dict[str, Array]) -> dict[str, Tensor]:
-        return {
-            k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in self._faulty(outputs).items()
-        }
+        return _tensors(self._faulty(outputs))
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -396,7 +394,7 @@ class Server:
             if i + 1 == len(route) or route[i + 1].peer != self.peer_id:
                 break
             i += 1
-        tensors = {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
+        tensors = _tensors(feeds)
         timeout = max(request.expires - time.time(), 1.0)
         with self._lock:  # a drain waits for the rest of the route too
             self._relaying += 1
@@ -551,11 +549,12 @@ def _finish(
 ) -> Callable[[Any], ForwardResult | ChainBroken]:
     """How a chain hop answers once the next hop (`nxt`; None: the broker) has answered."""
 
-    relaying = {"open": True}
+    relaying = True
 
     def finish(outcome: Any) -> ForwardResult | ChainBroken:
-        if relaying["open"]:  # the relay is over: counted once, however often asked
-            relaying["open"] = False
+        nonlocal relaying
+        if relaying:  # the relay is over: counted once, however often asked
+            relaying = False
             relayed()
         if isinstance(outcome, ChainBroken):  # further down the route
             return outcome
@@ -573,6 +572,10 @@ def _finish(
         return ChainBroken(peer, stage, BAD_ANSWER, f"unexpected {type(outcome).__name__}")
 
     return finish
+
+
+def _tensors(arrays: dict[str, Array]) -> dict[str, Tensor]:
+    return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
 
 
 def _arrays(tensors: dict[str, Tensor]) -> dict[str, Array]:
