@@ -8,7 +8,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,13 @@ def api(http: str, method: str, path: str, body: Any = None, raw: bytes | None =
 def pools(http: str) -> dict[str, str]:
     _, out = api(http, "GET", "/v1/providers")
     return {p["peer_id"]: p["pool"] for p in out["providers"]}
+
+
+def wait_joined(http: str, peers: Iterable[str], timeout: float = 60.0) -> None:
+    """Until the broker lists every one of `peers`. A provider that is listening may not have
+    joined yet, and a model added then would be placed without it."""
+    wanted = set(peers)
+    wait_until(f"{len(wanted)} providers joined", lambda: wanted <= set(pools(http)), timeout)
 
 
 def add_model(http: str, package: Path, *extra: str) -> dict[str, Any]:

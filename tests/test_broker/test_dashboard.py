@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.test_broker.conftest import BrokerProc, add_model, wait_ready
+from tests.test_broker.conftest import BrokerProc, add_model, wait_joined, wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -124,6 +124,7 @@ async def test_dashboard_lists_providers_and_updates_when_one_leaves(
     b = broker()
     procs = [provider(b.addr) for _ in range(2)]
     peers = [p.wait_for("listening", timeout=60)["peer_id"] for p in procs]
+    wait_joined(b.http, peers)
     add_model(b.http, minilm_package)
     wait_ready(b.http, "minilm")
     async for page in open_page(tmp_path):

@@ -24,6 +24,7 @@ from tests.test_broker.conftest import (
     add_model,
     api,
     local_embeddings,
+    wait_joined,
     wait_ready,
     wait_until,
 )
@@ -105,8 +106,7 @@ def swarm_with(
 ) -> tuple[BrokerProc, list[Proc]]:
     b: BrokerProc = broker(*extra)
     procs = [provider(b.addr) for _ in range(providers)]
-    for proc in procs:
-        proc.wait_for("listening", timeout=60)
+    wait_joined(b.http, [proc.wait_for("listening", timeout=60)["peer_id"] for proc in procs])
     for package in packages:
         name = add_model(b.http, package)["model"]
         wait_ready(b.http, name)
@@ -241,6 +241,7 @@ def test_generation_continues_on_the_backup_when_a_provider_dies(
     for _ in range(4):
         proc = provider(b.addr)
         procs[proc.wait_for("listening", timeout=60)["peer_id"]] = proc
+    wait_joined(b.http, procs)
     add_model(b.http, llama_package)
     route = wait_ready(b.http, "tiny-llama", backups=1)
     victim_id = route["stages"][0]["providers"][0]["peer_id"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.procs import Proc, wait_until
-from tests.test_broker.conftest import BrokerProc, add_model, api, wait_ready
+from tests.test_broker.conftest import BrokerProc, add_model, api, wait_joined, wait_ready
 from tests.test_client.test_sdk import run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,6 +38,7 @@ def swarm(
     for _ in range(n):
         p = provider(b.addr)
         procs[p.wait_for("listening", timeout=60)["peer_id"]] = p
+    wait_joined(b.http, procs)
     add_model(b.http, package)
     wait_ready(b.http, MODEL)  # the others join the backup pool; any of them may take over
     return b, procs

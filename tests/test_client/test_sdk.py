@@ -16,7 +16,14 @@ import pytest
 
 from tests.procs import ROOT, Proc, fusionai, wait_until
 from tests.procs import sample_texts as texts
-from tests.test_broker.conftest import BrokerProc, add_model, api, local_embeddings, wait_ready
+from tests.test_broker.conftest import (
+    BrokerProc,
+    add_model,
+    api,
+    local_embeddings,
+    wait_joined,
+    wait_ready,
+)
 from tests.test_broker.test_gateway import local_greedy
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,10 +36,12 @@ def peers_of(stage: dict[str, Any]) -> set[str]:
 
 
 def start_providers(b: BrokerProc, provider: Spawner, *extras: tuple[str, ...]) -> dict[str, Proc]:
+    """Providers started one by one, returned once the broker lists them all."""
     procs = {}
     for extra in extras:
         proc = provider(b.addr, *extra)
         procs[proc.wait_for("listening", timeout=60)["peer_id"]] = proc
+    wait_joined(b.http, procs)
     return procs
 
 
