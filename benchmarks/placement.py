@@ -25,8 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from broker.exact import optimal_bottleneck
-from broker.placement import (
+from broker.core.placement import (
     PlacementConfig,
     PlacementError,
     equal_split,
@@ -34,7 +33,8 @@ from broker.placement import (
     place,
     round_robin_throughput,
 )
-from broker.replan import on_leave
+from broker.core.replan import on_leave
+from broker.exact import optimal_bottleneck
 from broker.swarms import random_swarm
 from dag.cost import Workload
 from dag.model import LLAMA2_70B, ModelSpec

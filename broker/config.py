@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker.core import CoreConfig
+from broker.core.placement import PlacementConfig
+from broker.core.pool import PoolConfig
+from dag.cost import Workload
+
+LOAD_OVERHEAD = 1.2  # providers need this times a stage's weights (executor arenas)
+PLACEMENT_WORK = Workload(tokens=32 * 128, sequences=32, context=128, dtype="float32")
+
 
 @dataclass(frozen=True)
 class BrokerConfig:
@@ -43,6 +51,8 @@ class BrokerConfig:
     verify_atol: float = 1e-3  # atol + rtol * (largest magnitude of the reference)
     verify_redo_s: float = 3600.0  # a quarantined provider's results this recent are redone
     max_interactive: int = 64  # embedding and completion requests served at once (then 429)
+    rebalance_every_s: float = 600.0  # how often idle models are checked for a better placement
+    trace: Path | None = None  # record the decision core's inputs and actions here (JSON lines)
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -57,3 +67,18 @@ class BrokerConfig:
         if self.restart_grace_s is not None:
             return self.restart_grace_s
         return self.heartbeat_timeout_s + self.heartbeat_s
+
+    @property
+    def core(self) -> CoreConfig:
+        """The decision core's settings, from this configuration."""
+        return CoreConfig(
+            pool=PoolConfig(
+                heartbeat_interval=self.heartbeat_s, missed_heartbeats=self.missed_heartbeats
+            ),
+            placement=PlacementConfig(
+                work=PLACEMENT_WORK, memory_fraction=1 / LOAD_OVERHEAD, max_replicas=self.replicas
+            ),
+            queue_policy=self.queue_policy,
+            restart_grace_s=self.grace_s,
+            rebalance_every_s=self.rebalance_every_s,
+        )

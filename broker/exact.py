@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from broker.placement import PlacementConfig, PlacementError, provider_costs
+from broker.core.placement import PlacementConfig, PlacementError, provider_costs
 from dag.cost import HardwareProfile
 from dag.model import ModelSpec
 

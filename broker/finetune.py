@@ -642,7 +642,7 @@ class SwarmFinetune:
         owner = self.route[pos]
         live = sorted(
             p
-            for p in self.serving.registry.state.providers
+            for p in self.serving.registry.core.pool.providers
             if p != owner and self.serving.registry.alive(p)
         )
         if not live:
@@ -730,7 +730,7 @@ class SwarmFinetune:
         last = self.model.manifest.stages[-1].index
         package = await asyncio.to_thread(load_package, self.model.directory, stages=[last])
         head = HeadLoss(OnnxModule(package.models[last]))
-        graph = finetune_graph(self.serving.plans[self.job.model].spec, self.stages, self.request)
+        graph = finetune_graph(self.serving.spec(self.job.model), self.stages, self.request)
         try:
             await self._train(client, data, head, graph)
         except asyncio.CancelledError:

@@ -9,9 +9,10 @@ provider and the last pushes the result here, unless a stage is due a spot check
 runs on its own) or `relay` is "star". Several microbatches are in the pipeline at once. A
 microbatch that fails (provider lost, stalled, busy, refused) is retried on another route,
 up to `max_attempts`; results are stored per microbatch as they arrive, so a broker restarted
-mid-job only redoes what was in flight. Which queued job starts next is the queue policy's
-choice (FIFO or SJF-BSBF, `broker.queue`): each model's pipeline replicas are its "GPU sets",
-and a job that may share one starts alongside its host.
+mid-job only redoes what was in flight. Which queued job starts when is the decision core's
+(`broker.core.queue`, FIFO or SJF-BSBF): the runner reports jobs queued, progressing and
+ended, and starts those the core says (`StartJob`), a job that shares a route alongside its
+host.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import networkx as nx
 import numpy as np
 
 from broker.config import BrokerConfig
+from broker.core.actions import StartJob
+from broker.core.events import JobEnded, JobProgressed, JobQueued, ModelUsed
 from broker.errors import Conflict, NotFound, Unavailable
 from broker.events import EventLog
 from broker.models import ModelStore
-from broker.queue import Fifo, Job, QueuePolicy, Running, SjfBsbf
 from broker.serving import Serving
 from broker.store import JobRow, Store
 from broker.verify import Verifier
@@ -160,22 +162,19 @@ class JobRunner:
         self.serving = serving
         self.models = models
         self.host = host
-        self.policy: QueuePolicy = SjfBsbf() if config.queue_policy == "sjf-bsbf" else Fifo()
+        self.driver = serving.driver
+        self.clock = serving.clock
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.partner: dict[str, str | None] = {}  # running job -> the job sharing its route
-        self.held: dict[str, int] = {}  # running job -> route slots it holds (0: a guest)
-        self.models_of: dict[str, str] = {}  # running job -> its model
+        self.closing = False  # the broker is stopping: jobs ending now change no decision
         self.clients: dict[str, ClientStages] = {}
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
         # chained requests waiting for their result: chain id -> (last hop, its outputs)
         self.chains: dict[str, tuple[str, asyncio.Future[dict[str, Tensor]]]] = {}
         # (provider, next provider) -> until when the first cannot reach the second
         self.unreachable: dict[tuple[str, str], float] = {}
-        self.interactive: dict[str, int] = {}  # embedding requests and sessions per model
-        self._wake = asyncio.Event()
         # metrics: (model, seconds, "chain" or "direct") per stage task answered
         self.on_stage: Callable[[str, float, str], None] = lambda model, seconds, relay: None
-        serving.busy = self.busy
+        self.driver.carry(StartJob, self._start)
         self.verifier = Verifier(config, store, events, serving.registry, models, self._check)
         self.verifier.on_quarantine = self._redo
         serving.registry.reputation_of = self.verifier.summary
@@ -224,7 +223,7 @@ class JobRunner:
             sequences=request.count,
             microbatches=microbatches,
         )
-        self._wake.set()
+        self._queue(job)
         return job
 
     async def _submit_finetune(self, body: dict[str, Any]) -> JobRow:
@@ -244,7 +243,7 @@ class JobRunner:
             )
         client = await asyncio.to_thread(self.client, request.model)
         await asyncio.to_thread(ft.Data, client, request)  # tokenizes: enough tokens?
-        graph = ft.finetune_graph(self.serving.plans[request.model].spec, stages, request)
+        graph = ft.finetune_graph(self.serving.spec(request.model), stages, request)
         job_id = uuid.uuid4().hex[:16]
         job = self.store.add_job(
             job_id,
@@ -258,8 +257,14 @@ class JobRunner:
         self.events.emit(
             "job_queued", job=job_id, model=request.model, job_kind="finetune", steps=request.steps
         )
-        self._wake.set()
+        self._queue(job)
         return job
+
+    def _queue(self, job: JobRow) -> None:
+        """The core hears of a queued job (and starts it when its model has a free route)."""
+        self.driver.handle(
+            JobQueued(job.id, job.model, job.created, max(1e-6, job.estimate_s), self.clock())
+        )
 
     def save_adapter(self, job_id: str, model: str, data: bytes) -> None:
         """Keep a finished fine-tune job's adapter (safetensors), named by its SHA-256."""
@@ -296,8 +301,7 @@ class JobRunner:
         task_ = self.tasks.pop(job_id, None)
         if task_ is not None:
             task_.cancel()
-            self._release(job_id)
-        self._wake.set()
+        self._release(job_id)
         found = self.store.job(job_id, full=False)
         assert found is not None
         return found
@@ -339,22 +343,22 @@ class JobRunner:
         """The job graph of one microbatch: client stages, then each provider stage."""
         units = len(self.models.models[model].units)
         pairs = [(i, i + 1) for i in range(units)]
-        return inference_pipeline(self.serving.plans[model].spec, pairs, batch=microbatch, seq=seq)
+        return inference_pipeline(self.serving.spec(model), pairs, batch=microbatch, seq=seq)
 
     def busy(self, model: str) -> bool:
         """A job, an embedding request or a generation session is using the model (so its
         placement is not rebalanced now)."""
-        return model in self.models_of.values() or self.interactive.get(model, 0) > 0
+        return self.serving.core.busy(model)
 
     @contextlib.contextmanager
     def using(self, model: str) -> Iterator[None]:
-        """Mark an interactive request on `model` for `busy`."""
-        self.interactive[model] = self.interactive.get(model, 0) + 1
+        """Tell the core an interactive request uses `model` while this block runs."""
+        self.driver.handle(ModelUsed(model, 1, self.clock()))
         try:
             yield
         finally:
-            self.interactive[model] -= 1
-            self.serving.idle(model)
+            if not self.closing:
+                self.driver.handle(ModelUsed(model, -1, self.clock()))
 
     def client(self, model: str) -> ClientStages:
         """The model's client-side stages, loaded once (a new version of the model drops them)."""
@@ -366,76 +370,34 @@ class JobRunner:
     # ---- scheduling ------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """After a restart: jobs that were placed or running go back to the queue."""
+        """After a restart: jobs that were placed or running go back to the queue; the core
+        hears of every queued job (one whose model is gone fails)."""
         for job in self.store.jobs(ACTIVE):
             done = self.store.count_done(job.id)
             self.store.set_job_state(job.id, "queued")
             self.events.emit("job_resumed", job=job.id, done=done, of=job.microbatches)
+        for job in self.store.jobs(("queued",), oldest_first=True):
+            if job.model not in self.models.models:
+                self._finish(job.id, "failed", f"model {job.model} is no longer stored")
+            else:
+                self._queue(job)
 
     async def schedule(self, stop: asyncio.Event) -> None:
+        """Own the running jobs until the broker stops: then they are cancelled (they resume
+        when it starts again). Jobs start when the core says (`StartJob`)."""
         try:
-            while not stop.is_set():
-                try:
-                    self._start_jobs()
-                    self.serving.check_restored()
-                except Exception:  # a bug here must not stop scheduling for good
-                    log.exception("scheduling failed; trying again")
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.25)
-                except TimeoutError:
-                    pass
-        finally:  # shutting down (or cancelled): running jobs stop; they resume on restart
+            await stop.wait()
+        finally:
+            self.closing = True
             for t in list(self.tasks.values()):
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
-    def _start_jobs(self) -> None:
-        queued = [
-            j for j in self.store.jobs(("queued",), oldest_first=True) if j.id not in self.tasks
-        ]
-        by_model: dict[str, list[JobRow]] = {}
-        for job in queued:
-            by_model.setdefault(job.model, []).append(job)
-        for model, jobs in by_model.items():
-            if model not in self.models.models:
-                for job in jobs:
-                    self._finish(job.id, "failed", f"model {model} is no longer stored")
-                continue
-            route = self.serving.route(model)
-            if route is None or not all(route):
-                continue
-            slots = min(len(peers) for peers in route)
-            running = []
-            for job_id in self.tasks:
-                row = self.store.job(job_id, full=False)
-                if row is not None and row.model == model:
-                    done = self.store.count_done(job_id)
-                    left = row.estimate_s * (1 - done / max(1, row.microbatches))
-                    running.append(
-                        Running(
-                            Job(job_id, row.created, 1, max(1e-6, row.estimate_s)),
-                            left,
-                            self.partner.get(job_id),
-                            self.held.get(job_id, 1),
-                        )
-                    )
-            free = max(0, slots - sum(r.held for r in running))
-            candidates = [Job(j.id, j.created, 1, max(1e-6, j.estimate_s)) for j in jobs]
-            for decision in self.policy.decide(time.time(), candidates, running, free):
-                host = getattr(decision, "host", None)
-                self.partner[decision.job.id] = host
-                if host is not None:
-                    self.partner[host] = decision.job.id
-                self._start(decision.job.id, model, shares=host)
-
-    def _start(self, job_id: str, model: str, shares: str | None) -> None:
-        self.held[job_id] = 0 if shares else 1
-        self.models_of[job_id] = model
-        self.store.set_job_state(job_id, "placed")
-        route = self.serving.route(model)
-        self.events.emit("job_placed", job=job_id, route=route, shares_with=shares)
-        self.tasks[job_id] = asyncio.create_task(self._run(job_id))
+    def _start(self, action: StartJob) -> None:
+        self.store.set_job_state(action.job, "placed")
+        route = self.serving.route(action.model)
+        self.events.emit("job_placed", job=action.job, route=route, shares_with=action.shares)
+        self.tasks[action.job] = asyncio.create_task(self._run(action.job))
 
     def _finish(self, job_id: str, state: str, error: str = "") -> None:
         job = self.store.job(job_id, full=False)
@@ -462,18 +424,12 @@ class JobRunner:
             if self.tasks.get(job_id) is asyncio.current_task():
                 del self.tasks[job_id]
                 self._release(job_id)
-            self._wake.set()
 
     def _release(self, job_id: str) -> None:
-        """A job stopped: a job sharing its route carries on, holding the route."""
-        model = self.models_of.pop(job_id, None)
-        partner = self.partner.pop(job_id, None)
-        held = self.held.pop(job_id, 0)
-        if partner is not None and partner in self.tasks:
-            self.partner[partner] = None
-            self.held[partner] = self.held.get(partner, 0) + held
-        if model is not None:
-            self.serving.idle(model)
+        """A job stopped or was cancelled: the core frees its route (a job sharing it
+        carries on, holding it) and may start the next."""
+        if not self.closing:
+            self.driver.handle(JobEnded(job_id, self.clock()))
 
     async def _execute(self, job: JobRow) -> None:
         if job.kind == "finetune":
@@ -498,6 +454,7 @@ class JobRunner:
             finished = self.store.count_done(job.id)
             if finished % step == 0 or finished == job.microbatches:
                 self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
+                self.driver.handle(JobProgressed(job.id, finished / job.microbatches, self.clock()))
 
         while todo:  # again while a quarantined provider's results were dropped meanwhile
             await self._microbatches(
@@ -517,7 +474,7 @@ class JobRunner:
             self.events.emit("job_redo", job=job_id, peer=peer, microbatches=n, was=job.state)
             if job.state == "succeeded":
                 self.store.set_job_state(job_id, "queued")
-        self._wake.set()
+                self._queue(job)
 
     async def _check(
         self, peer: str, spec: ProtocolSpec, msg: Message
@@ -589,8 +546,8 @@ class JobRunner:
             except _StageFailed as exc:
                 avoid.add(exc.peer)
                 if exc.busy and busy_until is None:
-                    busy_until = time.monotonic() + self.config.request_timeout_s
-                if exc.busy and busy_until is not None and time.monotonic() < busy_until:
+                    busy_until = self.clock() + self.config.request_timeout_s
+                if exc.busy and busy_until is not None and self.clock() < busy_until:
                     attempts -= 1  # busy answers do not count, for up to a request timeout
                     continue
                 if attempts >= self.config.max_attempts:
@@ -716,7 +673,7 @@ class JobRunner:
         """Whether `source` recently failed to reach `target` (their hidden states then go
         through the broker)."""
         until = self.unreachable.get((source, target))
-        if until is not None and until <= time.monotonic():
+        if until is not None and until <= self.clock():
             del self.unreachable[(source, target)]
             return False
         return until is not None
@@ -775,7 +732,7 @@ class JobRunner:
                 raise _StageFailed(peer, key, answer.reason, busy=True)
             if answer.code == UNREACHABLE and answer.stage in keys and at > 0:
                 source = peers[at - 1]
-                self.unreachable[(source, peer)] = time.monotonic() + UNREACHABLE_S
+                self.unreachable[(source, peer)] = self.clock() + UNREACHABLE_S
                 self.events.emit(
                     "chain_unreachable",
                     job=job.id,

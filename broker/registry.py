@@ -1,10 +1,12 @@
-"""The provider registry: the I/O shell around the pure pool-membership core (`broker.pool`).
+"""The provider registry: checks joins and turns what providers say into core events.
 
 Joins are checked (signature over the profile, this broker's peer id and a fresh timestamp;
 the join token; allow and deny lists), then become `ProviderJoined` events; heartbeats,
-leaves and stage reports become events too, and a ticker turns silence into deaths. Every
-event goes through `pool.apply`; the actions it returns are handed to the serving layer,
-which places stages and keeps routes. Time is `time.monotonic()` (the pool core's clock).
+leaves and silence (a ticker sends `ClockTicked`) become events too. The decision core
+(`broker.core`) decides who is alive and what happens to their stages; the registry answers
+the provider as the core says (`Welcome`, `AskToRejoin`) and keeps what only the shell needs:
+join profiles (addresses), reported load, and the lost flags that abandon requests to a
+provider the moment it is declared lost. Time is the broker's injected monotonic clock.
 """
 
 from __future__ import annotations
@@ -18,22 +20,18 @@ from typing import Any
 import msgspec
 
 from broker.config import BrokerConfig
-from broker.events import EventLog
-from broker.pool import (
-    Action,
+from broker.core import Core
+from broker.core.actions import ProviderLost
+from broker.core.events import (
     ClockTicked,
-    DrainStarted,
-    Event,
     HeartbeatReceived,
     HeartbeatsMissed,
-    PoolConfig,
-    PoolState,
     ProviderJoined,
     ProviderLeft,
-    ProviderLost,
-    Status,
+    RebalanceCheck,
 )
-from broker.pool import apply as pool_apply
+from broker.driver import CoreDriver
+from broker.events import EventLog
 from dag.cost import HardwareProfile
 from p2p import verify
 from proto.heartbeat import Heartbeat, HeartbeatAck
@@ -74,61 +72,47 @@ def hardware(profile: JoinProfile, peer: str) -> HardwareProfile:
 
 
 class Registry:
-    def __init__(self, config: BrokerConfig, broker_id: str, events: EventLog) -> None:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        broker_id: str,
+        events: EventLog,
+        driver: CoreDriver,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.broker_id = broker_id
         self.events = events
-        self.state = PoolState(
-            config=PoolConfig(
-                heartbeat_interval=config.heartbeat_s, missed_heartbeats=config.missed_heartbeats
-            )
-        )
+        self.driver = driver
+        self.clock = clock
         self.profiles: dict[str, JoinProfile] = {}
-        self.hardware: dict[str, HardwareProfile] = {}
-        self.loaded: dict[str, set[str]] = {}  # unit keys each provider reports loaded
         self.load: dict[str, tuple[int, int]] = {}  # peer -> (queued, kv bytes), last heartbeat
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
         self.quarantined: dict[str, str] = {}  # peer -> why its answers are not trusted
         self.reputation_of: Callable[[str], dict[str, Any]] = lambda peer: {}
-        self.on_actions: Callable[[list[Action]], None] = lambda actions: None
-        self.on_joined: Callable[[str], None] = lambda peer: None
-        self.on_draining: Callable[[str], None] = lambda peer: None
-        self.on_loaded: Callable[[str, set[str]], None] = lambda peer, keys: None
+        driver.carry(ProviderLost, self._on_lost)
 
-    # ---- the one way state changes ---------------------------------------------------------
+    @property
+    def core(self) -> Core:
+        return self.driver.core
 
-    def apply(self, event: Event) -> list[Action]:
-        self.state, actions = pool_apply(self.state, event)
-        for action in actions:
-            if isinstance(action, ProviderLost):
-                self.loaded.pop(action.peer_id, None)
-                self.load.pop(action.peer_id, None)
-                self.lost.setdefault(action.peer_id, asyncio.Event()).set()
-                self.events.emit(
-                    "provider_lost",
-                    peer=action.peer_id,
-                    stage=action.stage,
-                    graceful=action.graceful,
-                    cause=type(event).__name__,
-                )
-        if actions:
-            self.on_actions(actions)
-        return actions
+    def _on_lost(self, action: ProviderLost) -> None:
+        self.load.pop(action.peer_id, None)
+        self.lost.setdefault(action.peer_id, asyncio.Event()).set()
 
     def lost_event(self, peer: str) -> asyncio.Event:
         """Set once `peer` is declared lost (a fresh one after each join)."""
         return self.lost.setdefault(peer, asyncio.Event())
 
     def alive(self, peer: str) -> bool:
-        p = self.state.providers.get(peer)
-        return p is not None and p.status is not Status.DEAD
+        return self.core.alive(peer)
 
     def holders(self, key: str, avoid: set[str]) -> list[str]:
         """Live, trusted providers with stage `key` loaded (serving it or standing by with
         it), but for those in `avoid`: who can check an answer of that stage."""
         return [
             p
-            for p, keys in self.loaded.items()
+            for p, keys in sorted(self.core.loaded.items())
             if key in keys and p not in avoid and p not in self.quarantined and self.alive(p)
         ]
 
@@ -136,12 +120,12 @@ class Registry:
         """Take `peer` out of the pool and refuse its joins from now on."""
         self.quarantined[peer] = reason
         if self.alive(peer):
-            self.apply(ProviderLeft(peer, time.monotonic()))
+            self.driver.handle(ProviderLeft(peer, self.clock()))
 
     def mark_dead(self, peer: str, why: str) -> None:
         if self.alive(peer):
             self.events.emit("provider_unreachable", peer=peer, reason=why)
-            self.apply(HeartbeatsMissed(peer, time.monotonic()))
+            self.driver.handle(HeartbeatsMissed(peer, self.clock()))
 
     # ---- protocol handlers -----------------------------------------------------------------
 
@@ -172,7 +156,7 @@ class Registry:
         if isinstance(msg, Leave):
             if self.alive(peer):
                 self.events.emit("provider_left", peer=peer, reason=msg.reason)
-                self.apply(ProviderLeft(peer, time.monotonic()))
+                self.driver.handle(ProviderLeft(peer, self.clock()))
             return LeaveAck()
         reason = self._refusal(peer, msg)
         profile: JoinProfile | None = None
@@ -187,46 +171,48 @@ class Registry:
             self.events.emit("join_refused", peer=peer, reason=reason)
             return JoinReply(accepted=False, reason=reason)
         self.profiles[peer] = profile
-        self.hardware[peer] = hw
-        # A provider we thought alive joining again restarted: the core loses it first.
-        self.apply(ProviderJoined(peer, hw, time.monotonic()))
-        self.loaded[peer] = set(msg.loaded)
         self.lost[peer] = asyncio.Event()
-        self.events.emit(
-            "provider_joined",
-            peer=peer,
-            hardware=hw.name,
-            executor=profile.executor,
-            memory_bytes=profile.memory_limit_bytes,
-            loaded=sorted(msg.loaded),
+        # A provider we thought alive joining again restarted: the core loses it first.
+        self.driver.handle(
+            ProviderJoined(
+                peer,
+                hw,
+                self.clock(),
+                loaded=frozenset(msg.loaded),
+                executor=profile.executor,
+                memory_bytes=profile.memory_limit_bytes,
+            )
         )
-        self.on_joined(peer)
         return JoinReply(accepted=True, pool="backup", heartbeat_s=self.config.heartbeat_s)
 
     async def on_heartbeat(self, peer: str, msg: Heartbeat) -> HeartbeatAck:
-        if not self.alive(peer):
-            self.apply(HeartbeatReceived(peer, time.monotonic()))  # the core says: re-join
-            return HeartbeatAck(known=False)
-        now = time.monotonic()
-        self.apply(HeartbeatReceived(peer, now))
+        known = self.alive(peer)
+        self.driver.handle(
+            HeartbeatReceived(
+                peer,
+                self.clock(),
+                loaded=frozenset(msg.loaded) if known else None,
+                draining=msg.draining and known,
+            )
+        )
+        if not known:
+            return HeartbeatAck(known=False)  # the core says: join again
         self.load[peer] = (msg.queued, msg.kv_bytes)
-        provider = self.state.providers[peer]
-        if msg.draining and provider.status is not Status.DRAINING:
-            self.events.emit("provider_draining", peer=peer)
-            self.apply(DrainStarted(peer, now))
-            self.on_draining(peer)
-        self.loaded[peer] = set(msg.loaded)
-        self.on_loaded(peer, self.loaded[peer])
         return HeartbeatAck(known=True)
 
     # ---- the clock -------------------------------------------------------------------------
 
     async def tick(self, stop: asyncio.Event) -> None:
-        """Turn silence into deaths: a tick four times per heartbeat interval."""
-        every = max(0.05, self.config.heartbeat_s / 4)
+        """Turn silence into deaths: a tick four times per heartbeat interval; and now and
+        then, a check whether idle models would gain from a fresh placement."""
+        every = self.core.config.pool.tick_every
+        rebalance_at = self.clock() + self.config.rebalance_every_s
         while not stop.is_set():
             try:
-                self.apply(ClockTicked(time.monotonic()))
+                self.driver.handle(ClockTicked(self.clock()))
+                if self.clock() >= rebalance_at:
+                    rebalance_at = self.clock() + self.config.rebalance_every_s
+                    self.driver.handle(RebalanceCheck(self.clock()))
             except Exception:  # a bug must not stop failure detection for good
                 log.exception("the membership tick failed; trying again")
             try:
@@ -236,8 +222,9 @@ class Registry:
 
     def summary(self) -> list[dict[str, Any]]:
         out = []
-        now = time.monotonic()
-        for peer, p in sorted(self.state.providers.items()):
+        now = self.clock()
+        state = self.core.pool
+        for peer, p in sorted(state.providers.items()):
             profile = self.profiles.get(peer)
             queued, kv = self.load.get(peer, (0, 0))
             out.append(
@@ -255,9 +242,9 @@ class Registry:
                     "last_seen_s": round(now - p.last_seen, 3),
                     "queued": queued,
                     "kv_bytes": kv,
-                    "loaded": sorted(self.loaded.get(peer, ())),
+                    "loaded": sorted(self.core.loaded.get(peer, ())),
                     "addrs": list(profile.addrs) if profile else [],
-                    "flapping": p.flapping(self.state.now, self.state.config),
+                    "flapping": p.flapping(state.now, state.config),
                     "reputation": self.reputation_of(peer),
                 }
             )

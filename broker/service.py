@@ -16,12 +16,17 @@ import asyncio
 import json
 import logging
 import ssl
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
 from broker.auth import ArtifactTokens, Keys, fingerprint
 from broker.config import BrokerConfig
+from broker.core import Core
+from broker.core.actions import Notice
+from broker.driver import CoreDriver
 from broker.errors import Conflict
 from broker.events import EventLog
 from broker.http import make_app
@@ -42,12 +47,26 @@ log = logging.getLogger("fusionai.broker")
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig) -> None:
+    """`host` (default: a libp2p host on `config.listen`) and `clock` (monotonic seconds; the
+    event loop's in tests on a virtual clock) are injected."""
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        *,
+        host: Host | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.clock = clock
         self.store = Store(config.db_path, event_log_size=config.event_log_size)
         self.events = EventLog(self.store)
         self.models = ModelStore(config.data_dir, config.max_artifact_bytes)
-        self.host = Host(HostConfig(listen=config.listen, data_dir=config.data_dir))
+        self.host = host or Host(HostConfig(listen=config.listen, data_dir=config.data_dir))
+        self.driver = CoreDriver(Core(config.core), config.trace, note=f"broker {config.data_dir}")
+        self.driver.carry(
+            Notice, lambda n: self.events.emit(n.kind, peer=n.peer, job=n.job, **n.data)
+        )
         self.keys = Keys(config.api_keys)
         self.tokens = ArtifactTokens(config.data_dir)
         self.metrics = Metrics()
@@ -71,10 +90,18 @@ class Broker:
 
     async def start(self) -> None:
         await self.host.start()
-        self.registry = Registry(self.config, self.host.peer_id, self.events)
+        self.registry = Registry(
+            self.config, self.host.peer_id, self.events, self.driver, clock=self.clock
+        )
         # HTTP first: assignments name artifact URLs on it.
         self.serving = Serving(
-            self.config, self.registry, self.store, self.events, self.host, artifact_base=""
+            self.config,
+            self.registry,
+            self.store,
+            self.events,
+            self.host,
+            artifact_base="",
+            clock=self.clock,
         )
         self.jobs = JobRunner(
             self.config, self.store, self.events, self.serving, self.models, self.host
@@ -168,8 +195,9 @@ class Broker:
 
     async def close(self) -> None:
         serving: Serving | None = getattr(self, "serving", None)
-        if serving is not None:
-            serving.closing = True  # jobs cancelled below rebalance nothing on their way out
+        jobs: JobRunner | None = getattr(self, "jobs", None)
+        if jobs is not None:
+            jobs.closing = True  # jobs cancelled below change no decision on their way out
         if not self._stop.is_set():
             self._stop.set()
             if self._runner is not None:  # started: open event streams wake up and end
@@ -182,6 +210,7 @@ class Broker:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.host.close()
+        self.driver.close()
         self.store.close()
 
     async def __aenter__(self) -> Broker:

@@ -32,9 +32,9 @@ import msgspec
 import numpy as np
 
 from broker.config import BrokerConfig
+from broker.core.pool import Status
 from broker.events import EventLog
 from broker.models import ModelStore
-from broker.pool import Status
 from broker.registry import Registry
 from broker.store import Store
 from ir.checks import agree, empty_cache, probe_feeds
@@ -171,7 +171,7 @@ class Verifier:
     ) -> tuple[Array, str]:
         """Another provider's answer (backups standing by with the stage first), else the
         broker's own."""
-        state = self.registry.state.providers
+        state = self.registry.core.pool.providers
         holders = self.registry.holders(key, {peer})
         holders.sort(key=lambda p: (state[p].status is not Status.BACKUP, random.random()))
         check = msgspec.structs.replace(msg, check=True)

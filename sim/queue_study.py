@@ -1,6 +1,6 @@
 """Queueing study: FIFO against SJF-BSBF on a seeded trace of jobs sharing a GPU cluster.
 
-Runs the broker's own `broker.queue` policies and schedule (no second implementation).
+Runs the broker's own `broker.core.queue` policies and schedule (no second implementation).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from broker.queue import Fifo, Job, SjfBsbf, mean_completion, schedule
+from broker.core.queue import Fifo, Job, SjfBsbf, mean_completion, schedule
 
 
 def trace(n: int, gpus: int, seed: int) -> list[Job]:

@@ -1,54 +1,70 @@
-"""Simulate a swarm on a virtual clock, driving the broker's real cores.
+"""Simulate a swarm on a virtual clock, driving the broker's own decision core.
 
-Providers come and go by a churn model. Every join and quit goes through `broker.pool.apply`;
-a lost stage is repaired by `broker.replan.on_leave`, a newcomer placed by `broker.replan.on_join`,
-and every `rebalance_every` seconds `broker.placement.place` proposes a fresh placement that
-is adopted only if `broker.replan.should_rebalance` says it pays. Costs come from `dag.cost`.
+Providers come and go by a churn model. For the broker's placement ("ours") every join, quit,
+stage load and job goes to `broker.core.Core` through `sim.driver.Driver`, with the same
+configuration types the broker uses (`CoreConfig`: the pool's heartbeats and flapping, the
+placement's work and backups, the queue policy, rebalancing); the simulator only models what
+the core's actions take: a stage's download and load (`AssignStage`), a warm backup's switch
+(`PromoteStage`), a crash noticed after the pool's detection time (`PoolConfig.detection_s`).
+A replica serves once the core has every one of its stages confirmed; jobs start when the
+core's queue says (`StartJob`). The baselines ("equal": one even split re-made after every
+loss; "petals": servers pick their own blocks) make no broker decisions. Costs come from
+`dag.cost`.
 
 Work is modelled as jobs (a batch of sequences to decode, or one optimizer step) served by
 pipeline replicas at their rate between events: no event per token. A replica whose stage is
 being taken over or reloaded serves nothing until the stage is ready; the job it was running
-goes back to the queue and the work done on it is counted as lost. A ledger checks that every
-token of work is completed, lost or in progress exactly once.
+waits for a replica again and the work done on it is counted as lost. A ledger checks that
+every token of work is completed, lost or in progress exactly once.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker import placement as placement_mod
-from broker.placement import (
-    Placement,
-    PlacementConfig,
-    PlacementError,
-    Replica,
-    petals_block_rates,
-    petals_spans,
+from broker.core import CoreConfig
+from broker.core.actions import (
+    Action,
+    AssignStage,
+    Notice,
+    PromoteBackup,
+    PromoteStage,
+    ProviderLost,
+    Replan,
+    StartJob,
+    UnassignStage,
 )
-from broker.pool import (
+from broker.core.events import (
+    AssignAnswered,
     HeartbeatsMissed,
-    PoolConfig,
-    PoolState,
+    Input,
+    JobEnded,
+    JobQueued,
+    ModelAdded,
     ProviderJoined,
     ProviderLeft,
-    StageAssigned,
-    StageReady,
-    apply,
+    RebalanceCheck,
+    StageReported,
 )
-from broker.replan import on_join, on_leave, should_rebalance
+from broker.core.placement import Placement, PlacementConfig, PlacementError, Replica, equal_split
+from broker.core.pool import PoolState
 from dag.builders import finetune
 from dag.cost import HardwareProfile, pipeline_metrics, schedule_length
+from sim import petals
 from sim.catalog import CHURN, GPUS, NETWORKS, Churn, profile
+from sim.driver import Driver
 from sim.engine import Engine
+from sim.result import SimResult
+from sim.work import Job, ReplicaRun
 from sim.workloads import WorkloadSpec, workload
 
 PLACEMENTS = ("ours", "equal", "petals")
-PETALS_BALANCE_CHECK_S = 120.0  # Petals servers' mean balance check period (its default)
-PETALS_BALANCE_QUALITY = 0.75  # a server moves if that raises swarm throughput by > 1/0.75
+QUEUE_POLICIES = ("fifo", "sjf-bsbf")
 
 
 @dataclass(frozen=True)
@@ -61,15 +77,15 @@ class Scenario:
     hours: float = 1.0
     churn: Churn = field(default_factory=lambda: CHURN["none"])
     seed: int = 0
-    # "ours", "equal" (an even split over everyone, one pipeline) or "petals" (servers pick
-    # their own blocks, Petals-style; inference only)
+    # "ours" (the broker's decision core), "equal" (an even split over everyone, one
+    # pipeline) or "petals" (servers pick their own blocks, Petals-style; inference only)
     placement: str = "ours"
     backup_fraction: float = 0.1  # share of providers kept as backups when possible
     crash_fraction: float = 0.5  # quits that are crashes (found by missed heartbeats)
-    detect_s: float = 15.0  # seconds to notice a crash (3 missed 5-second heartbeats)
     failover_s: float = 5.0  # seconds for a warm backup to start serving
     load_s: float = 10.0  # seconds to load a stage once its weights are local
-    rebalance_every_s: float = 600.0  # how often a full re-placement is considered
+    rebalance_every_s: float = 600.0  # how often the broker considers a full re-placement
+    queue_policy: str = "fifo"  # the broker's job queue: "fifo" or "sjf-bsbf"
     energy_usd_per_kwh: float = 0.15  # electricity price
     rent_usd_per_gpu_hour: float = 0.0  # rental price (0 for contributed machines)
     sample_every_s: float = 60.0  # spacing of the time series in the result
@@ -84,118 +100,19 @@ class Scenario:
             raise ValueError("a scenario needs at least one peer and a positive duration")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
         kind = workload(self.workload).kind  # raises on an unknown workload
         if self.placement == "petals" and kind != "inference":
             raise ValueError("the Petals-style baseline serves inference workloads only")
 
-
-@dataclass
-class _Job:
-    id: int
-    tokens: float
-    done: float = 0.0  # tokens of progress since it (re)started
-    started: float = 0.0
-    first_started: float | None = None
-
-
-@dataclass
-class _ReplicaRun:
-    id: int
-    ready_at: float  # serving from this time
-    rate: float  # tokens/s while serving (inference: prefill and decode averaged)
-    latency: float  # seconds per decode step through the pipeline
-    ttft: float  # seconds from a job's start to its first token (prefill; 0 for training)
-    job: _Job | None = None
-    last: float = 0.0  # time its progress was last advanced
-    version: int = 0  # invalidates scheduled completions when the rate or job changes
-
-
-@dataclass
-class SimResult:
-    scenario: Scenario
-    duration_s: float
-    tokens_completed: float
-    tokens_lost: float
-    tokens_in_progress: float
-    tokens_processed: float  # integral of the serving rate: must equal the three above
-    jobs_completed: int
-    job_seconds: list[float]  # service time of each completed job (restarts included)
-    token_latency_s: list[float]  # per-token pipeline latency, sampled over time
-    ttft_s: list[float]  # inference: time to the first token of each completed job
-    throughput_tokens_s: float
-    samples_s: float  # sequences per second (inference) or training samples per second
-    utilization: float  # time-averaged share of online providers serving a stage
-    replica_downtime_s: float  # replica-seconds not serving after startup (repairs, reloads)
-    replica_seconds: float  # replica-seconds placed after startup
-    startup_s: float  # seconds until every replica of the first placement serves
-    quits: int
-    joins: int  # rejoins and newcomers
-    departures: int  # quits that never came back
-    arrivals: int  # newcomers over the run
-    replans: int
-    rebalances: int
-    cost_usd: float
-    cost_per_mtok_usd: float
-    timeline: list[tuple[float, float, int, int]]  # (t, tokens/s, serving replicas, online)
-    log: list[dict[str, Any]]
-    events_run: int
-
-    def percentile(self, values: list[float], q: float) -> float:
-        if not values:
-            return math.nan
-        ordered = sorted(values)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    def lost_share(self) -> float:
-        """Replica-seconds lost to churn over the replica-seconds placed since startup."""
-        return self.replica_downtime_s / self.replica_seconds if self.replica_seconds else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        """Figures as JSON-safe values (None where undefined, e.g. no job completed)."""
-        return {k: _finite(v) for k, v in self._summary().items()}
-
-    def _summary(self) -> dict[str, Any]:
-        return {
-            "scenario": self.scenario.name,
-            "peers": self.scenario.peers,
-            "gpus": self.scenario.gpus,
-            "network": self.scenario.network,
-            "workload": self.scenario.workload,
-            "churn": self.scenario.churn.name,
-            "hours": self.scenario.hours,
-            "seed": self.scenario.seed,
-            "throughput_tokens_s": round(self.throughput_tokens_s, 3),
-            "samples_s": round(self.samples_s, 4),
-            "job_seconds_p50": round(self.percentile(self.job_seconds, 0.5), 3),
-            "job_seconds_p95": round(self.percentile(self.job_seconds, 0.95), 3),
-            "job_seconds_p99": round(self.percentile(self.job_seconds, 0.99), 3),
-            "token_latency_ms_p50": round(1e3 * self.percentile(self.token_latency_s, 0.5), 3),
-            "token_latency_ms_p95": round(1e3 * self.percentile(self.token_latency_s, 0.95), 3),
-            "ttft_ms_p50": round(1e3 * self.percentile(self.ttft_s, 0.5), 3),
-            "ttft_ms_p95": round(1e3 * self.percentile(self.ttft_s, 0.95), 3),
-            "utilization": round(self.utilization, 4),
-            "time_lost_to_churn": round(self.lost_share(), 4),
-            "replica_downtime_s": round(self.replica_downtime_s, 1),
-            "startup_s": round(self.startup_s, 1),
-            "tokens_completed": round(self.tokens_completed),
-            "tokens_lost": round(self.tokens_lost),
-            "jobs_completed": self.jobs_completed,
-            "quits": self.quits,
-            "joins": self.joins,
-            "arrivals": self.arrivals,
-            "departures": self.departures,
-            "replans": self.replans,
-            "rebalances": self.rebalances,
-            "cost_usd": round(self.cost_usd, 4),
-            "cost_per_mtok_usd": round(self.cost_per_mtok_usd, 4),
-            "events": self.events_run,
-        }
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+    def core_config(self, work: PlacementConfig) -> CoreConfig:
+        """The broker's settings for this scenario (the pool keeps the broker's defaults)."""
+        return CoreConfig(
+            placement=work,
+            queue_policy=self.queue_policy,
+            rebalance_every_s=self.rebalance_every_s,
+        )
 
 
 class SwarmSim:
@@ -208,6 +125,9 @@ class SwarmSim:
         self.rng = random.Random(scenario.seed)
         self.engine = Engine()
         self.config = PlacementConfig(work=self.w.work, backup_fraction=scenario.backup_fraction)
+        self.driver = Driver(scenario.core_config(self.config))
+        self.ours = scenario.placement == "ours"
+        self.keys = tuple(f"{self.model.name}/{i}" for i in range(self.model.n_layers))
         network = NETWORKS[scenario.network]
         names, weights = zip(*sorted(scenario.gpus.items()), strict=True)
         self.profiles: dict[str, HardwareProfile] = {}
@@ -233,17 +153,21 @@ class SwarmSim:
             if t >= scenario.hours * 3600.0:
                 break
             self.arrivals.append((t, recruit(scenario.peers + len(self.arrivals))))
-        self.pool = PoolState(config=PoolConfig())
         self.online: set[str] = set()
+        self.session: dict[str, int] = {}  # peer -> its current online session's number
         self.placement: Placement | None = None
-        self.runs: list[_ReplicaRun] = []
-        self.warm: dict[str, tuple[int, int]] = {}  # backup -> block range it has loaded
-        self.assigned: dict[str, tuple[str, bool]] = {}  # what the pool was last told
+        self.runs: list[ReplicaRun] = []
+        self.runs_of: dict[str, list[ReplicaRun]] = {}  # provider -> the runs it is part of
+        self.loading: dict[tuple[str, str], int] = {}  # (peer, unit) -> the load under way
         self.pending_crash: dict[str, int] = {}  # crashed peers not noticed yet -> token
         self.next_token = 0
-        self.queue: list[_Job] = []
+        self.waiting: list[Job] = []  # jobs due to run, waiting for a serving replica
+        self.jobs: dict[str, Job] = {}  # the broker's job ids -> jobs
         self.next_job = 0
         self.next_replica = 0
+        self._inbox: deque[Input] = deque()
+        self._touched: set[str] = set()  # providers whose stages changed since the last check
+        self._handling = False
         self.log: list[dict[str, Any]] = []
         self.completed = self.lost = self.processed = 0.0
         self.jobs_done = 0
@@ -252,7 +176,10 @@ class SwarmSim:
         self.ttft: list[float] = []  # per completed inference job: queueing + prefill
         self.downtime = 0.0  # replica-seconds not serving after startup
         self.replica_seconds = 0.0  # replica-seconds placed after startup
-        self.startup = 0.0  # seconds until the first placement serves fully
+        # seconds until the first placement serves fully (accounting starts then)
+        self.startup = 0.0 if scenario.placement == "petals" else math.inf
+        self._placed = False  # a placement was made
+        self._first: set[int] = set()  # runs of the first placement not serving yet
         self.quits = self.joins = self.replans = self.rebalances = self.departures = 0
         self.busy_integral = 0.0  # provider-seconds serving a stage
         self.online_integral = 0.0  # provider-seconds online
@@ -263,6 +190,11 @@ class SwarmSim:
         self.spans: dict[str, tuple[int, int]] = {}  # petals: online server -> its blocks
         self.span_ready: dict[str, float] = {}  # petals: when each server's span serves
         self._idle_since: float | None = None  # petals: since when no chain covers the model
+
+    @property
+    def pool(self) -> PoolState:
+        """The broker's view of the providers."""
+        return self.driver.core.pool
 
     # ---- accounting --------------------------------------------------------------------
 
@@ -291,13 +223,7 @@ class SwarmSim:
     def _serving_providers(self, now: float) -> int:
         if self.s.placement == "petals":
             return sum(1 for ready in self.span_ready.values() if ready <= now)
-        if self.placement is None:
-            return 0
-        return sum(
-            len(rep.stages)
-            for rep, run in zip(self.placement.replicas, self.runs, strict=True)
-            if run.ready_at <= now
-        )
+        return sum(len(run.layout) for run in self.runs if run.ready_at <= now)
 
     def _metrics(self, replica: Replica) -> tuple[float, float, float]:
         """(tokens/s, seconds per token, seconds to the first token) of a replica: for
@@ -360,23 +286,36 @@ class SwarmSim:
 
     # ---- jobs ---------------------------------------------------------------------------
 
-    def _new_job(self) -> _Job:
-        job = _Job(self.next_job, float(self.w.job_tokens))
+    def _new_job(self) -> Job:
+        job = Job(self.next_job, float(self.w.job_tokens))
         self.next_job += 1
         return job
 
-    def _dispatch(self, run: _ReplicaRun, now: float) -> None:
-        """Give an idle replica the next job (the queue is never empty: demand saturates)."""
+    def _queue_job(self) -> None:
+        """Demand saturates: the broker's queue always holds a job."""
+        job = self._new_job()
+        self.jobs[job.key] = job
+        now = self.engine.now
+        self._inbox.append(JobQueued(job.key, self.model.name, now, job.tokens, now))
+
+    def _dispatch(self, run: ReplicaRun, now: float) -> None:
+        """Give an idle, serving replica the next job: one the broker started (the baselines
+        have no queue: a new one)."""
         if math.isinf(run.ready_at):
-            return  # broken until a repair: it takes no job
+            return  # not serving (yet, or until a repair)
         if run.job is None:
-            run.job = self.queue.pop(0) if self.queue else self._new_job()
+            if self.waiting:
+                run.job = self.waiting.pop(0)
+            elif not self.ours:
+                run.job = self._new_job()
+            else:
+                return
             run.job.started = max(now, run.ready_at)
             if run.job.first_started is None:
                 run.job.first_started = now  # job time counts from its first assignment
         self._schedule_completion(run, now)
 
-    def _schedule_completion(self, run: _ReplicaRun, now: float) -> None:
+    def _schedule_completion(self, run: ReplicaRun, now: float) -> None:
         run.version += 1
         if run.job is None or run.rate <= 0:
             return
@@ -384,7 +323,7 @@ class SwarmSim:
         finish = start + (run.job.tokens - run.job.done) / run.rate
         self.engine.at(finish, self._complete, run, run.version)
 
-    def _complete(self, run: _ReplicaRun, version: int) -> None:
+    def _complete(self, run: ReplicaRun, version: int) -> None:
         if version != run.version or run not in self.runs or run.job is None:
             return
         now = self.engine.now
@@ -397,131 +336,252 @@ class SwarmSim:
         if self.w.kind == "inference":
             self.ttft.append(job.started - (job.first_started or job.started) + run.ttft)
         run.job = None
+        if self.ours:
+            self.jobs.pop(job.key, None)
+            self._tell(JobEnded(job.key, now))
         self._dispatch(run, now)
 
-    def _interrupt(self, run: _ReplicaRun) -> None:
-        """The replica stops serving: its job's progress is lost and the job requeued."""
+    def _interrupt(self, run: ReplicaRun) -> None:
+        """The replica stops serving: its job's progress is lost and the job waits again."""
         if run.job is not None:
             self.lost += run.job.done
             run.job.done = 0.0
-            self.queue.insert(0, run.job)
+            self.waiting.insert(0, run.job)
             run.job = None
         run.version += 1
 
+    # ---- the broker's decision core ------------------------------------------------------
+
+    def _tell(self, event: Input) -> None:
+        """Hand `event` to the core and carry out what it decides, and what that leads to."""
+        self._inbox.append(event)
+        if self._handling:
+            return
+        self._handling = True
+        try:
+            while self._inbox:
+                next_event = self._inbox.popleft()
+                self._carry(next_event, self.driver.handle(next_event))
+            self._refresh()
+        finally:
+            self._handling = False
+
+    def _carry(self, event: Input, actions: list[Action]) -> None:
+        now = self.engine.now
+        loads: dict[str, list[str]] = {}
+        core = self.driver.core
+        for a in actions:
+            if isinstance(a, AssignStage):
+                if (a.peer_id, a.key) in self.loading:
+                    continue  # already on its way (now for another role)
+                if a.key in core.confirmed.get(a.peer_id, {}):  # loaded: a new role only
+                    self.engine.at(now, self._loaded, a.peer_id, [a.key], None)
+                else:
+                    loads.setdefault(a.peer_id, []).append(a.key)
+            elif isinstance(a, PromoteStage):
+                token = self.session.get(a.peer_id, 0)
+                self.engine.at(now + self.s.failover_s, self._promoted, a.peer_id, a.key, token)
+            elif isinstance(a, UnassignStage):
+                self.loading.pop((a.peer_id, a.key), None)
+            elif isinstance(a, StartJob):
+                self.waiting.append(self.jobs[a.job])
+                self._queue_job()
+            elif isinstance(a, PromoteBackup | Replan):
+                self.replans += 1
+            elif isinstance(a, Notice):
+                self._notice(a, now)
+        for peer, keys in loads.items():
+            token = self.next_token
+            self.next_token += 1
+            for key in keys:
+                self.loading[(peer, key)] = token
+            at = now + self._load_seconds(peer, len(keys))
+            self.engine.at(at, self._loaded, peer, keys, token)
+        lost = [a for a in actions if isinstance(a, ProviderLost)]
+        if lost:
+            names = [type(a).__name__ for a in actions]
+            repaired = {
+                a.data["lost"]: a.data
+                for a in actions
+                if isinstance(a, Notice) and a.kind == "model_repaired"
+            }
+            for a in lost:
+                self.log.append(
+                    {
+                        "t": now,
+                        "event": "replan",
+                        "peer": a.peer_id,
+                        "crash": not a.graceful,
+                        "pool_actions": names,
+                        "moves": [tuple(m) for m in repaired.get(a.peer_id, {}).get("moves", [])],
+                    }
+                )
+
+    def _notice(self, notice: Notice, now: float) -> None:
+        data = notice.data
+        if notice.kind in ("model_placed", "model_rebalanced"):
+            self.rebalances += notice.kind == "model_rebalanced"
+            event = "placed" if notice.kind == "model_placed" else "rebalance"
+            replicas, throughput = len(data["replicas"]), data["throughput_tokens_s"]
+            self.log.append(
+                {"t": now, "event": event, "replicas": replicas, "throughput": throughput}
+            )
+        elif notice.kind == "model_waiting":
+            self.log.append({"t": now, "event": "unplaceable", "reason": data["reason"]})
+
+    def _loaded(self, peer: str, keys: list[str], token: int | None) -> None:
+        """`peer` finished loading `keys` (token None: it had them loaded already)."""
+        if peer not in self.online:
+            return
+        now = self.engine.now
+        sent = self.driver.core.sent.get(peer, {})
+        by_role: dict[str, list[str]] = {}
+        for key in keys:
+            if token is not None:
+                if self.loading.get((peer, key)) != token:
+                    continue  # withdrawn, or loaded again since
+                del self.loading[(peer, key)]
+            if key in sent:
+                by_role.setdefault(sent[key], []).append(key)
+        for role, loaded in sorted(by_role.items()):
+            self._touched.add(peer)
+            self._tell(StageReported(peer, tuple(loaded), role, True, now))
+
+    def _promoted(self, peer: str, key: str, token: int) -> None:
+        if peer in self.online and self.session.get(peer) == token:
+            self._touched.add(peer)
+            self._tell(AssignAnswered(peer, key, "promote", True, self.engine.now))
+
+    def _refresh(self) -> None:
+        """Follow the core's placement; replicas whose stages are all confirmed serve."""
+        plan = self.driver.core.plans.get(self.model.name)
+        placement = plan.placement if plan is not None else None
+        now = self.engine.now
+        if placement is not self.placement:
+            self._set_placement(placement, now, None)
+        touched, self._touched = self._touched, set()
+        for peer in sorted(touched):
+            for run in self.runs_of.get(peer, []):
+                if math.isinf(run.ready_at) and self._confirmed(run):
+                    self._ready(run, now)
+        for run in self.runs if self.waiting else ():  # jobs the core started meanwhile
+            if run.job is None and run.ready_at <= now:
+                self._dispatch(run, now)
+
+    def _confirmed(self, run: ReplicaRun) -> bool:
+        confirmed = self.driver.core.confirmed
+        for peer, first, end in run.layout:
+            if peer not in self.online:
+                return False
+            mine = confirmed.get(peer, {})
+            if any(mine.get(self.keys[pos]) != "active" for pos in range(first, end)):
+                return False
+        return True
+
+    def _ready(self, run: ReplicaRun, now: float) -> None:
+        self._advance(now)
+        run.ready_at = now
+        self._first.discard(run.id)
+        self._check_startup(now)
+        self._dispatch(run, now)
+
+    def _check_startup(self, now: float) -> None:
+        if math.isinf(self.startup) and self._placed and not self._first:
+            self.startup = now  # every replica of the first placement serves
+
     # ---- placement ----------------------------------------------------------------------
+
+    def _set_placement(
+        self, new: Placement | None, now: float, ready: Callable[[Replica], float] | None
+    ) -> None:
+        """Follow a new placement: replicas laid out as before keep serving; others wait until
+        `ready(replica)` (None: until the core confirms every stage)."""
+        self._advance(now)
+        first = new is not None and not self._placed
+        self._placed = self._placed or first
+        self.placement = new  # (a training step's all-reduce depends on the replica count)
+        kept = {run.layout: run for run in self.runs}
+        runs = []
+        for rep in new.replicas if new is not None else ():
+            layout = tuple((st.provider, st.first, st.end) for st in rep.stages)
+            run = kept.pop(layout, None)
+            if run is None:
+                rate, latency, ttft = self._metrics(rep)
+                at = math.inf if ready is None else ready(rep)
+                run = ReplicaRun(
+                    self.next_replica, at, rate, latency, ttft, last=now, layout=layout
+                )
+                self.next_replica += 1
+                if first:
+                    self._first.add(run.id)
+            runs.append(run)
+        for run in kept.values():
+            self._interrupt(run)
+            self._first.discard(run.id)
+        self.runs = runs
+        self.runs_of = {}
+        for run in runs:
+            for peer, _, _ in run.layout:
+                self.runs_of.setdefault(peer, []).append(run)
+        if first and ready is not None:  # a baseline: it serves when its loads are done
+            self.startup = max((run.ready_at for run in runs), default=now)
+            self._first.clear()
+        for run in runs:
+            if math.isinf(run.ready_at) and ready is None and self._confirmed(run):
+                run.ready_at = now
+                self._first.discard(run.id)
+            self._dispatch(run, now)
+        self._check_startup(now)
 
     def _online_profiles(self) -> dict[str, HardwareProfile]:
         return {p: self.profiles[p] for p in sorted(self.online)}
 
-    def _place(self) -> Placement | None:
-        online = self._online_profiles()
-        try:
-            if self.s.placement == "equal":
-                return placement_mod.equal_split(self.model, online, self.config)
-            return placement_mod.place(self.model, online, self.config)
-        except PlacementError as exc:
-            self.log.append({"t": self.engine.now, "event": "unplaceable", "reason": str(exc)})
-            return None
-
     def _load_seconds(self, peer: str, layers: int) -> float:
         return layers * self.w.model.layer_param_bytes / self.download[peer] + self.s.load_s
 
-    def _adopt(self, new: Placement | None, now: float, reason: str) -> None:
-        """Replace the whole placement: every replica reloads what it does not already serve."""
-        old_assignments = (
-            {
-                (st.provider, st.first, st.end)
-                for rep in self.placement.replicas
-                for st in rep.stages
-            }
-            if self.placement
-            else set()
-        )
-        for run in self.runs:
-            self._interrupt(run)
-        self.placement = new
-        self.runs = []
-        if new is None:
-            return
-        for rep in new.replicas:
+    def _equal_split(self, now: float, reason: str) -> None:
+        """The baseline: one pipeline over everyone online, blocks split evenly."""
+        try:
+            new = equal_split(self.model, self._online_profiles(), self.config)
+        except PlacementError as exc:
+            self.log.append({"t": now, "event": "unplaceable", "reason": str(exc)})
+            new = None
+        held = {run.layout for run in self.runs}
+        held_stages = {stage for layout in held for stage in layout}
+
+        def ready(rep: Replica) -> float:
             loads = [
                 0.0
-                if (st.provider, st.first, st.end) in old_assignments
+                if (st.provider, st.first, st.end) in held_stages
                 else self._load_seconds(st.provider, st.layers)
                 for st in rep.stages
             ]
-            rate, latency, ttft = self._metrics(rep)
-            run = _ReplicaRun(self.next_replica, now + max(loads), rate, latency, ttft, last=now)
-            if reason == "placed" and now == 0.0:
-                self.startup = max(self.startup, max(loads))  # first download: not churn
-            self.next_replica += 1
-            self.runs.append(run)
-            self._dispatch(run, now)
-        self._sync_pool(now)
-        self.log.append(
-            {"t": now, "event": reason, "replicas": len(new.replicas), "throughput": new.throughput}
-        )
+            return now + max(loads)
 
-    def _sync_pool(self, now: float) -> None:
-        """Tell the pool who serves and who backs up what (placement decided); only changes
-        are sent, as the broker service would."""
-        if self.placement is None:
-            return
-        for rep, run in zip(self.placement.replicas, self.runs, strict=True):
-            for st in rep.stages:
-                self._assign(st.provider, self._stage_name(run, st.first, st.end), True, now)
-        for (r, s), peer in self.placement.backups.items():
-            st = self.placement.replicas[r].stages[s]
-            name = self._stage_name(self.runs[r], st.first, st.end)
-            if self._assign(peer, name, False, now) and self.warm.get(peer) != (st.first, st.end):
-                ready = now + self._load_seconds(peer, st.layers)
-                self.engine.at(ready, self._backup_ready, peer, name, st.first, st.end)
-
-    @staticmethod
-    def _stage_name(run: _ReplicaRun, first: int, end: int) -> str:
-        """Replicas may serve the same blocks: the pool needs a name per replica's stage."""
-        return f"r{run.id}:{first}-{end}"
-
-    def _assign(self, peer: str, stage: str, active: bool, now: float) -> bool:
-        """Send StageAssigned if it changes anything; True if it did."""
-        if self.assigned.get(peer) == (stage, active):
-            return False
-        self.assigned[peer] = (stage, active)
-        self.pool, _ = apply(self.pool, StageAssigned(peer, stage, active, now))
-        return True
-
-    def _backup_ready(self, peer: str, name: str, first: int, end: int) -> None:
-        if peer not in self.online:
-            return
-        self.warm[peer] = (first, end)
-        self.pool, _ = apply(self.pool, StageReady(peer, name, self.engine.now))
+        if reason == "resplit":
+            self.replans += 1
+        self._set_placement(new, now, ready)
+        if new is not None:
+            self.log.append(
+                {"t": now, "event": reason, "replicas": 1, "throughput": new.throughput}
+            )
 
     # ---- churn --------------------------------------------------------------------------
 
     def _join(self, peer: str, first: bool = False) -> None:
         now = self.engine.now
         self._advance(now)
-        if self.pending_crash.pop(peer, None) is not None:
-            # Back before its crash was noticed: the broker learns of the loss now (as when a
-            # restarted provider joins again) and repairs first.
-            self._repair(peer, True)
+        self.pending_crash.pop(peer, None)  # back before its crash was noticed
         self.online.add(peer)
-        self.pool, _ = apply(self.pool, ProviderJoined(peer, self.profiles[peer], now))
+        self.session[peer] = self.session.get(peer, 0) + 1
+        if self.ours:
+            self._tell(ProviderJoined(peer, self.profiles[peer], now))
         if not first:
             self.joins += 1
             if self.s.placement == "petals":
-                spans = petals_spans(
-                    self.model, self._online_profiles(), self.config, existing=self.spans
-                )
-                if peer in spans:
-                    self._petals_load(peer, spans[peer], now)
-            elif self.placement is None:
-                self._adopt(self._place(), now, "placed")
-            elif self.s.placement == "ours":
-                self.placement = on_join(
-                    self.placement, peer, self.model, self._online_profiles(), self.config
-                )
-                self._sync_pool(now)
+                petals.join(self, peer, now)
+            elif self.s.placement == "equal" and self.placement is None:
+                self._equal_split(now, "placed")
             self.log.append({"t": now, "event": "join", "peer": peer})
         session = self.s.churn.session(self.rng)
         if math.isfinite(session):
@@ -534,20 +594,20 @@ class SwarmSim:
             # Petals clients route around a failed server at once (replaying the hop's inputs
             # to another server of those blocks): only its share of throughput is gone.
             self.span_ready.pop(peer)
-            self._petals_refresh()
+            petals.refresh(self)
+        self._advance(now)
         self.online.discard(peer)
-        self.warm.pop(peer, None)
-        self.assigned.pop(peer, None)
         self.quits += 1
-        # A crash is noticed only after the heartbeats stop; meanwhile its replica is broken.
-        if crash:
-            self._advance(now)
-            self._break_replica_of(peer, now, until=math.inf)
+        for run in self.runs_of.get(peer, []):  # its replicas stop serving at once
+            self._interrupt(run)
+            run.ready_at = math.inf
+        if crash:  # noticed only after the heartbeats stop
             self.pending_crash[peer] = token = self.next_token
             self.next_token += 1
-            self.engine.at(now + self.s.detect_s, self._detect, peer, token)
+            detect = self.driver.core.config.pool.detection_s
+            self.engine.at(now + detect, self._detect, peer, token)
         else:
-            self._repair(peer, False)
+            self._lost(peer, crashed=False)
         if self.s.churn.departure_fraction and self.rng.random() < self.s.churn.departure_fraction:
             self.departures += 1
             self.log.append({"t": now, "event": "departed", "peer": peer})
@@ -559,178 +619,19 @@ class SwarmSim:
         """Heartbeats stopped long enough: the crash is noticed (unless already handled)."""
         if self.pending_crash.get(peer) == token:
             del self.pending_crash[peer]
-            self._repair(peer, True)
+            self._lost(peer, crashed=True)
 
-    def _break_replica_of(self, peer: str, now: float, until: float) -> None:
-        if self.placement is None:
-            return
-        for rep, run in zip(self.placement.replicas, self.runs, strict=True):
-            if any(st.provider == peer for st in rep.stages):
-                self._interrupt(run)
-                run.ready_at = until
-
-    def _repair(self, peer: str, crashed: bool) -> None:
+    def _lost(self, peer: str, crashed: bool) -> None:
         now = self.engine.now
-        self._advance(now)
-        event = HeartbeatsMissed(peer, now) if crashed else ProviderLeft(peer, now)
-        self.pool, actions = apply(self.pool, event)
-        if self.placement is None:
-            return
-        if self.s.placement != "ours":  # the baseline has no repair: re-split over who is left
-            if peer in self.placement.providers():
-                self._adopt(self._place(), now, "resplit")
-            return
-        where = [
-            (r, s)
-            for r, rep in enumerate(self.placement.replicas)
-            for s, st in enumerate(rep.stages)
-            if st.provider == peer
-        ]
-        repair = on_leave(self.placement, peer, self.model, self._online_profiles(), self.config)
-        entry: dict[str, Any] = {
-            "t": now,
-            "event": "replan",
-            "peer": peer,
-            "crash": crashed,
-            "pool_actions": [type(a).__name__ for a in actions],
-            "moves": [(m.first, m.end, m.source, m.target) for m in repair.moves],
-            "dissolved": repair.dissolved,
-        }
-        if where:
-            self.replans += 1
-            r = where[0][0]
-            run = self.runs[r]
-            self._interrupt(run)
-            if repair.dissolved:
-                self.runs.pop(r)
-            else:
-                delays = []
-                for m in repair.moves:
-                    warm = self.warm.get(m.target) == (m.first, m.end)
-                    delays.append(
-                        self.s.failover_s if warm else self._load_seconds(m.target, m.end - m.first)
-                    )
-                    self.warm.pop(m.target, None)
-                delay = max(delays, default=0.0)
-                served = repair.placement.replicas[r].stages
-                # Another of its stages may have crashed unnoticed: then it stays broken.
-                broken = any(st.provider not in self.online for st in served)
-                run.ready_at = math.inf if broken else now + delay
-                entry["delay_s"] = delay
-        self.placement = repair.placement
-        for run, rep in zip(self.runs, self.placement.replicas, strict=True):
-            old_rate = run.rate
-            run.rate, run.latency, run.ttft = self._metrics(rep)
-            if run.rate != old_rate or run.job is None:
-                self._advance(now)
-                self._dispatch(run, now)
-        self._sync_pool(now)
-        self.log.append(entry)
+        if self.ours:
+            self._tell(HeartbeatsMissed(peer, now) if crashed else ProviderLeft(peer, now))
+        elif self.placement is not None and peer in self.placement.providers():
+            self._equal_split(now, "resplit")  # the baseline has no repair: it re-splits
 
     def _rebalance_check(self) -> None:
         now = self.engine.now
-        self._advance(now)
-        if self.s.placement == "ours" and self.placement is not None:
-            candidate = self._place()
-            if candidate is not None and should_rebalance(self.placement, candidate):
-                self.rebalances += 1
-                self._adopt(candidate, now, "rebalance")
-        self.engine.at(now + self.s.rebalance_every_s, self._rebalance_check)
-
-    # ---- the Petals-style baseline ------------------------------------------------------
-    # Servers pick their own spans (`broker.placement.petals_spans`) and requests route through
-    # any chain of them, so the swarm serves at its weakest block's rate. No broker re-plans;
-    # servers check every PETALS_BALANCE_CHECK_S whether one of them moving would raise the
-    # swarm's throughput enough, and a block nobody serves halts everything until then.
-    # Optimistic for the baseline: a quit costs no in-flight work (the replay is free).
-
-    def _petals_start(self, now: float) -> None:
-        for peer, span in petals_spans(self.model, self._online_profiles(), self.config).items():
-            self._petals_load(peer, span, now, startup=True)
-        self.runs = [_ReplicaRun(self.next_replica, now, 0.0, 0.0, 0.0, last=now)]
-        self.next_replica += 1
-        self._petals_refresh()
-        self.engine.at(now + PETALS_BALANCE_CHECK_S, self._petals_balance)
-
-    def _petals_load(
-        self, peer: str, span: tuple[int, int], now: float, startup: bool = False
-    ) -> None:
-        ready = now + self._load_seconds(peer, span[1] - span[0])
-        if startup:
-            self.startup = max(self.startup, ready - now)
-        self.spans[peer] = span
-        self.span_ready[peer] = ready
-        self.engine.at(ready, self._petals_refresh)
-
-    def _petals_chain(self, ready: dict[str, tuple[int, int]]) -> list[tuple[str, int]]:
-        """A route through the model: from each block, the server that reaches furthest."""
-        chain, block = [], 0
-        while block < self.model.n_layers:
-            holders = [(end, p) for p, (first, end) in ready.items() if first <= block < end]
-            if not holders:
-                return []
-            end, peer = max(holders)
-            chain.append((peer, end - block))
-            block = end
-        return chain
-
-    def _petals_refresh(self) -> None:
-        """Recompute the swarm's rate from the servers whose spans are loaded."""
-        now = self.engine.now
-        self._advance(now)
-        if not self.runs:
-            return
-        ready = {p: s for p, s in self.spans.items() if self.span_ready[p] <= now}
-        profiles = {p: self.profiles[p] for p in ready}
-        chain = self._petals_chain(ready)
-        run = self.runs[0]
-        old = run.rate
-        if not chain:
-            run.rate = run.latency = run.ttft = 0.0
-        else:
-            decode = petals_block_rates(self.model, profiles, ready, self.config)
-            prefill_config = PlacementConfig(work=self.w.prefill_work)
-            prefill = petals_block_rates(self.model, profiles, ready, prefill_config)
-            # Each block serves a job's prefill and its decode steps with the same servers.
-            per_block = self.w.job_tokens / decode + self.w.prefill_work.tokens / prefill
-            run.rate = self.w.job_tokens / float(per_block.max())
-            stages = [(self.profiles[p], n) for p, n in chain]
-            run.latency = pipeline_metrics(self.model, stages, self.w.work).latency
-            run.ttft = (
-                pipeline_metrics(self.model, stages, self.w.prefill_work).latency + run.latency
-            )
-        if run.rate == 0.0 and self._idle_since is None and now >= self.startup:
-            self._idle_since = now
-        elif run.rate > 0.0 and self._idle_since is not None:
-            self.downtime += now - self._idle_since
-            self._idle_since = None
-        if run.rate != old or run.job is None:
-            self._dispatch(run, now)
-
-    def _petals_balance(self) -> None:
-        """Petals' rebalancing: the one server whose move helps most moves, if it helps
-        by more than 1 / PETALS_BALANCE_QUALITY (or anything, while some block is unserved)."""
-        now = self.engine.now
-        profiles = self._online_profiles()
-        if self.spans:
-            current = float(petals_block_rates(self.model, profiles, self.spans, self.config).min())
-            best: tuple[float, str, tuple[int, int]] | None = None
-            for peer in sorted(self.spans):
-                others = {p: s for p, s in self.spans.items() if p != peer}
-                moved = petals_spans(self.model, profiles, self.config, existing=others)
-                if moved.get(peer, self.spans[peer]) == self.spans[peer]:
-                    continue
-                after = float(petals_block_rates(self.model, profiles, moved, self.config).min())
-                if best is None or after > best[0]:
-                    best = (after, peer, moved[peer])
-            if best is not None and best[0] > current / PETALS_BALANCE_QUALITY:
-                self.rebalances += 1
-                self.log.append(
-                    {"t": now, "event": "rebalance", "peer": best[1], "span": list(best[2])}
-                )
-                self._petals_load(best[1], best[2], now)
-                self._petals_refresh()
-        self.engine.at(now + PETALS_BALANCE_CHECK_S, self._petals_balance)
+        self._tell(RebalanceCheck(now))
+        self.engine.at(now + self.driver.core.config.rebalance_every_s, self._rebalance_check)
 
     def _sample(self) -> None:
         now = self.engine.now
@@ -749,10 +650,13 @@ class SwarmSim:
         for t, peer in self.arrivals:
             self.engine.at(t, self._join, peer)
         if self.s.placement == "petals":
-            self._petals_start(0.0)
+            petals.start(self, 0.0)
+        elif self.ours:
+            self._queue_job()
+            self._tell(ModelAdded(self.model.name, self.model, self.keys, 0.0))
+            self.engine.at(self.driver.core.config.rebalance_every_s, self._rebalance_check)
         else:
-            self._adopt(self._place(), 0.0, "placed")
-        self.engine.at(self.s.rebalance_every_s, self._rebalance_check)
+            self._equal_split(0.0, "placed")
         self.engine.at(0.0, self._sample)
         last_report = [0.0]
 
@@ -763,10 +667,12 @@ class SwarmSim:
 
         self.engine.run(end, progress)
         self._advance(end)
+        if math.isinf(self.startup):  # the first placement never served whole (or none)
+            self.startup = end if self._placed else 0.0
         if self._idle_since is not None:
             self.downtime += end - self._idle_since
         in_progress = sum(run.job.done for run in self.runs if run.job is not None)
-        in_progress += sum(job.done for job in self.queue)
+        in_progress += sum(job.done for job in self.waiting)
         energy_kwh = self.gpu_energy_j / 3.6e6
         cost = (
             energy_kwh * self.s.energy_usd_per_kwh

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.placement import (
+from broker.core.placement import (
     Placement,
     PlacementConfig,
     PlacementError,
@@ -17,7 +17,7 @@ from broker.placement import (
     place,
     round_robin_throughput,
 )
-from broker.replan import on_join, on_leave, rescored, should_rebalance
+from broker.core.replan import on_join, on_leave, rescored, should_rebalance
 from broker.swarms import random_swarm
 from dag.cost import HardwareProfile, Workload, layer_memory, stage_workspace
 from dag.model import LLAMA2_13B, LLAMA2_70B, ModelSpec
@@ -212,7 +212,7 @@ def test_heterogeneous_swarm_beats_naive_splits_by_far() -> None:
 
 
 def test_petals_style_baseline_covers_every_block_or_says_none() -> None:
-    from broker.placement import petals_greedy_throughput
+    from broker.core.placement import petals_greedy_throughput
 
     config = PlacementConfig(work=WORK)
     swarm = random_swarm(50, 11)
@@ -281,7 +281,7 @@ def test_an_even_split_over_nobody_is_a_clear_error() -> None:
 
 
 def test_petals_newcomer_takes_the_weakest_blocks_and_others_keep_theirs() -> None:
-    from broker.placement import petals_block_rates, petals_spans
+    from broker.core.placement import petals_block_rates, petals_spans
 
     config = PlacementConfig(work=Workload(tokens=16, sequences=16, context=1024))
     swarm = random_swarm(12, seed=4)

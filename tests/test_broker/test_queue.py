@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.queue import Fifo, Job, SjfBsbf, mean_completion, schedule
+from broker.core.queue import Fifo, Job, SjfBsbf, mean_completion, schedule
 
 # A long job holds all 4 GPUs; short jobs arrive behind it.
 JOBS = [

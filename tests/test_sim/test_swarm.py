@@ -150,7 +150,7 @@ def test_cli_writes_json_report_and_plot(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("seed", [0, 2, 7])
 def test_churn_never_leaves_an_online_provider_dead_or_a_job_time_negative(seed: int) -> None:
-    from broker.pool import Status
+    from broker.core.pool import Status
     from sim.swarm import SwarmSim
 
     sim = SwarmSim(Scenario(**{**CHURNY.__dict__, "peers": 12, "seed": seed, "hours": 2.0}))

@@ -1,18 +1,20 @@
 """Re-planning when providers come and go: move as little as possible.
 
-When a provider leaves, only its blocks move: to its stage's warm backup if it has one, else
-to the best spare that can hold them, else to its neighbours in the same pipeline if they have
-memory; only when none of that works is the replica dissolved (its providers become spares).
+When a provider leaves, only its blocks move: to its stage's backup or a spare that can hold
+them (the backup first, then spares by their stage time, reordered by `rank`: the planner puts
+warm and steady providers first, `broker.core.pool.promotion_order`), else to its neighbours
+in the same pipeline if they have memory; only when none of that works is the replica
+dissolved (its providers become spares).
 Healthy stages are never reshuffled here. A full re-placement is a separate decision, taken
 when it would pay: `should_rebalance` (as Petals does, at a bottleneck gain of about 1/0.75).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from broker.placement import Placement, PlacementConfig, Replica, Stage
+from broker.core.placement import Placement, PlacementConfig, Replica, Stage
 from dag.cost import HardwareProfile, blocks_that_fit, layer_time, send_time
 from dag.model import ModelSpec
 
@@ -55,11 +57,15 @@ class _Cost:
         return Stage(peer, first, end, time)
 
 
-def _best_spare(cost: _Cost, spares: list[str], layers: int) -> str | None:
+def _fitting(cost: _Cost, spares: list[str], layers: int) -> list[str]:
+    """Spares that can hold `layers` blocks, fastest stage first."""
     fitting = [p for p in spares if p in cost.providers and cost.cap(p) >= layers]
-    if not fitting:
-        return None
-    return min(fitting, key=lambda p: (cost.stage(p, 0, layers).time, p))
+    return sorted(fitting, key=lambda p: (cost.stage(p, 0, layers).time, p))
+
+
+def _best_spare(cost: _Cost, spares: list[str], layers: int) -> str | None:
+    fitting = _fitting(cost, spares, layers)
+    return fitting[0] if fitting else None
 
 
 def on_leave(
@@ -68,8 +74,11 @@ def on_leave(
     model: ModelSpec,
     providers: Mapping[str, HardwareProfile],
     config: PlacementConfig | None = None,
+    rank: Callable[[int, int, list[str]], list[str]] | None = None,
 ) -> Repair:
-    """The placement after `gone` left; `providers` are the profiles of those still here."""
+    """The placement after `gone` left; `providers` are the profiles of those still here.
+    `rank(first, end, candidates)` may reorder who takes over blocks first..end (the
+    candidates come in the default order: the stage's backup, then spares by stage time)."""
     cost = _Cost(model, providers, config or PlacementConfig())
     replicas = list(placement.replicas)
     # Only providers still here can take over (a backup may have vanished unnoticed so far).
@@ -93,7 +102,12 @@ def on_leave(
         if backup is not None and cost.cap(backup) < old.layers:
             spares.append(backup)  # too small for this stage now: back to the spares
             backup = None
-        target = backup or _best_spare(cost, spares, old.layers)
+        candidates = ([backup] if backup is not None else []) + _fitting(cost, spares, old.layers)
+        if rank is not None:
+            candidates = rank(old.first, old.end, candidates)
+        target = candidates[0] if candidates else None
+        if backup is not None and target != backup:
+            spares.append(backup)  # passed over: it stands by for whatever needs it next
         if target is not None:
             if target in spares:
                 spares.remove(target)

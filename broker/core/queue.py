@@ -6,6 +6,10 @@
   wait for free GPUs, minus its own slowdown from sharing and the delay it causes the job it
   shares with. Each GPU set is shared by at most two jobs.
 
+`JobQueue` is the broker's queue state: jobs waiting and running per model, who shares whose
+route and who holds it; each model's pipeline replicas are its "GPU sets". The decision core
+(`broker.core.Core`) asks it what starts whenever jobs or routes change.
+
 `schedule(jobs, gpus, policy)` plays the policy over a job list on a cluster of `gpus` GPUs,
 with progress rates (1 alone, 1/slowdown when sharing) between events, and returns each
 job's completion time. Pure: no clock; the simulator drives the same code.
@@ -13,8 +17,8 @@ job's completion time. Pure: no clock; the simulator drives the same code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
@@ -51,6 +55,7 @@ Decision = Start | Share
 
 class QueuePolicy(Protocol):
     name: str
+    shares: bool  # may start a job on a running job's GPUs (else only on free ones)
 
     def decide(
         self, now: float, queue: Sequence[Job], running: Sequence[Running], free: int
@@ -59,6 +64,7 @@ class QueuePolicy(Protocol):
 
 class Fifo:
     name = "fifo"
+    shares = False
 
     def decide(
         self, now: float, queue: Sequence[Job], running: Sequence[Running], free: int
@@ -82,6 +88,7 @@ def _finish_time(r: Running, running: dict[str, Running]) -> float:
 
 class SjfBsbf:
     name = "sjf-bsbf"
+    shares = True
 
     def decide(
         self, now: float, queue: Sequence[Job], running: Sequence[Running], free: int
@@ -128,6 +135,96 @@ class SjfBsbf:
             if free >= gpus:
                 return end
         return float("inf")
+
+
+POLICIES: dict[str, Callable[[], QueuePolicy]] = {"fifo": Fifo, "sjf-bsbf": SjfBsbf}
+
+
+def policy_named(name: str) -> QueuePolicy:
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown queue policy {name!r}; known: {sorted(POLICIES)}")
+    return factory()
+
+
+@dataclass
+class _Started:
+    job: Job
+    model: str
+    done: float = 0.0  # share of its work finished
+    partner: str | None = None  # the job it shares its route with
+    held: int = 1  # route slots it holds (0: a guest on its partner's)
+
+
+@dataclass
+class JobQueue:
+    """Jobs waiting and running, per model (mutable; no clock: times come with the calls)."""
+
+    policy: QueuePolicy
+    queued: dict[str, tuple[str, Job]] = field(default_factory=dict)  # job -> (model, job)
+    running: dict[str, _Started] = field(default_factory=dict)
+    _held: dict[str, int] = field(default_factory=dict)  # model -> route slots held
+
+    def add(self, job: str, model: str, created: float, estimate_s: float) -> None:
+        if job in self.running:
+            return
+        self.queued[job] = (model, Job(job, created, 1, max(1e-6, estimate_s)))
+
+    def progress(self, job: str, done: float) -> None:
+        started = self.running.get(job)
+        if started is not None:
+            started.done = min(1.0, max(0.0, done))
+
+    def end(self, job: str) -> str | None:
+        """`job` left the queue or stopped running; the model it ran on, if it ran. A job
+        sharing its route carries on, holding the route."""
+        self.queued.pop(job, None)
+        started = self.running.pop(job, None)
+        if started is None:
+            return None
+        partner = self.running.get(started.partner) if started.partner is not None else None
+        if partner is not None:
+            partner.partner = None
+            partner.held += started.held
+        else:
+            self._held[started.model] -= started.held
+        return started.model
+
+    def busy(self, model: str) -> bool:
+        return any(s.model == model for s in self.running.values())
+
+    def held(self, model: str) -> int:
+        """Route slots the running jobs on `model` hold."""
+        return self._held.get(model, 0)
+
+    def decide(self, now: float, slots: Callable[[str], int]) -> list[tuple[str, str, str | None]]:
+        """Jobs to start now, as (job, model, the job whose route it shares or None), for
+        each model with `slots(model)` replicas serving it (0: not servable now)."""
+        models: dict[str, list[Job]] = {}
+        for model, job in sorted(self.queued.values(), key=lambda mj: (mj[1].arrival, mj[1].id)):
+            models.setdefault(model, []).append(job)
+        out: list[tuple[str, str, str | None]] = []
+        for model, jobs in models.items():
+            n = slots(model)
+            if n <= 0 or (n <= self.held(model) and not self.policy.shares):
+                continue  # no free route, and this policy does not share running jobs'
+            running = [
+                Running(s.job, s.job.duration * (1 - s.done), s.partner, s.held)
+                for s in self.running.values()
+                if s.model == model
+            ]
+            free = max(0, n - sum(r.held for r in running))
+            for decision in self.policy.decide(now, jobs, running, free):
+                host = decision.host if isinstance(decision, Share) else None
+                del self.queued[decision.job.id]
+                self.running[decision.job.id] = _Started(
+                    decision.job, model, partner=host, held=0 if host else 1
+                )
+                self._held[model] = self.held(model) + (0 if host else 1)
+                if host is not None:
+                    self.running[host].partner = decision.job.id
+                out.append((decision.job.id, model, host))
+        return out
 
 
 def schedule(jobs: Sequence[Job], gpus: int, policy: QueuePolicy) -> dict[str, float]:

@@ -2,9 +2,10 @@
 
 Providers join into the backup pool; placement assigns them stages (active) or a stage to keep
 pre-loaded (backup). Heartbeats keep them alive; missing `missed_heartbeats` in a row, or
-leaving, makes them dead, and the stage they served is taken over by a warm backup if one is
-ready (else the placement must re-plan). Providers that come and go often are "flapping" and
-are promoted last. Time enters only with events, so the simulator drives this same code.
+leaving, makes them dead (`ProviderLost`); who takes over what they served is the planner's
+decision (`broker.core.planner`), which asks `promotion_order` for the candidates: warm ones
+first, providers that come and go often ("flapping") last, then the fastest. Time enters only
+with events, so the simulator drives this same code.
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from broker.core.actions import AskToRejoin, ProviderLost, Welcome
+from broker.core.events import (
+    ClockTicked,
+    DrainStarted,
+    HeartbeatReceived,
+    HeartbeatsMissed,
+    ProviderJoined,
+    ProviderLeft,
+    StageAssigned,
+    StageReady,
+    StageTimeObserved,
+)
 from dag.cost import Correction, HardwareProfile
 
 
@@ -29,6 +42,23 @@ class PoolConfig:
     flap_window: float = 600.0  # seconds over which departures count towards flapping
     flap_threshold: int = 3  # departures within the window that make a provider flapping
     drain_timeout: float = 60.0  # seconds a draining provider may take before it is dead
+
+    @property
+    def silence_limit(self) -> float:
+        """Seconds without a heartbeat after which a provider is dead."""
+        return self.heartbeat_interval * self.missed_heartbeats
+
+    @property
+    def tick_every(self) -> float:
+        """Seconds between the service's clock ticks (four per heartbeat interval)."""
+        return max(0.05, self.heartbeat_interval / 4)
+
+    @property
+    def detection_s(self) -> float:
+        """Seconds from a crash to its detection, on average: the silence limit, plus half a
+        heartbeat interval (the last heartbeat came that long before the crash), plus half a
+        tick (silence is found at the next tick)."""
+        return self.silence_limit + self.heartbeat_interval / 2 + self.tick_every / 2
 
 
 @dataclass(frozen=True)
@@ -63,71 +93,9 @@ class PoolState:
             p for p in self.providers.values() if p.status is Status.ACTIVE and p.stage == stage
         ]
 
-
-# ---- events (what happened) ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProviderJoined:
-    peer_id: str
-    profile: HardwareProfile
-    at: float
-
-
-@dataclass(frozen=True)
-class HeartbeatReceived:
-    peer_id: str
-    at: float
-
-
-@dataclass(frozen=True)
-class ClockTicked:
-    at: float
-
-
-@dataclass(frozen=True)
-class HeartbeatsMissed:
-    """The service saw `peer_id`'s heartbeats stop (what `ClockTicked` finds by itself)."""
-
-    peer_id: str
-    at: float
-
-
-@dataclass(frozen=True)
-class DrainStarted:
-    peer_id: str
-    at: float
-
-
-@dataclass(frozen=True)
-class ProviderLeft:
-    peer_id: str
-    at: float
-
-
-@dataclass(frozen=True)
-class StageAssigned:
-    """Placement decided: `peer_id` serves `stage` (active) or keeps it warm (backup)."""
-
-    peer_id: str
-    stage: str | None
-    active: bool
-    at: float
-
-
-@dataclass(frozen=True)
-class StageReady:
-    peer_id: str
-    stage: str
-    at: float
-
-
-@dataclass(frozen=True)
-class StageTimeObserved:
-    peer_id: str
-    predicted: float  # seconds the cost model expected
-    observed: float  # seconds it took
-    at: float
+    def alive(self, peer: str) -> bool:
+        p = self.providers.get(peer)
+        return p is not None and p.status is not Status.DEAD
 
 
 Event = (
@@ -141,41 +109,7 @@ Event = (
     | StageReady
     | StageTimeObserved
 )
-
-
-# ---- actions (what the service must do) ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Welcome:
-    peer_id: str  # answer the join: you are in the backup pool
-
-
-@dataclass(frozen=True)
-class AskToRejoin:
-    peer_id: str  # a heartbeat from a provider we consider dead or never met
-
-
-@dataclass(frozen=True)
-class ProviderLost:
-    peer_id: str
-    stage: str | None  # what it served, if it was active
-    graceful: bool
-
-
-@dataclass(frozen=True)
-class PromoteBackup:
-    peer_id: str  # a backup with the stage loaded now serves it
-    stage: str
-    replacing: str
-
-
-@dataclass(frozen=True)
-class Replan:
-    reason: str  # no warm backup could take over; placement must decide
-
-
-Action = Welcome | AskToRejoin | ProviderLost | PromoteBackup | Replan
+Action = Welcome | AskToRejoin | ProviderLost
 
 
 def _put(state: PoolState, provider: Provider, now: float | None = None) -> PoolState:
@@ -186,50 +120,31 @@ def _put(state: PoolState, provider: Provider, now: float | None = None) -> Pool
     )
 
 
-def promotion_order(state: PoolState, stage: str) -> list[Provider]:
-    """Backups that could take over `stage`: warm ones first, flapping ones last, then the
-    fastest (by fp16 FLOP/s corrected for observed slowness)."""
-    candidates = [p for p in state.providers.values() if p.status is Status.BACKUP]
+def promotion_order(state: PoolState, stage: str, among: list[str]) -> list[str]:
+    """Of the live providers `among`, who should take over `stage` first: warm ones (it is
+    loaded), then not flapping, then the fastest (fp16 FLOP/s corrected for observed
+    slowness); ties by peer id."""
 
-    def key(p: Provider) -> tuple[bool, bool, float]:
+    def key(peer: str) -> tuple[bool, bool, float, str]:
+        p = state.providers[peer]
         speed = p.profile.flops_for("float16") / p.correction.factor
-        return (p.flapping(state.now, state.config), stage not in p.ready, -speed)
+        return (stage not in p.ready, p.flapping(state.now, state.config), -speed, peer)
 
-    return sorted(candidates, key=key)
+    return sorted((p for p in among if state.alive(p)), key=key)
 
 
 def _lose(
-    state: PoolState, provider: Provider, at: float, graceful: bool, promote: bool = True
+    state: PoolState, provider: Provider, at: float, graceful: bool
 ) -> tuple[PoolState, list[Action]]:
     was_active = provider.status is Status.ACTIVE or (
         provider.status is Status.DRAINING and provider.stage is not None
     )
     stage = provider.stage if was_active else None
     recent = [t for t in provider.departures if at - t <= state.config.flap_window]
-    departures = (*recent, at)
     dead = replace(
-        provider, status=Status.DEAD, stage=None, ready=frozenset(), departures=departures
+        provider, status=Status.DEAD, stage=None, ready=frozenset(), departures=(*recent, at)
     )
-    state = _put(state, dead, at)
-    actions: list[Action] = [ProviderLost(provider.peer_id, stage, graceful)]
-    if promote and stage is not None:
-        state, more = _take_over(state, stage, provider.peer_id, at)
-        actions += more
-    return state, actions
-
-
-def _take_over(
-    state: PoolState, stage: str, lost: str, at: float
-) -> tuple[PoolState, list[Action]]:
-    """Give `stage` (served by `lost` until now) to a warm backup, or ask for a re-plan."""
-    if state.serving(stage):
-        return state, []
-    warm = [p for p in promotion_order(state, stage) if stage in p.ready]
-    if warm:
-        chosen = warm[0]
-        state = _put(state, replace(chosen, status=Status.ACTIVE, stage=stage), at)
-        return state, [PromoteBackup(chosen.peer_id, stage, lost)]
-    return state, [Replan(f"{lost} served {stage} and no backup has it loaded")]
+    return _put(state, dead, at), [ProviderLost(provider.peer_id, stage, graceful)]
 
 
 def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
@@ -238,22 +153,18 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
     if isinstance(event, ProviderJoined):
         known = state.providers.get(event.peer_id)
         departures = known.departures if known else ()
+        lost: list[Action] = []
         if known is not None and known.status is not Status.DEAD:
-            state, lost = _lose(state, known, event.at, graceful=False)  # restarted without leaving
+            state, lost = _lose(state, known, event.at, graceful=False)  # restarted unnoticed
             departures = state.providers[event.peer_id].departures
-        else:
-            lost = []
         joined = Provider(
             event.peer_id, event.profile, Status.BACKUP, event.at, event.at, departures=departures
         )
         return _put(state, joined, now), [*lost, Welcome(event.peer_id)]
-
-    provider = state.providers.get(getattr(event, "peer_id", ""))
     if isinstance(event, ClockTicked):
         actions: list[Action] = []
         state = replace(state, now=now)
-        limit = state.config.heartbeat_interval * state.config.missed_heartbeats
-        lost_stages: list[tuple[str, str]] = []
+        limit = state.config.silence_limit
         for peer_id in sorted(state.providers):
             p = state.providers[peer_id]
             silent = p.status in (Status.ACTIVE, Status.BACKUP) and now - p.last_seen > limit
@@ -263,15 +174,10 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
                 and now - p.drain_started > state.config.drain_timeout
             )
             if silent or overdue:
-                # Everyone silent is marked dead first, so no dead backup gets promoted.
-                state, more = _lose(state, p, now, graceful=False, promote=False)
+                state, more = _lose(state, p, now, graceful=False)
                 actions += more
-                if p.stage is not None and p.status is not Status.BACKUP:
-                    lost_stages.append((p.stage, peer_id))
-        for stage, peer_id in lost_stages:
-            state, more = _take_over(state, stage, peer_id, now)
-            actions += more
         return state, actions
+    provider = state.providers.get(event.peer_id)
     if provider is None or provider.status is Status.DEAD:
         if isinstance(event, HeartbeatReceived):
             return replace(state, now=now), [AskToRejoin(event.peer_id)]
@@ -291,7 +197,9 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
         status = Status.ACTIVE if event.active else Status.BACKUP
         if provider.status is Status.DRAINING:
             status = Status.DRAINING  # leaving: its drain goes on whatever it is assigned
-        updated = replace(provider, status=status, stage=event.stage, last_seen=seen)
+        # It holds one stage at a time: what it had loaded of another is dropped.
+        ready = provider.ready & {event.stage} if event.stage is not None else frozenset()
+        updated = replace(provider, status=status, stage=event.stage, ready=ready, last_seen=seen)
         return _put(state, updated, now), []
     if isinstance(event, StageReady):
         updated = replace(provider, ready=provider.ready | {event.stage}, last_seen=seen)
