@@ -32,9 +32,10 @@ class CoreDriver:
         self._trace: IO[bytes] | None = None
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
-            self._trace = trace.open("ab")
-            if self._trace.tell() == 0:
-                self._trace.write(core_trace.header(core.config, note))
+            # Unbuffered: a broker killed mid-run leaves whole lines. A restarted broker appends
+            # a run of its own.
+            self._trace = trace.open("ab", buffering=0)
+            self._trace.write(core_trace.header(core.config, note))
 
     def carry(self, kind: type[A], fn: Callable[[A], object]) -> None:
         """Carry out every action of type `kind` with `fn` (in registration order)."""

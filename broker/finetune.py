@@ -460,7 +460,7 @@ class SwarmFinetune:
         """A request to the provider training stage `pos`; `StageFailed` if it cannot serve."""
         peer = self.route[pos]
         self.touched.add(peer)
-        deadline = time.monotonic() + self.config.request_timeout_s
+        deadline = self.runner.clock() + self.config.request_timeout_s
         while True:
             call = await self.runner.request_unless_lost(peer, spec, msg, timeout)
             if call is None:
@@ -468,7 +468,7 @@ class SwarmFinetune:
             try:
                 return call.result()
             except RemoteError as exc:
-                if exc.code == ErrorCode.BUSY and time.monotonic() < deadline:
+                if exc.code == ErrorCode.BUSY and self.runner.clock() < deadline:
                     await asyncio.sleep(0.2)  # inference goes first; training waits its turn
                     continue
                 raise StageFailed(pos, peer, f"{exc.code}: {exc}") from None
@@ -599,7 +599,7 @@ class SwarmFinetune:
         self.recoveries += 1
         if self.recoveries > MAX_RECOVERIES:
             raise JobFailed(f"gave up after {MAX_RECOVERIES} provider losses; last: {failed}")
-        start = time.monotonic()
+        start = time.perf_counter()
         if self.snapshotting is not None:
             self.snapshotting.cancel()
             await asyncio.gather(self.snapshotting, return_exceptions=True)
@@ -632,7 +632,7 @@ class SwarmFinetune:
             job=self.job.id,
             step=step,
             route=self.route,
-            seconds=round(time.monotonic() - start, 3),
+            seconds=round(time.perf_counter() - start, 3),
         )
         return step
 
@@ -673,7 +673,7 @@ class SwarmFinetune:
             )
         for hs in holders:
             self.touched.update(h.peer for h in hs)
-        start = time.monotonic()
+        start = time.perf_counter()
 
         async def take(pos: int) -> SnapshotTaken:
             msg = SnapshotTake(
@@ -712,7 +712,7 @@ class SwarmFinetune:
             k=k,
             n=min(len(h) for h in holders),
             bytes=sum(t.size for t in taken),
-            seconds=round(time.monotonic() - start, 4),
+            seconds=round(time.perf_counter() - start, 4),
             holders={str(pos): [h.peer for h in hs] for pos, hs in enumerate(holders)},
         )
 

@@ -18,7 +18,6 @@ import base64
 import contextlib
 import json
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -213,7 +212,7 @@ class BrokerRouter:
         plan = self.broker.serving.plans[self.model]
         key = self.broker.serving.unit_keys(plan)[pos]
         holders = self.broker.registry.holders(key, avoid)
-        return random.choice(holders) if holders else None  # unpredictable checkers
+        return self.broker.rng.choice(holders) if holders else None  # unpredictable checkers
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
         return (await self.broker.jobs.verifier.report(peer, self.model, pos, reason))[1]

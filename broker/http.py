@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -331,7 +330,7 @@ def make_app(broker: Broker) -> web.Application:
             holders = broker.registry.holders(key, set(avoid))
             if not holders:
                 raise Unavailable(f"no other provider holds stage {stage} of {name}")
-            checker = random.choice(holders)  # a provider cannot know it checks or is checked
+            checker = broker.rng.choice(holders)  # a provider cannot know it checks or is checked
             return web.json_response({"key": key, **serving.peer_info(checker)})
         peer = await serving.pick(name, stage, set(avoid), broker.jobs.inflight, float(wait))
         if peer is None:

@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -155,6 +156,7 @@ class JobRunner:
         serving: Serving,
         models: ModelStore,
         host: Host,
+        rng: random.Random,
     ) -> None:
         self.config = config
         self.store = store
@@ -175,7 +177,9 @@ class JobRunner:
         # metrics: (model, seconds, "chain" or "direct") per stage task answered
         self.on_stage: Callable[[str, float, str], None] = lambda model, seconds, relay: None
         self.driver.carry(StartJob, self._start)
-        self.verifier = Verifier(config, store, events, serving.registry, models, self._check)
+        self.verifier = Verifier(
+            config, store, events, serving.registry, models, self._check, rng, serving.clock
+        )
         self.verifier.on_quarantine = self._redo
         serving.registry.reputation_of = self.verifier.summary
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import ssl
 import time
 from collections.abc import Callable
@@ -47,8 +48,9 @@ log = logging.getLogger("fusionai.broker")
 
 
 class Broker:
-    """`host` (default: a libp2p host on `config.listen`) and `clock` (monotonic seconds; the
-    event loop's in tests on a virtual clock) are injected."""
+    """`host` (default: a libp2p host on `config.listen`; an in-memory one in tests), `clock`
+    (monotonic seconds: deadlines, heartbeats, the decision core's time; a test's own clock
+    to move time on) and `rng` (which tasks are checked, by whom) are injected."""
 
     def __init__(
         self,
@@ -56,9 +58,11 @@ class Broker:
         *,
         host: Host | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
+        self.rng = rng or random.SystemRandom()  # spot checks must not be predictable
         self.store = Store(config.db_path, event_log_size=config.event_log_size)
         self.events = EventLog(self.store)
         self.models = ModelStore(config.data_dir, config.max_artifact_bytes)
@@ -104,7 +108,7 @@ class Broker:
             clock=self.clock,
         )
         self.jobs = JobRunner(
-            self.config, self.store, self.events, self.serving, self.models, self.host
+            self.config, self.store, self.events, self.serving, self.models, self.host, self.rng
         )
         self.jobs.on_stage = self.metrics.stage
         self.metrics.watch(self)

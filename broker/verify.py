@@ -81,8 +81,12 @@ class Verifier:
         registry: Registry,
         models: ModelStore,
         request: Callable[[str, ProtocolSpec, Message], Awaitable[asyncio.Future[Any] | None]],
+        rng: random.Random,
+        clock: Callable[[], float],
     ) -> None:
         self.config = config
+        self.rng = rng  # unpredictable in service (which tasks are checked, by whom)
+        self.clock = clock
         self.store = store
         self.events = events
         self.registry = registry
@@ -117,7 +121,7 @@ class Verifier:
         fraction = self.config.verify_fraction
         if fraction <= 0:
             return False
-        owed = self.phase.get(key, random.random()) + fraction
+        owed = self.phase.get(key, self.rng.random()) + fraction
         self.phase[key] = owed % 1.0 if owed >= 1.0 else owed
         return owed >= 1.0
 
@@ -173,7 +177,7 @@ class Verifier:
         broker's own."""
         state = self.registry.core.pool.providers
         holders = self.registry.holders(key, {peer})
-        holders.sort(key=lambda p: (state[p].status is not Status.BACKUP, random.random()))
+        holders.sort(key=lambda p: (state[p].status is not Status.BACKUP, self.rng.random()))
         check = msgspec.structs.replace(msg, check=True)
         for other in holders[:2]:
             try:
@@ -216,18 +220,18 @@ class Verifier:
         if self.quarantined(peer):
             return False
         last = self._probed.get(peer)
-        if last is not None and time.monotonic() - last[0] < PROBE_EVERY_S:
+        if last is not None and self.clock() - last[0] < PROBE_EVERY_S:
             return last[1]
-        self._probed[peer] = (time.monotonic(), None)
+        self._probed[peer] = (self.clock(), None)
         stored = self.models.models[model]
         info = stored.manifest.stages[stored.units[pos]]
         key = stored.unit_key(info.index)
-        feeds, cached = probe_feeds(info, seed=random.randrange(1 << 30))
+        feeds, cached = probe_feeds(info, seed=self.rng.randrange(1 << 30))
         inputs = {k: Tensor.from_numpy(v) for k, v in feeds.items()}
         answer: Any = None
         try:
             if cached:
-                sid = f"probe-{random.randrange(1 << 62):x}"
+                sid = f"probe-{self.rng.randrange(1 << 62):x}"
                 await self._ask(peer, SESSION, SessionOpen(session=sid, stage=key, check=True))
                 answer = await self._ask(
                     peer, SESSION, SessionStep(session=sid, stage=key, inputs=inputs)
@@ -256,7 +260,7 @@ class Verifier:
             else (False, float("inf"))
         )
         self._count(peer, good)
-        self._probed[peer] = (time.monotonic(), good)
+        self._probed[peer] = (self.clock(), good)
         self.events.emit("provider_probed", peer=peer, stage=key, agreed=good, diff=diff)
         if not good:
             self.quarantine(

@@ -71,6 +71,11 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate (and --tls-key)")
     start.add_argument("--tls-key", help="the certificate's PEM private key")
     start.add_argument(
+        "--trace",
+        help="append the decision core's inputs and decisions to this file (JSON lines), to "
+        "replay with `fusionai sim --replay FILE`",
+    )
+    start.add_argument(
         "--tls-self-signed",
         action="store_true",
         help="serve HTTPS with a self-signed certificate made in DATA_DIR/tls (clients trust it "
@@ -208,6 +213,7 @@ def start(args: argparse.Namespace) -> int:
         api_keys=tuple(keys),
         tls_cert=cert,
         tls_key=key_file,
+        trace=Path(args.trace) if args.trace else None,
     )
 
     async def main() -> int:

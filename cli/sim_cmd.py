@@ -25,6 +25,12 @@ def add_parser(sub: Any, dispatch: Any) -> None:
         action="store_true",
         help="compare FIFO and SJF-BSBF queueing on a seeded job trace and exit",
     )
+    p.add_argument(
+        "--replay",
+        metavar="TRACE",
+        help="replay a broker's recorded decisions (`fusionai broker start --trace`, .gz too) "
+        "through the simulator's driver; exit 1 if any decision differs",
+    )
     p.add_argument("--peers", type=int, default=50, help="providers (default 50)")
     p.add_argument(
         "--gpu",
@@ -49,6 +55,9 @@ def add_parser(sub: Any, dispatch: Any) -> None:
         "--placement", choices=["ours", "equal", "petals"], default="ours", help="placement policy"
     )
     p.add_argument("--backup-fraction", type=float, default=0.1, help="share kept as backups")
+    p.add_argument(
+        "--queue", choices=["fifo", "sjf-bsbf"], default="fifo", help="the broker's job queue"
+    )
     p.add_argument("--out", help="folder for result.json, report.txt and timeline.png")
     p.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     p.set_defaults(func=dispatch)
@@ -79,6 +88,7 @@ def _single(args: argparse.Namespace) -> Any:
             "seed": args.seed,
             "placement": args.placement,
             "backup_fraction": args.backup_fraction,
+            "queue_policy": args.queue,
         }
     )
     return Study(scenario.name, "", [scenario], [])
@@ -98,6 +108,16 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(queue_study.run(seed=args.seed), indent=2))
         return 0
+    if args.replay:
+        from sim.driver import replay_file
+
+        try:
+            result = replay_file(Path(args.replay))
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(result.summary(), indent=2))
+        return 1 if result.mismatches else 0
     try:
         study = load_study(args.scenario) if args.scenario else _single(args)
     except (ValueError, TypeError) as exc:

@@ -12,19 +12,24 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from p2p._answers import (
+    COMPUTE,
+    STREAM,
+    HandlerEntry,
+    decode_answer,
+    encode_response,
+    execute,
+)
 from p2p._channel import Channel
 from p2p._runtime import TrioRuntime, post
 from p2p.codec import (
     ErrorCode,
     Kind,
-    ProtocolSpec,
     Relay,
-    decode_error,
     encode_error,
     encode_message,
 )
@@ -34,26 +39,11 @@ from p2p.errors import (
     FrameError,
     HostClosed,
     P2PError,
-    Refused,
-    RemoteError,
     RequestTimeout,
 )
 from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
-
-# Handler kinds
-CONTROL = "control"  # coroutine on the asyncio loop
-COMPUTE = "compute"  # plain function in a worker thread
-STREAM = "stream"  # coroutine on the asyncio loop, given a message stream
-
-
-@dataclass(frozen=True)
-class HandlerEntry:
-    spec: ProtocolSpec
-    kind: str
-    fn: Callable[..., Any]
-    max_message: int
 
 
 class _TrioSink:
@@ -75,58 +65,6 @@ class _TrioSink:
     def fail(self, exc: BaseException) -> None:
         self.outcome = exc
         self.done.set()
-
-
-def decode_answer(spec: ProtocolSpec, peer_id: str, kind: int, payload: bytes) -> Any:
-    """A call's answer: the typed response, or `RemoteError` for an error frame."""
-    if kind == Kind.ERROR:
-        info = decode_error(payload)
-        raise RemoteError(info.code, info.message, peer_id)
-    return spec.decode_response(payload)
-
-
-def execute(entry: HandlerEntry, peer_id: str, payload: bytes) -> tuple[int, bytes] | Relay:
-    """Decode, run a compute handler, encode: (RESPONSE or ERROR, payload), or the handler's
-    `Relay`. Never raises."""
-    try:
-        request = entry.spec.decode_request(payload)
-    except FrameError as exc:
-        return Kind.ERROR, encode_error(exc.code, exc.message)
-    try:
-        response = entry.fn(peer_id, request)
-    except Refused as exc:
-        return Kind.ERROR, encode_error(exc.code, exc.message)
-    except Exception as exc:
-        log.warning("%s handler raised for %s", entry.spec.protocol_id, peer_id, exc_info=True)
-        return Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")
-    if isinstance(response, Relay):
-        return response
-    return encode_response(entry, response)
-
-
-def encode_response(entry: HandlerEntry, response: Any) -> tuple[int, bytes]:
-    """Check and encode a handler's answer: (RESPONSE or ERROR, payload). Never raises."""
-    allowed = entry.spec.response
-    if not isinstance(response, allowed):
-        names = (
-            ", ".join(t.__name__ for t in allowed)
-            if isinstance(allowed, tuple)
-            else allowed.__name__
-        )
-        return Kind.ERROR, encode_error(
-            ErrorCode.HANDLER_ERROR,
-            f"handler returned {type(response).__name__}, the protocol answers {names}",
-        )
-    try:
-        out = encode_message(response)
-    except Exception as exc:
-        return Kind.ERROR, encode_error(ErrorCode.HANDLER_ERROR, f"cannot encode answer: {exc}")
-    if len(out) > entry.max_message:
-        return Kind.ERROR, encode_error(
-            ErrorCode.TOO_LARGE,
-            f"answer of {len(out)} bytes exceeds the limit of {entry.max_message} bytes",
-        )
-    return Kind.RESPONSE, out
 
 
 class StreamInbox:

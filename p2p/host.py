@@ -23,17 +23,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from p2p import _runtime
-from p2p._channel import Channel
-from p2p._core import (
+from p2p._answers import (
     COMPUTE,
     CONTROL,
     STREAM,
     HandlerEntry,
-    HostCore,
-    StreamInbox,
     decode_answer,
     encode_response,
 )
+from p2p._channel import Channel
+from p2p._core import HostCore, StreamInbox
 from p2p._runtime import TrioRuntime, post
 from p2p.codec import (
     ErrorCode,

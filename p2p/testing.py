@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks: small protocols, handlers, and a peer in its own process.
+"""Helpers for tests and benchmarks: small protocols, handlers, a peer in its own process, and
+an in-memory network of hosts (`MemoryNetwork`, `p2p.memory`) for tests in one process.
 
 python -m p2p.testing   # serve the test protocols; prints {"peer_id", "addrs"} as JSON,
                         # then serves until its standard input closes
@@ -16,7 +17,10 @@ from typing import Any
 from p2p.codec import Message, ProtocolSpec
 from p2p.config import HostConfig
 from p2p.host import Host, Stream
+from p2p.memory import MemoryHost, MemoryNetwork
 from p2p.tensor import Tensor
+
+__all__ = ["MemoryHost", "MemoryNetwork"]  # (and the helpers below)
 
 LOCAL = HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))
 

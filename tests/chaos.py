@@ -5,11 +5,12 @@ SIGCONT) and the broker itself is killed and restarted once. At most one provide
 frozen at a time, so every stage keeps a healthy provider, and every job must end succeeded
 with output identical to a single-process run.
 
-    python -m tests.chaos [--seed 1] [--jobs 100]     (or `make chaos`)
+    python -m tests.chaos [--seed 1] [--jobs 100] [--trace FILE]     (or `make chaos`)
 
 prints a JSON summary: jobs, succeeded, failed, lost, kills, stops, mismatches and more. The
 same seed gives the same jobs and the same schedule of faults (their exact moments relative
-to the jobs depend on the machine's speed).
+to the jobs depend on the machine's speed). With `--trace`, the broker records its decision
+core's inputs and decisions there (`broker.core.trace`).
 """
 
 from __future__ import annotations
@@ -130,15 +131,21 @@ class Swarm:
     broker_restarts: int = 0
     log: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    trace: Path | None = None  # the broker records its core's inputs and decisions here
 
     def start_broker(self) -> None:
         from tests.test_broker.conftest import free_port
 
         self.port = self.port or free_port()
         self.http_port = self.http_port or free_port()
+        extra = ("--trace", str(self.trace)) if self.trace is not None else ()
         self.broker = Proc(
             broker_command(
-                self.root / "broker", port=self.port, http_port=self.http_port, heartbeat_s=0.5
+                self.root / "broker",
+                *extra,
+                port=self.port,
+                http_port=self.http_port,
+                heartbeat_s=0.5,
             ),
             env={"FUSIONAI_THREADS": "1"},
         )
@@ -290,13 +297,15 @@ def _retry(call: Callable[[], Any], tries: int = 60) -> Any:
     return call()
 
 
-def run_chaos(minilm: Path, llama: Path, root: Path, seed: int, jobs: int) -> dict[str, Any]:
+def run_chaos(
+    minilm: Path, llama: Path, root: Path, seed: int, jobs: int, trace: Path | None = None
+) -> dict[str, Any]:
     from tests.test_broker.conftest import add_model, wait_ready
 
     rng = random.Random(seed)
     started = time.monotonic()
     refs = references(minilm, llama)
-    swarm = Swarm(root, random.Random(seed + 1))
+    swarm = Swarm(root, random.Random(seed + 1), trace=trace)
     kinds = [rng.choice(["embed"] * 5 + ["generate"] * 4 + ["finetune"]) for _ in range(jobs)]
     outcomes: list[Outcome | None] = [None] * jobs
     try:
@@ -374,11 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--trace", type=Path, help="record the broker's core decisions here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fusionai-chaos-") as tmp:
         root = Path(tmp)
         minilm, llama = build_packages(root / "packages")
-        summary = run_chaos(minilm, llama, root / "run", args.seed, args.jobs)
+        summary = run_chaos(minilm, llama, root / "run", args.seed, args.jobs, args.trace)
     print(json.dumps(summary))
     ok = summary["succeeded"] == summary["jobs"] and summary["mismatches"] == 0
     return 0 if ok else 1

@@ -121,14 +121,13 @@ def _put(state: PoolState, provider: Provider, now: float | None = None) -> Pool
 
 
 def promotion_order(state: PoolState, stage: str, among: list[str]) -> list[str]:
-    """Of the live providers `among`, who should take over `stage` first: warm ones (it is
-    loaded), then not flapping, then the fastest (fp16 FLOP/s corrected for observed
-    slowness); ties by peer id."""
+    """Of the live providers `among` (in the caller's order of preference), who should take
+    over `stage` first: warm ones (it is loaded), then those not flapping; otherwise the
+    caller's order stands."""
 
-    def key(peer: str) -> tuple[bool, bool, float, str]:
+    def key(peer: str) -> tuple[bool, bool]:
         p = state.providers[peer]
-        speed = p.profile.flops_for("float16") / p.correction.factor
-        return (stage not in p.ready, p.flapping(state.now, state.config), -speed, peer)
+        return (stage not in p.ready, p.flapping(state.now, state.config))
 
     return sorted((p for p in among if state.alive(p)), key=key)
 

@@ -24,19 +24,27 @@ ALLOWED: dict[str, set[str]] = {
     "sim": {"broker", "dag"},
     "cli": set(PACKAGES) - {"cli"},
 }
+# The broker's decision core is pure and synchronous: no event loop, no I/O, no clock, no
+# randomness (broker/core/__init__.py); the simulator uses it and nothing else of the broker.
+CORE = "broker/core"
+CORE_FORBIDDEN = {
+    "asyncio", "aiohttp", "sqlite3", "aiosqlite", "socket", "threading", "time", "random",
+    "secrets", "uuid", "os", "subprocess", "p2p", "proto", "client", "provider", "trio",
+}  # fmt: skip
 TRIO_ONLY_IN = {"p2p"}
 TRIO_MODULES = {"trio", "libp2p", "multiaddr", "trio_asyncio", "outcome"}
 FORBIDDEN = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, depth: int = 1) -> set[str]:
+    """Modules `path` imports, as their first `depth` dotted parts."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(".".join(alias.name.split(".")[:depth]) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(".".join(node.module.split(".")[:depth]))
     return names
 
 
@@ -62,6 +70,25 @@ def test_package_imports_only_what_the_design_allows(package: str) -> None:
         assert not imported & FORBIDDEN, (
             f"{path.relative_to(ROOT)} imports {sorted(imported & FORBIDDEN)}: "
             f"nothing that crosses a process boundary is pickled"
+        )
+
+
+def test_the_decision_core_is_pure_and_the_simulator_uses_only_it() -> None:
+    core = sorted((ROOT / CORE).rglob("*.py"))
+    assert len(core) >= 8, "broker/core/ holds the pool, placement, planner, queue, ..."
+    for path in core:
+        imported = _imports(path)
+        assert not imported & CORE_FORBIDDEN, (
+            f"{path.relative_to(ROOT)} imports {sorted(imported & CORE_FORBIDDEN)}: the decision "
+            f"core does no I/O and reads no clock or randomness (the service passes them in)"
+        )
+        broker = {m for m in _imports(path, 2) if m.split(".")[0] == "broker"}
+        assert broker <= {"broker.core"}, f"{path.relative_to(ROOT)} imports {sorted(broker)}"
+    for path in _modules("sim"):
+        broker = {m for m in _imports(path, 2) if m.split(".")[0] == "broker"}
+        assert broker <= {"broker.core"}, (
+            f"{path.relative_to(ROOT)} imports {sorted(broker - {'broker.core'})}: the simulator "
+            f"drives the broker's decision core and nothing else of the broker"
         )
 
 
