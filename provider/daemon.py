@@ -15,6 +15,7 @@ Stopping drains: new requests are refused as busy, requests in flight finish (up
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -105,8 +106,13 @@ def _event(name: str, **fields: Any) -> None:
 
 
 class Provider:
-    def __init__(self, config: ProviderConfig) -> None:
+    """`host`: serve on this (started) host instead of a libp2p host of its own: tests run
+    providers in one process on an in-memory network (`p2p.testing.MemoryNetwork`), calling
+    `attach`, `join` and `heartbeat` themselves instead of `run`."""
+
+    def __init__(self, config: ProviderConfig, host: Host | None = None) -> None:
         self.config = config
+        self._given_host = host
         self.server = Server(
             max_queue=config.max_queue,
             per_peer=config.per_peer,
@@ -178,21 +184,10 @@ class Provider:
             data_dir=self.config.data_dir,
             compute_threads=self.config.compute_slots + 7,
         )
-        self._http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=60.0)
-        )
+        given = self._given_host
         try:
-            async with Host(config) as h:
-                self.host = h
-                self.server.peer_id, self.server.broker_id = h.peer_id, self.broker_id
-                h.add_compute_handler(FORWARD, self.server.forward)
-                h.add_control_handler(PING, self._on_ping)
-                h.add_compute_handler(SESSION, self.server.session)
-                h.add_control_handler(ASSIGN, self._on_assign)
-                h.add_compute_handler(TRAIN, self.training.train)
-                h.add_compute_handler(SHARD, self.training.shard)
-                h.add_control_handler(SNAPSHOT, self.training.snapshot)
-                self.training.host = h
+            async with contextlib.nullcontext(given) if given is not None else Host(config) as h:
+                self.attach(h)
                 _event("listening", peer_id=h.peer_id, addrs=h.addrs)
                 left = asyncio.Event()  # membership runs until the drain is over
                 tasks: list[asyncio.Task[Any]] = [
@@ -216,8 +211,33 @@ class Provider:
                 )
                 self.server.stop()
         finally:
+            await self.detach()
+
+    def attach(self, host: Host) -> None:
+        """Serve on `host` (started): stage requests, pings, assignments, training."""
+        self.host = host
+        if self._http is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=60.0)
+            self._http = aiohttp.ClientSession(timeout=timeout)
+        self.server.peer_id, self.server.broker_id = host.peer_id, self.broker_id
+        host.add_compute_handler(FORWARD, self.server.forward)
+        host.add_control_handler(PING, self._on_ping)
+        host.add_compute_handler(SESSION, self.server.session)
+        host.add_control_handler(ASSIGN, self._on_assign)
+        host.add_compute_handler(TRAIN, self.training.train)
+        host.add_compute_handler(SHARD, self.training.shard)
+        host.add_control_handler(SNAPSHOT, self.training.snapshot)
+        self.training.host = host
+
+    async def detach(self) -> None:
+        """Stop loading, close the artifact downloads' session, forget the host."""
+        for task in [*self.loading.values(), *self._status_tasks]:
+            task.cancel()
+        await asyncio.gather(*self.loading.values(), *self._status_tasks, return_exceptions=True)
+        if self._http is not None:
             await self._http.close()
-            self.host = None
+            self._http = None
+        self.host = None
 
     def _training_module(self, stage: LoadedStage) -> Any:
         """A torch module of the stage's validated ONNX file (the torch executor's own when the
@@ -352,6 +372,10 @@ class Provider:
             return announced(self.config.announce, self.host.peer_id)
         return dialable(self.host.addrs)
 
+    async def join(self) -> None:
+        """Join the broker once (raises `_Refused` with its reason)."""
+        await self._join()
+
     async def _join(self) -> None:
         assert self.host is not None and self.profile is not None
         await self.host.connect(self.config.broker)
@@ -409,29 +433,33 @@ class Provider:
             loaded=sorted(self.server.stages),
         )
 
-    async def _heartbeats(self, stop: asyncio.Event) -> None:
+    async def heartbeat(self) -> None:
+        """One heartbeat; raises `_Rejoin` if the broker does not know us."""
         assert self.host is not None
+        self._seq += 1
+        self.server.expire()
+        self._wake.clear()  # (a wake while this heartbeat is on its way sends another)
+        draining = self.server.draining
+        ack = await self.host.request(
+            self.broker_id,
+            HEARTBEAT,
+            Heartbeat(
+                seq=self._seq,
+                loaded=sorted(self.server.stages),
+                queued=self.server.in_flight,
+                kv_bytes=self.server.kv_bytes(),
+                draining=draining,
+            ),
+            timeout=max(2.0, 2 * self.heartbeat_s),
+        )
+        if not ack.known:
+            raise _Rejoin("the broker does not know this provider (it restarted)")
+        if draining:
+            self._told_draining.set()
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            self._seq += 1
-            self.server.expire()
-            self._wake.clear()  # (a wake while this heartbeat is on its way sends another)
-            draining = self.server.draining
-            ack = await self.host.request(
-                self.broker_id,
-                HEARTBEAT,
-                Heartbeat(
-                    seq=self._seq,
-                    loaded=sorted(self.server.stages),
-                    queued=self.server.in_flight,
-                    kv_bytes=self.server.kv_bytes(),
-                    draining=draining,
-                ),
-                timeout=max(2.0, 2 * self.heartbeat_s),
-            )
-            if not ack.known:
-                raise _Rejoin("the broker does not know this provider (it restarted)")
-            if draining:
-                self._told_draining.set()
+            await self.heartbeat()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.heartbeat_s)
             except TimeoutError:

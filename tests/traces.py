@@ -123,7 +123,7 @@ def record_chaos(out: Path, work: Path) -> None:
 def record_two_models(out: Path, work: Path) -> None:
     from tests.chaos import EMBED, FT, build_packages
     from tests.procs import Proc, broker_command, provider_command, wait_until
-    from tests.test_broker.conftest import add_model, api, pools, wait_joined, wait_ready
+    from tests.test_broker.conftest import add_model, api, wait_ready
 
     minilm, llama = build_packages(work / "packages")
     trace = work / "two-models.jsonl"
@@ -148,11 +148,12 @@ def record_two_models(out: Path, work: Path) -> None:
         if not folder.exists() and (work / "p0" / "profile.json").is_file():
             folder.mkdir()  # the same machine: its measured profile, not one measured under load
             shutil.copy(work / "p0" / "profile.json", folder / "profile.json")
+        since = broker.mark()
         proc = Proc(provider_command(addr, folder, "--max-memory", "2", *extra))
         procs.append(proc)
         peer = str(proc.wait_for("listening", timeout=60)["peer_id"])
         peers[name], names[peer] = proc, name
-        wait_joined(http, [peer])
+        broker.wait_for("provider_joined", lambda e: e["peer"] == peer, timeout=60, since=since)
         return peer
 
     def events(kind: str) -> list[dict[str, Any]]:
@@ -171,21 +172,26 @@ def record_two_models(out: Path, work: Path) -> None:
         raise RuntimeError(f"no stage of {model} with backed={backed}: {out}")
 
     try:
-        # 1. One slow provider holds MiniLM whole; a long job, then a short one that shares it.
+        # 1. One slow provider holds MiniLM whole. A long job runs; a shorter one shares its
+        # route (SJF-BSBF); the long one is cancelled, and the other carries on, holding it.
         start("p0", "--fault", "slow=300")
         add_model(http, minilm)
         wait_ready(http, EMBED)
         texts = [f"sentence {i} about gaming PCs" for i in range(240)]
-        body = {"model": EMBED, "texts": texts, "microbatch": 4}
-        _, long_job = api(http, "POST", "/v1/jobs", body)
-        broker.wait_for("job_running", timeout=60)
-        _, short = api(http, "POST", "/v1/jobs", {"model": EMBED, "texts": texts[:4]})
+        _, host = api(http, "POST", "/v1/jobs", {"model": EMBED, "texts": texts, "microbatch": 4})
+        broker.wait_for("job_running", lambda e: e["job"] == host["id"], timeout=60)
+        body = {"model": EMBED, "texts": texts[:80], "microbatch": 4}
+        _, guest = api(http, "POST", "/v1/jobs", body)
+        shared = broker.wait_for("job_placed", lambda e: e["job"] == guest["id"], timeout=60)
+        assert shared["shares_with"] == host["id"], shared
+        api(http, "POST", f"/v1/jobs/{host['id']}/cancel")
         # 2. A provider joins during the job: the rebalance waits until the model is idle.
         start("p1")
-        wait_until("both jobs done", lambda: all(
-            api(http, "GET", f"/v1/jobs/{j['id']}")[1]["state"] == "succeeded"
-            for j in (long_job, short)
-        ), timeout=240)  # fmt: skip
+        wait_until(
+            "the job's end",
+            lambda: api(http, "GET", f"/v1/jobs/{guest['id']}")[1]["state"] == "succeeded",
+            timeout=240,
+        )
         broker.wait_for("model_rebalanced", timeout=60)
         # 3. Two more join (MiniLM's backups); the fine-tune model takes them to serve.
         start("p2")
@@ -209,13 +215,11 @@ def record_two_models(out: Path, work: Path) -> None:
         since = broker.mark()
         kill(names[serving(model, False)])
         broker.wait_for("model_repaired", timeout=60, since=since)
-        # 6. A provider comes and goes until it is flapping.
+        # 6. A provider comes and goes until it is flapping (each restart is a departure).
         for _ in range(3):
-            name = "p5"
-            if peers[name].proc.poll() is None:
-                kill(name)
-            start(name)
-        wait_until("joined", lambda: len(pools(http)) >= 6, timeout=60)
+            if peers["p5"].proc.poll() is None:
+                kill("p5")
+            start("p5")
     finally:
         for proc in reversed(procs):
             if proc.proc.poll() is None:
