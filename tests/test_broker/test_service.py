@@ -8,7 +8,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -340,24 +339,6 @@ def _members(http: str) -> set[str]:
     return {p["peer_id"] for s in out["stages"] for p in s["providers"]}
 
 
-@pytest.mark.parametrize("policy", ["fifo", "sjf-bsbf"])
-def test_queue_policy_orders_jobs_waiting_for_a_route(
-    broker: Spawner, provider: Spawner, minilm_package: Path, policy: str
-) -> None:
-    b: BrokerProc = broker("--queue", policy)
-    model = add_model(b.http, minilm_package)  # no providers yet: placed later
-    assert not model["ready"] and "no providers" in model["waiting"]
-    _, long = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(64)})
-    _, short = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": texts(8)})
-    procs = [provider(b.addr) for _ in range(2)]
-    for p in procs:
-        peer_of(p)
-    first = b.proc.wait_for("job_placed", timeout=120)
-    assert first["job"] == (long["id"] if policy == "fifo" else short["id"])
-    for job in (long, short):
-        assert wait_job(b.http, job["id"])["state"] == "succeeded"
-
-
 def test_a_job_status_request_waits_for_the_next_change(
     broker: Spawner, provider: Spawner, minilm_package: Path
 ) -> None:
@@ -415,45 +396,6 @@ def test_a_job_status_request_waits_for_the_next_change(
     # 3 requests above, then one per change the client saw (12 microbatches report progress
     # in 12 events at most, plus the state changes)
     assert len(seen) <= 16 and polls == 3 + len(seen), (polls, seen)
-
-
-def test_a_provider_that_joins_during_a_job_is_placed_once_the_job_ends(
-    broker: Spawner, provider: Spawner, minilm_package: Path, tmp_path: Path
-) -> None:
-    """A placement is not changed under a running job; a provider that joins meanwhile (a
-    standby at first) takes its share of the model as soon as the job has ended."""
-    b: BrokerProc = broker("--verify-fraction", "0")
-    # Slow answers keep the job going while the second provider starts, without loading the
-    # CPU (a loaded machine measures a poor uplink for the newcomer, and the placement model
-    # then rightly sees little gain in using it).
-    first = peer_of(provider(b.addr, "--fault", "slow=300", data_dir=tmp_path / "p1"))
-    add_model(b.http, minilm_package)
-    stages = wait_ready(b.http, "minilm")["stages"]
-    assert {p["peer_id"] for s in stages for p in s["providers"]} == {first}  # both stages
-    body = {"model": "minilm", "texts": texts(320), "microbatch": 4}
-    _, job = api(b.http, "POST", "/v1/jobs", body)
-    b.proc.wait_for("job_running", timeout=60)
-    # The same machine's hardware profile, as `fusionai demo` does: measured again now, under
-    # the job's load, it would rate the newcomer slower than it is.
-    (tmp_path / "p2").mkdir()
-    shutil.copy(tmp_path / "p1" / "profile.json", tmp_path / "p2" / "profile.json")
-    second = peer_of(provider(b.addr, data_dir=tmp_path / "p2"))
-    wait_until("the second provider joined", lambda: second in pools(b.http))
-    _, running = api(b.http, "GET", f"/v1/jobs/{job['id']}")
-    assert running["state"] == "running", "the job ended before the join: make it longer"
-    assert "model_rebalanced" not in [
-        e["kind"] for e in api(b.http, "GET", "/v1/events")[1]["events"]
-    ]
-    assert wait_job(b.http, job["id"])["state"] == "succeeded"
-    moved = b.proc.wait_for("model_rebalanced", timeout=30)
-    assert {s[0] for r in moved["replicas"] for s in r} == {first, second}, moved
-
-    def split() -> bool:
-        _, out = api(b.http, "GET", "/v1/models/minilm")
-        serving = [{p["peer_id"] for p in s["providers"]} for s in out["stages"]]
-        return out["ready"] and len(set().union(*serving)) == 2
-
-    wait_until("each provider serves one stage", split, 60)
 
 
 @pytest.mark.parametrize("relay", ["chain", "star"])
