@@ -719,17 +719,14 @@ class SwarmFinetune:
     # ---- the job ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        from ir.executors.torch_exec import OnnxModule
-        from ir.package import load_package
-
         client = await asyncio.to_thread(self.runner.client, self.job.model)
         try:
             data = await asyncio.to_thread(Data, client, self.request)
         except JobError as exc:  # (checked at submission; the model may have changed since)
             raise JobFailed(str(exc)) from None
-        last = self.model.manifest.stages[-1].index
-        package = await asyncio.to_thread(load_package, self.model.directory, stages=[last])
-        head = HeadLoss(OnnxModule(package.models[last]))
+        # Off the event loop: importing torch and building the head's module can take
+        # seconds, and a stalled loop answers no heartbeat (providers would join again).
+        head = await asyncio.to_thread(head_loss, self.model.directory, self.model.manifest)
         graph = finetune_graph(self.serving.spec(self.job.model), self.stages, self.request)
         try:
             await self._train(client, data, head, graph)
@@ -852,6 +849,16 @@ class SwarmFinetune:
                 pass
 
         await asyncio.gather(*(close(p) for p in peers), return_exceptions=True)
+
+
+def head_loss(directory: Path, manifest: ModelManifest) -> HeadLoss:
+    """The model's head (its last, client-side stage) as a torch module, with the loss."""
+    from ir.executors.torch_exec import OnnxModule
+    from ir.package import load_package
+
+    last = manifest.stages[-1].index
+    package = load_package(directory, stages=[last])
+    return HeadLoss(OnnxModule(package.models[last]))
 
 
 def finetune_estimate(graph: nx.DiGraph, steps: int) -> float:

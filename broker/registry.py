@@ -171,8 +171,8 @@ class Registry:
             self.events.emit("join_refused", peer=peer, reason=reason)
             return JoinReply(accepted=False, reason=reason)
         self.profiles[peer] = profile
-        self.lost[peer] = asyncio.Event()
-        # A provider we thought alive joining again restarted: the core loses it first.
+        # A provider we thought alive joining again restarted (unless it is the same process,
+        # `boot`): the core loses it first, which abandons requests to it.
         self.driver.handle(
             ProviderJoined(
                 peer,
@@ -181,8 +181,11 @@ class Registry:
                 loaded=frozenset(msg.loaded),
                 executor=profile.executor,
                 memory_bytes=profile.memory_limit_bytes,
+                boot=msg.boot,
             )
         )
+        if self.lost_event(peer).is_set():  # requests from now on wait on a fresh one
+            self.lost[peer] = asyncio.Event()
         return JoinReply(accepted=True, pool="backup", heartbeat_s=self.config.heartbeat_s)
 
     async def on_heartbeat(self, peer: str, msg: Heartbeat) -> HeartbeatAck:

@@ -47,6 +47,8 @@ class Join(Message, frozen=True, tag="Join/1"):
     timestamp: float  # unix time of signing
     token: str | None = None  # the broker's join token, if it requires one
     loaded: list[str] = msgspec.field(default_factory=list)  # stages still loaded (re-join)
+    boot: str = ""  # random per provider process: a join with the same boot as the broker
+    # knows is that process joining again (a missed heartbeat), not a restart
 
 
 class Leave(Message, frozen=True, tag="Leave/1"):

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -126,6 +127,7 @@ class Provider:
         self.memory_budget = 0
         self.host: Host | None = None
         self.broker_id = broker_peer_id(config.broker)
+        self.boot = secrets.token_hex(8)  # this process: joining again is not a restart
         self.joined = asyncio.Event()
         self.heartbeat_s = 5.0
         self.loading: dict[str, asyncio.Task[None]] = {}
@@ -417,6 +419,7 @@ class Provider:
                 timestamp=stamp,
                 token=self.config.join_token,
                 loaded=sorted(self.server.stages),
+                boot=self.boot,
             ),
             timeout=15.0,
         )

@@ -59,16 +59,22 @@ class Core(Planner):
 
     def _joined(self, event: ProviderJoined) -> None:
         peer = event.peer_id
+        known = self.pool.providers.get(peer)
+        again = known is not None and known.rejoins(event)
         self._losses(self._pool(event), "ProviderJoined")  # restarted without us noticing
         self.loaded[peer] = set(event.loaded)
-        self._note(
-            "provider_joined",
-            peer=peer,
-            hardware=event.profile.name,
-            executor=event.executor,
-            memory_bytes=event.memory_bytes,
-            loaded=sorted(event.loaded),
-        )
+        seen: dict[str, Any] = {
+            "hardware": event.profile.name,
+            "executor": event.executor,
+            "memory_bytes": event.memory_bytes,
+            "loaded": sorted(event.loaded),
+        }
+        if again:
+            seen["again"] = True
+        self._note("provider_joined", peer=peer, **seen)
+        if again:  # the same process, alive all along: what it has loaded still counts
+            self._confirm_loaded(peer)
+            return
         for plan in self.plans.values():
             plan.cannot.pop(peer, None)  # a fresh start: let it try again
         member = [p for p in self.plans.values() if peer in p.members()]

@@ -34,6 +34,7 @@ class ProviderJoined(_Event, frozen=True):
     loaded: frozenset[str] = frozenset()  # unit keys it still has loaded (after a restart)
     executor: str = ""  # the runtime it runs stages with (shown in the event log)
     memory_bytes: int = 0  # its memory limit for stages; bytes (shown in the event log)
+    boot: str = ""  # its process's random id: the same again is a re-join, not a restart
 
 
 class HeartbeatReceived(_Event, frozen=True):

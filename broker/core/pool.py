@@ -73,6 +73,12 @@ class Provider:
     departures: tuple[float, ...] = ()  # when it left or died, within the flap window
     drain_started: float | None = None
     correction: Correction = field(default_factory=Correction)
+    boot: str = ""  # its process's id, when it sends one
+
+    def rejoins(self, event: ProviderJoined) -> bool:
+        """`event` is this live provider's own process joining again (after a heartbeat that
+        did not get through), not a restart."""
+        return self.status is not Status.DEAD and bool(event.boot) and event.boot == self.boot
 
     def flapping(self, now: float, config: PoolConfig) -> bool:
         recent = [t for t in self.departures if now - t <= config.flap_window]
@@ -151,13 +157,22 @@ def apply(state: PoolState, event: Event) -> tuple[PoolState, list[Action]]:
     now = max(state.now, event.at)
     if isinstance(event, ProviderJoined):
         known = state.providers.get(event.peer_id)
+        if known is not None and known.rejoins(event):  # alive all along: it keeps its place
+            back = replace(known, last_seen=max(known.last_seen, event.at), profile=event.profile)
+            return _put(state, back, now), [Welcome(event.peer_id)]
         departures = known.departures if known else ()
         lost: list[Action] = []
         if known is not None and known.status is not Status.DEAD:
             state, lost = _lose(state, known, event.at, graceful=False)  # restarted unnoticed
             departures = state.providers[event.peer_id].departures
         joined = Provider(
-            event.peer_id, event.profile, Status.BACKUP, event.at, event.at, departures=departures
+            event.peer_id,
+            event.profile,
+            Status.BACKUP,
+            event.at,
+            event.at,
+            departures=departures,
+            boot=event.boot,
         )
         return _put(state, joined, now), [*lost, Welcome(event.peer_id)]
     if isinstance(event, ClockTicked):

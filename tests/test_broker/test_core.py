@@ -384,3 +384,21 @@ def test_same_events_same_decisions() -> None:
         return s.actions
 
     assert run() == run()
+
+
+def test_a_provider_joining_again_from_the_same_process_keeps_its_place() -> None:
+    """A missed heartbeat makes a provider join again: the same process (`boot`) keeps what it
+    serves; a restart (another boot, or none) is a loss, repaired."""
+    s = Swarm()
+    for peer in ("a", "b", "c"):
+        s.send(ProviderJoined(peer, gpu(), s.t, boot=f"boot-{peer}"))
+    s.add(restored=restored([[("a", 0, 2), ("b", 2, 4)]], {(0, 1): "c"}))
+    s.settle()
+    before = list(s.actions)
+    out = s.send(ProviderJoined("b", gpu(), s.t, loaded=frozenset({"m/2", "m/3"}), boot="boot-b"))
+    assert not any(isinstance(a, ProviderLost | PromoteBackup | Replan) for a in out)
+    assert s.notices("provider_joined")[-1]["again"] is True
+    assert s.route()[2:] == [["b"], ["b"]] and s.actions[: len(before)] == before
+    out = s.send(ProviderJoined("b", gpu(), s.t, boot="boot-b2"))  # it restarted
+    assert ProviderLost("b", "m@2-4", graceful=False) in out
+    assert PromoteBackup("m", "c", "m@2-4", "b") in out

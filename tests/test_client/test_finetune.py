@@ -157,6 +157,13 @@ def submit(fa: Any, steps: int, **settings: Any) -> str:
     return str(fa.submit({**body, **SETTINGS, **settings}).id)
 
 
+def lost_peers(http: str) -> set[str]:
+    """Every provider the broker declared lost, with why, for an assertion's message."""
+    status, out = api(http, "GET", "/v1/events?limit=10000")
+    assert status == 200
+    return {e["peer"] for e in out["events"] if e["kind"] == "provider_lost"}
+
+
 def wait_for_event(http: str, job: str, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     def found() -> dict[str, Any] | None:
         return next((e for e in events(http, job) if check(e)), None)
@@ -184,6 +191,7 @@ def test_a_provider_dies_mid_training_and_the_job_resumes_from_the_snapshot(
         assert done.state == "succeeded"
         losses = [s.loss for s in fa.finetune_steps(job)]
     story = events(b.http, job)
+    assert lost_peers(b.http) == {victim}  # no live provider was declared lost
     recovering = [e for e in story if e["kind"] == "finetune_recovering"]
     assert recovering and recovering[0]["peer"] == victim
     assert recovering[0]["from_step"] >= 3  # from a snapshot, not from the start
@@ -215,3 +223,4 @@ def test_fewer_than_k_shards_left_fails_the_job_with_the_reason(
             fa.wait(job, timeout=240)
     reason = failed.value.job.error or ""
     assert "cannot rebuild" in reason and "2 of the 3 shards needed" in reason, reason
+    assert lost_peers(b.http) == {owner, spare[0]}
