@@ -26,8 +26,8 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 from sim.catalog import CHURN
 from sim.report import study_json
-from sim.scenario import load_study
-from sim.swarm import Scenario, simulate
+from sim.scenario import Scenario, load_study
+from sim.swarm import simulate
 
 MIX = {"rtx3060": 1.0, "rtx3080": 1.0, "rtx3090": 1.0, "rtx4090": 1.0}
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from sim.catalog import GPUS, NETWORKS
-from sim.scenario import Study
-from sim.swarm import Scenario, SimResult
+from sim.result import SimResult
+from sim.scenario import Scenario, Study
 from sim.workloads import workload
 
 

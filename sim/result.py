@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sim.swarm import Scenario
+    from sim.scenario import Scenario
 
 
 @dataclass

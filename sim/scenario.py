@@ -1,4 +1,5 @@
-"""Scenario files (TOML): repeatable studies of one or more runs and comparisons between them.
+"""Scenarios: one simulated run (`Scenario`), and scenario files (TOML): repeatable studies
+of one or more runs and comparisons between them.
 
 name = "paper-claim"
 [defaults]                      # applied to every run
@@ -19,14 +20,67 @@ denominator = "datacenter/inference"
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from sim.catalog import CHURN, Churn, churn_with_mean
-from sim.swarm import Scenario
+from broker.core import CoreConfig
+from broker.core.placement import PlacementConfig
+from sim.catalog import CHURN, GPUS, NETWORKS, Churn, churn_with_mean
+from sim.workloads import workload
 
 SHIPPED = Path(__file__).parent / "scenarios"
+
+PLACEMENTS = ("ours", "equal", "petals")
+QUEUE_POLICIES = ("fifo", "sjf-bsbf")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "custom"
+    peers: int = 50
+    gpus: dict[str, float] = field(default_factory=lambda: {"rtx3080": 1.0})  # mix by weight
+    network: str = "home-broadband"
+    workload: str = "llama2-7b-inference"
+    hours: float = 1.0
+    churn: Churn = field(default_factory=lambda: CHURN["none"])
+    seed: int = 0
+    # "ours" (the broker's decision core), "equal" (an even split over everyone, one
+    # pipeline) or "petals" (servers pick their own blocks, Petals-style; inference only)
+    placement: str = "ours"
+    backup_fraction: float = 0.1  # share of providers kept as backups when possible
+    crash_fraction: float = 0.5  # quits that are crashes (found by missed heartbeats)
+    failover_s: float = 5.0  # seconds for a warm backup to start serving
+    load_s: float = 10.0  # seconds to load a stage once its weights are local
+    rebalance_every_s: float = 600.0  # how often the broker considers a full re-placement
+    queue_policy: str = "fifo"  # the broker's job queue: "fifo" or "sjf-bsbf"
+    energy_usd_per_kwh: float = 0.15  # electricity price
+    rent_usd_per_gpu_hour: float = 0.0  # rental price (0 for contributed machines)
+    sample_every_s: float = 60.0  # spacing of the time series in the result
+
+    def __post_init__(self) -> None:
+        unknown = [g for g in self.gpus if g not in GPUS]
+        if unknown:
+            raise ValueError(f"unknown GPUs {unknown}; known: {sorted(GPUS)}")
+        if self.network not in NETWORKS:
+            raise ValueError(f"unknown network {self.network!r}; known: {sorted(NETWORKS)}")
+        if self.peers < 1 or self.hours <= 0:
+            raise ValueError("a scenario needs at least one peer and a positive duration")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
+        kind = workload(self.workload).kind  # raises on an unknown workload
+        if self.placement == "petals" and kind != "inference":
+            raise ValueError("the Petals-style baseline serves inference workloads only")
+
+    def core_config(self, work: PlacementConfig) -> CoreConfig:
+        """The broker's settings for this scenario (the pool keeps the broker's defaults)."""
+        return CoreConfig(
+            placement=work,
+            queue_policy=self.queue_policy,
+            rebalance_every_s=self.rebalance_every_s,
+        )
 
 
 @dataclass(frozen=True)

@@ -24,23 +24,9 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from broker.core import CoreConfig
-from broker.core.actions import (
-    Action,
-    AssignStage,
-    Notice,
-    PromoteBackup,
-    PromoteStage,
-    ProviderLost,
-    Replan,
-    StartJob,
-    UnassignStage,
-)
 from broker.core.events import (
-    AssignAnswered,
     HeartbeatsMissed,
     Input,
     JobEnded,
@@ -49,70 +35,19 @@ from broker.core.events import (
     ProviderJoined,
     ProviderLeft,
     RebalanceCheck,
-    StageReported,
 )
 from broker.core.placement import Placement, PlacementConfig, PlacementError, Replica, equal_split
 from broker.core.pool import PoolState
-from dag.builders import finetune
-from dag.cost import HardwareProfile, pipeline_metrics, schedule_length
-from sim import petals
-from sim.catalog import CHURN, GPUS, NETWORKS, Churn, profile
+from dag.cost import HardwareProfile
+from sim import brokered, petals
+from sim.catalog import GPUS, NETWORKS, profile
 from sim.driver import Driver
 from sim.engine import Engine
+from sim.rates import ReplicaRates
 from sim.result import SimResult
+from sim.scenario import Scenario
 from sim.work import Job, ReplicaRun
 from sim.workloads import WorkloadSpec, workload
-
-PLACEMENTS = ("ours", "equal", "petals")
-QUEUE_POLICIES = ("fifo", "sjf-bsbf")
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str = "custom"
-    peers: int = 50
-    gpus: dict[str, float] = field(default_factory=lambda: {"rtx3080": 1.0})  # mix by weight
-    network: str = "home-broadband"
-    workload: str = "llama2-7b-inference"
-    hours: float = 1.0
-    churn: Churn = field(default_factory=lambda: CHURN["none"])
-    seed: int = 0
-    # "ours" (the broker's decision core), "equal" (an even split over everyone, one
-    # pipeline) or "petals" (servers pick their own blocks, Petals-style; inference only)
-    placement: str = "ours"
-    backup_fraction: float = 0.1  # share of providers kept as backups when possible
-    crash_fraction: float = 0.5  # quits that are crashes (found by missed heartbeats)
-    failover_s: float = 5.0  # seconds for a warm backup to start serving
-    load_s: float = 10.0  # seconds to load a stage once its weights are local
-    rebalance_every_s: float = 600.0  # how often the broker considers a full re-placement
-    queue_policy: str = "fifo"  # the broker's job queue: "fifo" or "sjf-bsbf"
-    energy_usd_per_kwh: float = 0.15  # electricity price
-    rent_usd_per_gpu_hour: float = 0.0  # rental price (0 for contributed machines)
-    sample_every_s: float = 60.0  # spacing of the time series in the result
-
-    def __post_init__(self) -> None:
-        unknown = [g for g in self.gpus if g not in GPUS]
-        if unknown:
-            raise ValueError(f"unknown GPUs {unknown}; known: {sorted(GPUS)}")
-        if self.network not in NETWORKS:
-            raise ValueError(f"unknown network {self.network!r}; known: {sorted(NETWORKS)}")
-        if self.peers < 1 or self.hours <= 0:
-            raise ValueError("a scenario needs at least one peer and a positive duration")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.queue_policy not in QUEUE_POLICIES:
-            raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
-        kind = workload(self.workload).kind  # raises on an unknown workload
-        if self.placement == "petals" and kind != "inference":
-            raise ValueError("the Petals-style baseline serves inference workloads only")
-
-    def core_config(self, work: PlacementConfig) -> CoreConfig:
-        """The broker's settings for this scenario (the pool keeps the broker's defaults)."""
-        return CoreConfig(
-            placement=work,
-            queue_policy=self.queue_policy,
-            rebalance_every_s=self.rebalance_every_s,
-        )
 
 
 class SwarmSim:
@@ -144,6 +79,7 @@ class SwarmSim:
             return peer
 
         self.initial = [recruit(i) for i in range(scenario.peers)]
+        self.rates = ReplicaRates(self.w, self.profiles)  # (newcomers' profiles join later)
         # Newcomers: a Poisson process over the run, drawn up front so a seed fixes them.
         self.arrivals: list[tuple[float, str]] = []
         rate = scenario.peers * scenario.churn.arrivals_per_peer_hour / 3600.0
@@ -186,7 +122,6 @@ class SwarmSim:
         self.gpu_energy_j = 0.0
         self._last_account = 0.0
         self.timeline: list[tuple[float, float, int, int]] = []
-        self._step_cache: dict[tuple[tuple[str, int, int], ...], float] = {}
         self.spans: dict[str, tuple[int, int]] = {}  # petals: online server -> its blocks
         self.span_ready: dict[str, float] = {}  # petals: when each server's span serves
         self._idle_since: float | None = None  # petals: since when no chain covers the model
@@ -224,65 +159,6 @@ class SwarmSim:
         if self.s.placement == "petals":
             return sum(1 for ready in self.span_ready.values() if ready <= now)
         return sum(len(run.layout) for run in self.runs if run.ready_at <= now)
-
-    def _metrics(self, replica: Replica) -> tuple[float, float, float]:
-        """(tokens/s, seconds per token, seconds to the first token) of a replica: for
-        inference, jobs' prefill passes and decode steps share the stages; for training, the
-        optimizer step with its allreduce (no first token: 0)."""
-        stages = [(self.profiles[st.provider], st.layers) for st in replica.stages]
-        m = pipeline_metrics(self.model, stages, self.w.work)
-        if self.w.kind == "inference":
-            # Jobs in flight keep the pipeline full: each stage's busy time per job is its
-            # share of the prefill pass plus its decode steps, and the busiest stage sets the
-            # rate. The first token waits for the prefill's trip through every stage.
-            prefill = pipeline_metrics(self.model, stages, self.w.prefill_work)
-            busy = max(
-                p + self.w.microbatches * d
-                for p, d in zip(prefill.stage_times, m.stage_times, strict=True)
-            )
-            rate = self.w.job_tokens / busy if busy > 0 else 0.0
-            return rate, m.latency, prefill.latency + m.latency
-        step = self._step_seconds(replica)
-        replicas = len(self.placement.replicas) if self.placement else 1
-        if replicas > 1:
-            share = 2 * (replicas - 1) / replicas
-            step += max(
-                share
-                * st.layers
-                * self.w.allreduce_bytes_per_block()
-                / self.profiles[st.provider].net_bandwidth
-                for st in replica.stages
-            )
-        return self.w.job_tokens / step, m.latency, 0.0
-
-    def _step_seconds(self, replica: Replica) -> float:
-        """One optimizer step of this replica: `dag.builders.finetune`'s graph (forward and
-        backward of every microbatch, then the update) scheduled on its machines with
-        `dag.cost.schedule_length`. Memoised per layout: repairs change one replica."""
-        key = tuple((st.provider, st.first, st.end) for st in replica.stages)
-        cached = self._step_cache.get(key)
-        if cached is not None:
-            return cached
-        spans = [(st.first, st.end) for st in replica.stages]
-        seq = self.w.work.tokens // self.w.work.sequences
-        adapter = [self.w.allreduce_bytes_per_block() * (e - f) for f, e in spans]
-        graph = finetune(
-            self.w.model,
-            spans,
-            microbatches=self.w.microbatches,
-            batch=self.w.work.sequences,
-            seq=seq,
-            adapter_bytes=adapter,
-        )
-        machines = {i: st.provider for i, st in enumerate(replica.stages)}
-        step = schedule_length(
-            graph,
-            lambda t: machines[t.stage] if t.stage is not None else None,
-            self.profiles,
-            self.w.work.dtype,
-        )
-        self._step_cache[key] = step
-        return step
 
     # ---- jobs ---------------------------------------------------------------------------
 
@@ -338,7 +214,7 @@ class SwarmSim:
         run.job = None
         if self.ours:
             self.jobs.pop(job.key, None)
-            self._tell(JobEnded(job.key, now))
+            brokered.tell(self, JobEnded(job.key, now))
         self._dispatch(run, now)
 
     def _interrupt(self, run: ReplicaRun) -> None:
@@ -349,134 +225,6 @@ class SwarmSim:
             self.waiting.insert(0, run.job)
             run.job = None
         run.version += 1
-
-    # ---- the broker's decision core ------------------------------------------------------
-
-    def _tell(self, event: Input) -> None:
-        """Hand `event` to the core and carry out what it decides, and what that leads to."""
-        self._inbox.append(event)
-        if self._handling:
-            return
-        self._handling = True
-        try:
-            while self._inbox:
-                next_event = self._inbox.popleft()
-                self._carry(next_event, self.driver.handle(next_event))
-            self._refresh()
-        finally:
-            self._handling = False
-
-    def _carry(self, event: Input, actions: list[Action]) -> None:
-        now = self.engine.now
-        loads: dict[str, list[str]] = {}
-        core = self.driver.core
-        for a in actions:
-            if isinstance(a, AssignStage):
-                if (a.peer_id, a.key) in self.loading:
-                    continue  # already on its way (now for another role)
-                if a.key in core.confirmed.get(a.peer_id, {}):  # loaded: a new role only
-                    self.engine.at(now, self._loaded, a.peer_id, [a.key], None)
-                else:
-                    loads.setdefault(a.peer_id, []).append(a.key)
-            elif isinstance(a, PromoteStage):
-                token = self.session.get(a.peer_id, 0)
-                self.engine.at(now + self.s.failover_s, self._promoted, a.peer_id, a.key, token)
-            elif isinstance(a, UnassignStage):
-                self.loading.pop((a.peer_id, a.key), None)
-            elif isinstance(a, StartJob):
-                self.waiting.append(self.jobs[a.job])
-                self._queue_job()
-            elif isinstance(a, PromoteBackup | Replan):
-                self.replans += 1
-            elif isinstance(a, Notice):
-                self._notice(a, now)
-        for peer, keys in loads.items():
-            token = self.next_token
-            self.next_token += 1
-            for key in keys:
-                self.loading[(peer, key)] = token
-            at = now + self._load_seconds(peer, len(keys))
-            self.engine.at(at, self._loaded, peer, keys, token)
-        lost = [a for a in actions if isinstance(a, ProviderLost)]
-        if lost:
-            names = [type(a).__name__ for a in actions]
-            repaired = {
-                a.data["lost"]: a.data
-                for a in actions
-                if isinstance(a, Notice) and a.kind == "model_repaired"
-            }
-            for a in lost:
-                self.log.append(
-                    {
-                        "t": now,
-                        "event": "replan",
-                        "peer": a.peer_id,
-                        "crash": not a.graceful,
-                        "pool_actions": names,
-                        "moves": [tuple(m) for m in repaired.get(a.peer_id, {}).get("moves", [])],
-                    }
-                )
-
-    def _notice(self, notice: Notice, now: float) -> None:
-        data = notice.data
-        if notice.kind in ("model_placed", "model_rebalanced"):
-            self.rebalances += notice.kind == "model_rebalanced"
-            event = "placed" if notice.kind == "model_placed" else "rebalance"
-            replicas, throughput = len(data["replicas"]), data["throughput_tokens_s"]
-            self.log.append(
-                {"t": now, "event": event, "replicas": replicas, "throughput": throughput}
-            )
-        elif notice.kind == "model_waiting":
-            self.log.append({"t": now, "event": "unplaceable", "reason": data["reason"]})
-
-    def _loaded(self, peer: str, keys: list[str], token: int | None) -> None:
-        """`peer` finished loading `keys` (token None: it had them loaded already)."""
-        if peer not in self.online:
-            return
-        now = self.engine.now
-        sent = self.driver.core.sent.get(peer, {})
-        by_role: dict[str, list[str]] = {}
-        for key in keys:
-            if token is not None:
-                if self.loading.get((peer, key)) != token:
-                    continue  # withdrawn, or loaded again since
-                del self.loading[(peer, key)]
-            if key in sent:
-                by_role.setdefault(sent[key], []).append(key)
-        for role, loaded in sorted(by_role.items()):
-            self._touched.add(peer)
-            self._tell(StageReported(peer, tuple(loaded), role, True, now))
-
-    def _promoted(self, peer: str, key: str, token: int) -> None:
-        if peer in self.online and self.session.get(peer) == token:
-            self._touched.add(peer)
-            self._tell(AssignAnswered(peer, key, "promote", True, self.engine.now))
-
-    def _refresh(self) -> None:
-        """Follow the core's placement; replicas whose stages are all confirmed serve."""
-        plan = self.driver.core.plans.get(self.model.name)
-        placement = plan.placement if plan is not None else None
-        now = self.engine.now
-        if placement is not self.placement:
-            self._set_placement(placement, now, None)
-        touched, self._touched = self._touched, set()
-        for peer in sorted(touched):
-            for run in self.runs_of.get(peer, []):
-                if math.isinf(run.ready_at) and self._confirmed(run):
-                    self._ready(run, now)
-        for run in self.runs if self.waiting else ():  # jobs the core started meanwhile
-            if run.job is None and run.ready_at <= now:
-                self._dispatch(run, now)
-
-    def _confirmed(self, run: ReplicaRun) -> bool:
-        confirmed = self.driver.core.confirmed
-        for peer, first, end in run.layout:
-            if peer not in self.online:
-                return False
-            mine = confirmed.get(peer, {})
-            if any(mine.get(self.keys[pos]) != "active" for pos in range(first, end)):
-                return False
-        return True
 
     def _ready(self, run: ReplicaRun, now: float) -> None:
         self._advance(now)
@@ -506,7 +254,7 @@ class SwarmSim:
             layout = tuple((st.provider, st.first, st.end) for st in rep.stages)
             run = kept.pop(layout, None)
             if run is None:
-                rate, latency, ttft = self._metrics(rep)
+                rate, latency, ttft = self.rates.metrics(rep, len(new.replicas) if new else 1)
                 at = math.inf if ready is None else ready(rep)
                 run = ReplicaRun(
                     self.next_replica, at, rate, latency, ttft, last=now, layout=layout
@@ -527,7 +275,7 @@ class SwarmSim:
             self.startup = max((run.ready_at for run in runs), default=now)
             self._first.clear()
         for run in runs:
-            if math.isinf(run.ready_at) and ready is None and self._confirmed(run):
+            if math.isinf(run.ready_at) and ready is None and brokered.confirmed(self, run):
                 run.ready_at = now
                 self._first.discard(run.id)
             self._dispatch(run, now)
@@ -575,7 +323,7 @@ class SwarmSim:
         self.online.add(peer)
         self.session[peer] = self.session.get(peer, 0) + 1
         if self.ours:
-            self._tell(ProviderJoined(peer, self.profiles[peer], now))
+            brokered.tell(self, ProviderJoined(peer, self.profiles[peer], now))
         if not first:
             self.joins += 1
             if self.s.placement == "petals":
@@ -624,13 +372,13 @@ class SwarmSim:
     def _lost(self, peer: str, crashed: bool) -> None:
         now = self.engine.now
         if self.ours:
-            self._tell(HeartbeatsMissed(peer, now) if crashed else ProviderLeft(peer, now))
+            brokered.tell(self, HeartbeatsMissed(peer, now) if crashed else ProviderLeft(peer, now))
         elif self.placement is not None and peer in self.placement.providers():
             self._equal_split(now, "resplit")  # the baseline has no repair: it re-splits
 
     def _rebalance_check(self) -> None:
         now = self.engine.now
-        self._tell(RebalanceCheck(now))
+        brokered.tell(self, RebalanceCheck(now))
         self.engine.at(now + self.driver.core.config.rebalance_every_s, self._rebalance_check)
 
     def _sample(self) -> None:
@@ -653,7 +401,7 @@ class SwarmSim:
             petals.start(self, 0.0)
         elif self.ours:
             self._queue_job()
-            self._tell(ModelAdded(self.model.name, self.model, self.keys, 0.0))
+            brokered.tell(self, ModelAdded(self.model.name, self.model, self.keys, 0.0))
             self.engine.at(self.driver.core.config.rebalance_every_s, self._rebalance_check)
         else:
             self._equal_split(0.0, "placed")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sim.catalog import CHURN, GPUS, NETWORKS
-from sim.scenario import load_study, scenario_from, shipped
-from sim.swarm import Scenario, simulate
+from sim.scenario import Scenario, load_study, scenario_from, shipped
+from sim.swarm import simulate
 
 CHURNY = Scenario(
     peers=40,
