@@ -55,10 +55,10 @@ class PoolConfig:
 
     @property
     def detection_s(self) -> float:
-        """Seconds from a crash to its detection, on average: the silence limit, plus half a
-        heartbeat interval (the last heartbeat came that long before the crash), plus half a
-        tick (silence is found at the next tick)."""
-        return self.silence_limit + self.heartbeat_interval / 2 + self.tick_every / 2
+        """Seconds from a crash to its detection, on average: silence counts from the last
+        heartbeat, which came half an interval before the crash on average, and is found at
+        the next tick (half a tick later on average)."""
+        return self.silence_limit - self.heartbeat_interval / 2 + self.tick_every / 2
 
 
 @dataclass(frozen=True)

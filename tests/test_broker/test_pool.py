@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from broker.core.actions import AskToRejoin, ProviderLost, Welcome
 from broker.core.events import (
     ClockTicked,
@@ -150,3 +152,30 @@ def test_a_late_heartbeat_does_not_move_time_back_and_draining_stays_draining() 
     assert actions == []
     state, _ = run(state, DrainStarted("a", 22), StageAssigned("a", "s0", True, 23))
     assert state.providers["a"].status is Status.DRAINING
+
+
+def test_the_mean_detection_time_is_what_the_pool_does_with_heartbeats_and_ticks() -> None:
+    """`PoolConfig.detection_s` (what the simulator waits before a crash is noticed) equals the
+    pool's own delay, averaged over crashes at random moments between heartbeats and ticks."""
+    import random
+    import statistics
+
+    config = PoolConfig(heartbeat_interval=5, missed_heartbeats=3)
+    rng = random.Random(1)
+    delays = []
+    for _ in range(400):
+        state, _ = run(PoolState(config=config), ProviderJoined("a", FAST, 0))
+        beat, crash = rng.uniform(0, 5), 100 + rng.uniform(0, 5)
+        while beat < crash:
+            state, _ = run(state, HeartbeatReceived("a", beat))
+            beat += 5
+        tick = rng.uniform(0, config.tick_every)
+        while tick < crash:
+            tick += config.tick_every
+        while True:
+            state, actions = run(state, ClockTicked(tick))
+            if actions:
+                break
+            tick += config.tick_every
+        delays.append(tick - crash)
+    assert statistics.mean(delays) == pytest.approx(config.detection_s, abs=0.25)
