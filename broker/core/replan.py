@@ -64,8 +64,10 @@ def _fitting(cost: _Cost, spares: list[str], layers: int) -> list[str]:
 
 
 def _best_spare(cost: _Cost, spares: list[str], layers: int) -> str | None:
-    fitting = _fitting(cost, spares, layers)
-    return fitting[0] if fitting else None
+    fitting = [p for p in spares if p in cost.providers and cost.cap(p) >= layers]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (cost.stage(p, 0, layers).time, p))
 
 
 def on_leave(
@@ -102,10 +104,12 @@ def on_leave(
         if backup is not None and cost.cap(backup) < old.layers:
             spares.append(backup)  # too small for this stage now: back to the spares
             backup = None
-        candidates = ([backup] if backup is not None else []) + _fitting(cost, spares, old.layers)
-        if rank is not None:
-            candidates = rank(old.first, old.end, candidates)
-        target = candidates[0] if candidates else None
+        if rank is None:  # the stage's backup, else the best spare
+            target = backup or _best_spare(cost, spares, old.layers)
+        else:
+            ahead = [backup] if backup is not None else []
+            ranked = rank(old.first, old.end, ahead + _fitting(cost, spares, old.layers))
+            target = ranked[0] if ranked else None
         if backup is not None and target != backup:
             spares.append(backup)  # passed over: it stands by for whatever needs it next
         if target is not None:
