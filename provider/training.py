@@ -168,6 +168,7 @@ class Training:
         self.runs: dict[tuple[str, str], _Run] = {}
         self.host: Host | None = None
         self._lock = threading.Lock()
+        self._stragglers: set[asyncio.Future[None]] = set()  # shard fetches no longer needed
 
     # ---- training (compute handler: worker threads) ----------------------------------------
 
@@ -393,8 +394,15 @@ class Training:
             job=o.job, step=run.trainer.step, trainable_parameters=run.trainer.trainable_parameters
         )
 
+    def _straggler_done(self, task: asyncio.Future[None]) -> None:
+        self._stragglers.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("an unneeded shard fetch failed: %r", task.exception())
+
     async def _gather(self, request: SnapshotRestore) -> bytes:
-        """Pull shards until k check out, then decode and check the whole."""
+        """Pull shards from every holder at once and decode as soon as k check out: the
+        shards held here and by peers already connected arrive first, and a slow dial to
+        another holder (a new connection, an unreachable peer) holds nothing up."""
         o, n = request.open, len(request.holders)
         if len(request.shards) != n or not 1 <= request.k <= n:
             raise Refused(ErrorCode.REFUSED, "a restore names one shard hash per holder, k <= n")
@@ -427,15 +435,25 @@ class Training:
                 return
             got[i] = data
 
-        await asyncio.gather(*(fetch(i, h) for i, h in enumerate(request.holders)))
-        if len(got) < request.k:
+        pending = {asyncio.ensure_future(fetch(i, h)) for i, h in enumerate(request.holders)}
+        try:
+            while pending and len(got) < request.k:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # fetch reports failures in `problems`; anything else: a bug
+        finally:
+            for task in pending:  # not needed: they finish in the background, shards unused
+                self._stragglers.add(task)
+                task.add_done_callback(self._straggler_done)
+        usable = dict(got)  # a copy: fetches left running may still add to `got`
+        if len(usable) < request.k:
             raise Refused(
                 ErrorCode.NOT_FOUND,
-                f"cannot rebuild {o.stage} at step {request.step}: {len(got)} of the "
+                f"cannot rebuild {o.stage} at step {request.step}: {len(usable)} of the "
                 f"{request.k} shards needed are reachable ({'; '.join(problems)})",
             )
         try:
-            data = await asyncio.to_thread(decode, got, request.k, n, request.size)
+            data = await asyncio.to_thread(decode, usable, request.k, n, request.size)
         except ShardError as exc:
             raise Refused(ErrorCode.REFUSED, f"cannot decode the shards: {exc}") from None
         if await asyncio.to_thread(sha256, data) != request.sha256:

@@ -1,12 +1,20 @@
-"""The shard store a provider keeps for others: bounded, newest snapshots only, checked input."""
+"""The shard store a provider keeps for others: bounded, newest snapshots only, checked input;
+a restore rebuilds from the first k shards that check out."""
 
 from __future__ import annotations
+
+import asyncio
+import os
+import time
 
 import pytest
 
 from p2p import Refused
-from proto.snapshot import ShardPut
-from provider.training import ShardStore
+from p2p.testing import MemoryNetwork
+from proto.snapshot import SHARD, Holder, ShardPut, SnapshotRestore
+from proto.train import TrainOpen
+from provider.serving import Server
+from provider.training import ShardStore, Training, encode, sha256
 
 
 def put(store: ShardStore, step: int, index: int = 0, size: int = 100, **extra: object) -> int:
@@ -42,3 +50,46 @@ def test_keeps_the_newest_complete_snapshot_and_later_ones_within_its_budget() -
 def test_refuses_malformed_shards(extra: dict[str, int], why: str) -> None:
     with pytest.raises(Refused, match=why):
         put(ShardStore(1 << 20), 1, **extra)
+
+
+async def test_a_restore_rebuilds_from_the_first_k_shards_and_waits_for_no_other_holder() -> None:
+    net = MemoryNetwork()
+    state = os.urandom(10_000)
+    shards = encode(state, 2, 3)
+    trainings = [Training(Server(), "broker", lambda stage: None) for _ in range(3)]
+    hosts = [net.host() for _ in trainings]
+    for host, training in zip(hosts, trainings, strict=True):
+        await host.start()
+        training.host = host
+        host.add_compute_handler(SHARD, training.shard)
+    try:
+        for i, training in enumerate(trainings):  # holder i keeps shard i
+            training.store.put(
+                ShardPut(job="j", stage="m/1", step=4, index=i, k=2, n=3, size=len(state),
+                         data=shards[i], committed=0)
+            )  # fmt: skip
+        net.freeze(hosts[2].peer_id)  # the third holder does not answer (its timeout: 30 s)
+        request = SnapshotRestore(
+            open=TrainOpen(job="j", stage="m/1", method="lora-fa", lr=0.1, microbatches=1,
+                           adapters={}),
+            step=4,
+            k=2,
+            sha256=sha256(state),
+            size=len(state),
+            shards=[sha256(s) for s in shards],
+            holders=[Holder(peer=h.peer_id, addrs=[f"/memory/p2p/{h.peer_id}"]) for h in hosts],
+        )  # fmt: skip
+        start = time.monotonic()
+        rebuilt = await asyncio.wait_for(trainings[0]._gather(request), 5.0)
+        assert rebuilt == state and time.monotonic() - start < 5.0
+        assert len(trainings[0]._stragglers) == 1  # the frozen holder's fetch, left running
+        net.freeze(hosts[2].peer_id, frozen=False)
+        await asyncio.wait_for(asyncio.gather(*trainings[0]._stragglers), 5.0)
+        assert not trainings[0]._stragglers
+        for host in hosts[1:]:  # now only the shard held here is left: a clear refusal
+            net.kill(host.peer_id)
+        with pytest.raises(Refused, match="1 of the 2 shards needed are reachable"):
+            await asyncio.wait_for(trainings[0]._gather(request), 5.0)
+    finally:
+        for host in hosts:
+            await host.close()
