@@ -137,15 +137,16 @@ def _replica(costs: _Costs, counts: list[tuple[int, int]]) -> Replica:
 def _cover(k: np.ndarray, n_layers: int) -> list[list[int]]:
     """Group providers (capacities k) into as many groups as reach `n_layers` each: the largest
     remaining first, then the smallest that complete it."""
-    order = [int(i) for i in np.argsort(-k, kind="stable") if k[i] > 0]
+    caps: list[int] = k.tolist()  # plain ints: indexing a small array is the slow part
+    order = [i for i in np.argsort(-k, kind="stable").tolist() if caps[i] > 0]
     groups: list[list[int]] = []
     lo, hi = 0, len(order) - 1
     while lo <= hi:
-        group, total = [order[lo]], int(k[order[lo]])
+        group, total = [order[lo]], caps[order[lo]]
         lo += 1
         while total < n_layers and lo <= hi:
             group.append(order[hi])
-            total += int(k[order[hi]])
+            total += caps[order[hi]]
             hi -= 1
         if total < n_layers:
             break
