@@ -29,6 +29,7 @@ class CoreDriver:
         self._carriers: dict[type, list[Callable[[Any], object]]] = {}
         self._after: list[Callable[[], None]] = []
         self._handling = False
+        self.stopped = False
         self._trace: IO[bytes] | None = None
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +46,15 @@ class CoreDriver:
         """Call `fn` after each event's actions were carried out (e.g. wake route waiters)."""
         self._after.append(fn)
 
+    def stop(self) -> None:
+        """Decide nothing more: the broker is shutting down. Events handed in from now on
+        (jobs cancelled, providers unreachable on the way out) are dropped, so what was
+        persisted before is what a restart restores."""
+        self.stopped = True
+
     def handle(self, event: Input) -> list[Action]:
+        if self.stopped:
+            return []
         if self._handling:  # a carrier must not decide again while actions are carried out
             raise RuntimeError(f"{type(event).__name__} handed to the core from inside a carrier")
         self._handling = True
@@ -55,11 +64,16 @@ class CoreDriver:
                 self._trace.write(core_trace.step(event, actions))
             for action in actions:
                 for carrier in self._carriers.get(type(action), ()):
-                    carrier(action)
+                    # The core has decided: one carrier failing (a full disk, a closed
+                    # socket) must not keep the others from carrying out its decisions.
+                    try:
+                        carrier(action)
+                    except Exception:
+                        log.exception("carrying out %s failed", type(action).__name__)
         finally:
             self._handling = False
-        for after in self._after:
-            after()
+            for after in self._after:
+                after()
         return actions
 
     def close(self) -> None:

@@ -167,7 +167,6 @@ class JobRunner:
         self.driver = serving.driver
         self.clock = serving.clock
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.closing = False  # the broker is stopping: jobs ending now change no decision
         self.clients: dict[str, ClientStages] = {}
         self.inflight: dict[str, int] = {}  # requests we have outstanding per provider
         # chained requests waiting for their result: chain id -> (last hop, its outputs)
@@ -361,8 +360,7 @@ class JobRunner:
         try:
             yield
         finally:
-            if not self.closing:
-                self.driver.handle(ModelUsed(model, -1, self.clock()))
+            self.driver.handle(ModelUsed(model, -1, self.clock()))
 
     def client(self, model: str) -> ClientStages:
         """The model's client-side stages, loaded once (a new version of the model drops them)."""
@@ -392,7 +390,7 @@ class JobRunner:
         try:
             await stop.wait()
         finally:
-            self.closing = True
+            self.driver.stop()  # jobs cancelled now change no decision on their way out
             for t in list(self.tasks.values()):
                 t.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -432,8 +430,7 @@ class JobRunner:
     def _release(self, job_id: str) -> None:
         """A job stopped or was cancelled: the core frees its route (a job sharing it
         carries on, holding it) and may start the next."""
-        if not self.closing:
-            self.driver.handle(JobEnded(job_id, self.clock()))
+        self.driver.handle(JobEnded(job_id, self.clock()))
 
     async def _execute(self, job: JobRow) -> None:
         if job.kind == "finetune":

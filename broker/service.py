@@ -199,9 +199,9 @@ class Broker:
 
     async def close(self) -> None:
         serving: Serving | None = getattr(self, "serving", None)
-        jobs: JobRunner | None = getattr(self, "jobs", None)
-        if jobs is not None:
-            jobs.closing = True  # jobs cancelled below change no decision on their way out
+        # From here the core decides nothing: jobs cancelled and providers unreachable on the
+        # way out change no placement; a restart restores what was persisted before.
+        self.driver.stop()
         if not self._stop.is_set():
             self._stop.set()
             if self._runner is not None:  # started: open event streams wake up and end

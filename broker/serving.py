@@ -142,18 +142,24 @@ class Serving:
     async def _sender(self, peer: str, box: asyncio.Queue[Message]) -> None:
         while True:
             msg = await box.get()
-            kind = {Assign: "assign", Promote: "promote", Unassign: "unassign"}[type(msg)]
             try:
-                ack: AssignAck = await self.host.request(peer, ASSIGN, msg, timeout=10.0)
-            except P2PError as exc:
-                if isinstance(msg, Unassign):
-                    continue
-                self.events.emit("assign_undelivered", peer=peer, key=msg.key, error=str(exc))
-                self.registry.mark_dead(peer, f"could not deliver an assignment: {exc}")
-                continue
-            self.driver.handle(
-                AssignAnswered(peer, msg.key, kind, ack.accepted, self.clock(), ack.reason)
-            )
+                await self._deliver(peer, msg)
+            except Exception:  # a bug: logged, and the messages after it still go out
+                log.exception("delivering %s to %s failed", type(msg).__name__, peer)
+
+    async def _deliver(self, peer: str, msg: Message) -> None:
+        kind = {Assign: "assign", Promote: "promote", Unassign: "unassign"}[type(msg)]
+        try:
+            ack: AssignAck = await self.host.request(peer, ASSIGN, msg, timeout=10.0)
+        except P2PError as exc:
+            if isinstance(msg, Unassign):
+                return
+            self.events.emit("assign_undelivered", peer=peer, key=msg.key, error=str(exc))
+            self.registry.mark_dead(peer, f"could not deliver an assignment: {exc}")
+            return
+        self.driver.handle(
+            AssignAnswered(peer, msg.key, kind, ack.accepted, self.clock(), ack.reason)
+        )
 
     def _forget(self, peer: str) -> None:
         task = self._senders.pop(peer, None)
@@ -269,7 +275,8 @@ class Serving:
         return {"peer_id": peer, "addrs": list(profile.addrs) if profile else []}
 
     async def close(self) -> None:
-        for task in self._senders.values():
+        tasks = [*self._senders.values(), *self._suspecting.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._senders.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._senders.clear()

@@ -170,6 +170,7 @@ class MemoryHost:
         except asyncio.CancelledError:
             if call.cancelled() and self.running:  # the peer died under the call
                 raise ConnectionLost(f"{peer_id} went away during the call") from None
+            call.cancel()  # the caller gave up: so does the handler, as a closed stream would
             raise
         finally:
             self._calls.discard(call)

@@ -233,9 +233,10 @@ class Provider:
 
     async def detach(self) -> None:
         """Stop loading, close the artifact downloads' session, forget the host."""
-        for task in [*self.loading.values(), *self._status_tasks]:
+        tasks = [*self.loading.values(), *self._status_tasks, *self.training.stragglers]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.loading.values(), *self._status_tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
             self._http = None

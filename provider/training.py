@@ -168,7 +168,7 @@ class Training:
         self.runs: dict[tuple[str, str], _Run] = {}
         self.host: Host | None = None
         self._lock = threading.Lock()
-        self._stragglers: set[asyncio.Future[None]] = set()  # shard fetches no longer needed
+        self.stragglers: set[asyncio.Future[None]] = set()  # shard fetches no longer needed
 
     # ---- training (compute handler: worker threads) ----------------------------------------
 
@@ -395,7 +395,7 @@ class Training:
         )
 
     def _straggler_done(self, task: asyncio.Future[None]) -> None:
-        self._stragglers.discard(task)
+        self.stragglers.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("an unneeded shard fetch failed: %r", task.exception())
 
@@ -441,10 +441,13 @@ class Training:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # fetch reports failures in `problems`; anything else: a bug
-        finally:
-            for task in pending:  # not needed: they finish in the background, shards unused
-                self._stragglers.add(task)
-                task.add_done_callback(self._straggler_done)
+        except BaseException:
+            for task in pending:  # the restore itself failed or was cancelled
+                task.cancel()
+            raise
+        for task in pending:  # not needed: they finish in the background, shards unused
+            self.stragglers.add(task)
+            task.add_done_callback(self._straggler_done)
         usable = dict(got)  # a copy: fetches left running may still add to `got`
         if len(usable) < request.k:
             raise Refused(

@@ -50,8 +50,12 @@ class Core(Planner):
     def handle(self, event: Input) -> list[Action]:
         """The actions `event` calls for, in the order they are to be carried out."""
         self.now = max(self.now, event.at)
-        _HANDLERS[type(event)](self, event)
-        self._start_jobs()
+        try:
+            _HANDLERS[type(event)](self, event)
+            self._start_jobs()
+        except BaseException:
+            self._out = []  # a bug: this event's actions must not ride on the next one
+            raise
         out, self._out = self._out, []
         return out
 
@@ -215,9 +219,13 @@ class Core(Planner):
             self._check_ready(self.plans[model], peer)
 
     def _answered(self, event: AssignAnswered) -> None:
+        # An answer to a message since overtaken (the key withdrawn, its role changed, the
+        # provider lost) decides nothing.
+        sent = self.sent.get(event.peer_id, {}).get(event.key)
         if not event.accepted and event.kind != "unassign":
-            self._failed(event.peer_id, event.key, event.reason or "refused")
-        elif event.accepted and event.kind == "promote":
+            if sent is not None:
+                self._failed(event.peer_id, event.key, event.reason or "refused")
+        elif event.accepted and event.kind == "promote" and sent == "active":
             self.confirmed.setdefault(event.peer_id, {})[event.key] = "active"
             self._touch(event.peer_id)
             self._note("stage_promoted", peer=event.peer_id, key=event.key)

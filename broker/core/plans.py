@@ -107,10 +107,13 @@ def checked_placement(data: dict[str, Any], units: int) -> Placement | None:
         ):
             return None
     if any(
-        r >= len(placement.replicas) or s >= len(placement.replicas[r].stages)
+        not 0 <= r < len(placement.replicas) or not 0 <= s < len(placement.replicas[r].stages)
         for r, s in placement.backups
     ):
         return None
+    members = [st.provider for rep in placement.replicas for st in rep.stages]
+    if len(set(members)) != len(members):
+        return None  # a provider holds one stage
     return placement
 
 

@@ -91,14 +91,6 @@ class PoolState:
     now: float = 0.0
     config: PoolConfig = field(default_factory=PoolConfig)
 
-    def by_status(self, status: Status) -> list[Provider]:
-        return [p for p in self.providers.values() if p.status is status]
-
-    def serving(self, stage: str) -> list[Provider]:
-        return [
-            p for p in self.providers.values() if p.status is Status.ACTIVE and p.stage == stage
-        ]
-
     def alive(self, peer: str) -> bool:
         p = self.providers.get(peer)
         return p is not None and p.status is not Status.DEAD

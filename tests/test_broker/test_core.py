@@ -331,6 +331,61 @@ def test_a_draining_provider_hands_its_stage_to_its_backup_at_once() -> None:
     assert s.core.pool.providers["b"].status == "draining"
 
 
+def test_an_answer_to_an_overtaken_assignment_decides_nothing() -> None:
+    s = Swarm()
+    s.join("a", "b", "c", "d")
+    s.add()
+    s.settle()
+    peer = s.placed()[0][0]
+    s.send(ProviderLeft(peer, s.t))  # what it was sent is void now
+    before = len(s.actions)
+    s.send(AssignAnswered(peer, "m/0", "assign", False, s.t, "late refusal"))
+    s.send(AssignAnswered(peer, "m/0", "promote", True, s.t))
+    assert s.actions[before:] == []
+    assert peer not in s.core.plans["m"].cannot and peer not in s.core.confirmed
+
+
+def test_the_driver_carries_out_every_decision_when_a_carrier_fails_and_none_once_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from broker.driver import CoreDriver
+
+    driver = CoreDriver(Core(CONFIG))
+    carried: list[Action] = []
+    woken: list[float] = []
+
+    def broken(action: Action) -> None:
+        raise OSError("disk full")
+
+    driver.carry(Notice, broken)
+    driver.carry(Notice, carried.append)
+    driver.after(lambda: woken.append(driver.core.now))
+    out = driver.handle(ProviderJoined("a", gpu(), 1.0))
+    assert carried == [a for a in out if isinstance(a, Notice)] and len(carried) == 1
+    assert woken == [1.0]
+    assert "carrying out Notice failed" in caplog.text
+    driver.stop()  # the broker is shutting down
+    assert driver.handle(ProviderJoined("b", gpu(), 2.0)) == []
+    assert "b" not in driver.core.pool.providers and len(carried) == 1
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        restored([[("a", 0, 2), ("b", 2, 4)]], {(0, -1): "e"}),  # a backup of no stage
+        restored([[("a", 0, 2), ("b", 2, 4)]], {(1, 0): "e"}),
+        restored([[("a", 0, 2), ("a", 2, 4)]], {}),  # one provider in two stages
+        restored([[("a", 0, 2), ("b", 2, 3)]], {}),  # short of the model's 4 units
+        {"replicas": "not a list"},
+    ],
+)
+def test_a_stored_placement_that_does_not_fit_is_placed_afresh(stored: dict[str, Any]) -> None:
+    from broker.core.plans import checked_placement
+
+    assert checked_placement(stored, 4) is None
+    assert checked_placement(restored([[("a", 0, 2), ("b", 2, 4)]], {(0, 1): "e"}), 4)
+
+
 def test_a_restored_placements_member_that_does_not_rejoin_in_time_is_repaired() -> None:
     s = Swarm()
     s.join("a", "c")  # "b" was placed before the restart but does not come back

@@ -82,10 +82,10 @@ async def test_a_restore_rebuilds_from_the_first_k_shards_and_waits_for_no_other
         start = time.monotonic()
         rebuilt = await asyncio.wait_for(trainings[0]._gather(request), 5.0)
         assert rebuilt == state and time.monotonic() - start < 5.0
-        assert len(trainings[0]._stragglers) == 1  # the frozen holder's fetch, left running
+        assert len(trainings[0].stragglers) == 1  # the frozen holder's fetch, left running
         net.freeze(hosts[2].peer_id, frozen=False)
-        await asyncio.wait_for(asyncio.gather(*trainings[0]._stragglers), 5.0)
-        assert not trainings[0]._stragglers
+        await asyncio.wait_for(asyncio.gather(*trainings[0].stragglers), 5.0)
+        assert not trainings[0].stragglers
         for host in hosts[1:]:  # now only the shard held here is left: a clear refusal
             net.kill(host.peer_id)
         with pytest.raises(Refused, match="1 of the 2 shards needed are reachable"):

@@ -80,9 +80,10 @@ def test_a_provider_quit_runs_the_real_replan() -> None:
     replans = [e for e in result.log if e["event"] == "replan" and e["moves"]]
     assert replans, "no quit hit a serving provider"
     entry = replans[0]
-    # Moves come from broker.replan.on_leave: the departed provider's blocks, and only them.
+    # Moves come from the broker's core (broker.core.replan.on_leave): the departed provider's
+    # blocks, and only them.
     assert all(source == entry["peer"] for _, _, source, _ in entry["moves"])
-    # And the pool state machine saw the loss (broker.pool.apply).
+    # And the pool state machine saw the loss (broker.core.pool).
     assert "ProviderLost" in entry["pool_actions"]
 
 
