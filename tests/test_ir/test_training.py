@@ -83,7 +83,7 @@ def test_a_trainer_rebuilt_from_its_state_goes_on_identically(finetune_package: 
 def test_erasure_code_rebuilds_from_any_k_of_n_and_no_fewer() -> None:
     import itertools
 
-    from provider.training import ShardError, decode, encode
+    from provider.shards import ShardError, decode, encode
 
     data = np.random.default_rng(0).bytes(10_001)
     shards = encode(data, 3, 5)

@@ -14,7 +14,8 @@ from p2p.testing import MemoryNetwork
 from proto.snapshot import SHARD, Holder, ShardPut, SnapshotRestore
 from proto.train import TrainOpen
 from provider.serving import Server
-from provider.training import ShardStore, Training, encode, sha256
+from provider.shards import ShardStore, encode, sha256
+from provider.training import Training
 
 
 def put(store: ShardStore, step: int, index: int = 0, size: int = 100, **extra: object) -> int:
