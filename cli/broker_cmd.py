@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -237,6 +238,11 @@ def start(args: argparse.Namespace) -> int:
             )
         try:
             async with broker:
+                # What start-up built (modules, the app, the decision core) lives as long as
+                # the process: moved out of the collector's reach, a full collection no longer
+                # rescans it and stalls heartbeats for tens of milliseconds.
+                gc.collect()
+                gc.freeze()
                 if not args.json:
                     print(f"broker {broker.peer_id}", flush=True)
                     for addr in broker.addrs:
