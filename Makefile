@@ -44,11 +44,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/transport.py
-	$(PY) benchmarks/ir.py
+	$(PY) benchmarks/ir_split.py
 	$(PY) benchmarks/placement.py
-	$(PY) benchmarks/sim.py
-	$(PY) benchmarks/provider.py
-	$(PY) benchmarks/broker.py
+	$(PY) benchmarks/simulator.py
+	$(PY) benchmarks/provider_hop.py
+	$(PY) benchmarks/broker_service.py
 	$(PY) benchmarks/http_api.py
 	$(PY) benchmarks/e2e.py
 	$(PY) benchmarks/finetune.py

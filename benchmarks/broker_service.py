@@ -1,6 +1,6 @@
 """Broker benchmark: failover, restart recovery, heartbeat load, artifact download speed.
 
-    python benchmarks/broker.py [--heartbeat-s 0.5] [--simulated 100]
+    python benchmarks/broker_service.py [--heartbeat-s 0.5] [--simulated 100]
 
 Prints one JSON object:
     failover_s            SIGKILL of the provider serving stage 0 mid-job -> the first
@@ -41,8 +41,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 sys.path.insert(0, str(ROOT))  # tests.procs: the child-process helper the tests use
 
 import msgspec  # noqa: E402

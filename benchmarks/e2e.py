@@ -48,8 +48,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 sys.path.insert(0, str(ROOT))  # tests.procs: the child-process helper the tests use
 
 import numpy as np  # noqa: E402

@@ -34,13 +34,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from benchmarks.broker import Swarm, _api, _package, _wait  # noqa: E402
+from benchmarks.broker_service import Swarm, _api, _package, _wait  # noqa: E402
 from tests.procs import sample_texts  # noqa: E402
 
 BASELINE = """

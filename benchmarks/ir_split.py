@@ -1,6 +1,6 @@
 """IR benchmark: the cost of splitting a model into stages, and of decoding with a KV cache.
 
-    python benchmarks/ir.py [--repeats 20] [--threads 2]
+    python benchmarks/ir_split.py [--repeats 20] [--threads 2]
 
 Prints one JSON object. Baselines come from the same run:
     split_overhead  sum of per-stage onnxruntime times of MiniLM in 3 provider stages (plus the
@@ -17,17 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
-
-# Run as a script, this file's folder comes first on sys.path and `import ir` would import this
-# very file instead of the package: take the folder off.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import numpy as np
 import torch

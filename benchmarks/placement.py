@@ -22,15 +22,8 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-# Run as a script, this file's folder comes first on sys.path, where broker.py and sim.py would
-# shadow those packages: take the folder off.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 from broker.core.placement import (
     PlacementConfig,

@@ -1,6 +1,6 @@
 """Provider benchmark: the cost of serving a decode step over the p2p layer, and profiling.
 
-    python benchmarks/provider.py [--steps 300]
+    python benchmarks/provider_hop.py [--steps 300]
 
 Prints one JSON object:
     hop_overhead_ms_p50  a 1-token decode step of a small decoder stage (Llama-style, 2 blocks,
@@ -21,15 +21,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
-
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import numpy as np
 import torch

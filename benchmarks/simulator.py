@@ -1,6 +1,6 @@
 """Simulator benchmark: wall time to simulate swarms, and the paper's headline ratio.
 
-    python benchmarks/sim.py
+    python benchmarks/simulator.py
 
 Prints one JSON object:
     sim_s_50     wall seconds to simulate 1 hour of 50 mixed consumer GPUs with churn
@@ -14,15 +14,8 @@ Prints one JSON object:
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-# Run as a script, this file's folder comes first on sys.path, where sim.py would shadow the
-# `sim` package: take the folder off.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 from sim.catalog import CHURN
 from sim.report import study_json

@@ -21,6 +21,8 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
+from files.atomic import write_atomic
+
 
 class KeyFileError(ValueError):
     """A keys file cannot be read; the message says where and why."""
@@ -86,12 +88,7 @@ class ArtifactTokens:
             secret = b""
         if len(secret) != 32:
             secret = secrets.token_bytes(32)
-            data_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(secret)
-            os.replace(tmp, path)
+            write_atomic(path, secret, mode=0o600)
         self._secret = secret
 
     def token(self, sha: str) -> str:

@@ -22,7 +22,6 @@ import contextlib
 import hashlib
 import importlib.util
 import logging
-import os
 import random
 import time
 import uuid
@@ -49,6 +48,7 @@ from dag.builders import inference_pipeline
 from dag.cost import Workload
 from dag.tasks import TaskKind, task
 from dag.wire import from_json, to_json
+from files.atomic import write_atomic
 from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout, Tensor
 from p2p.codec import Message, ProtocolSpec
 from proto.forward import (
@@ -276,9 +276,7 @@ class JobRunner:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{digest}.safetensors"
         if not path.is_file():
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            write_atomic(path, data)
         self.store.put_adapter(job_id, model, digest, len(data))
         self.events.emit("adapter_saved", job=job_id, model=model, sha256=digest, bytes=len(data))
 

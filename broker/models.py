@@ -10,8 +10,6 @@ checked.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -21,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dag.model import ModelSpec
+from files.cache import ArtifactCache, ArtifactError
+from files.digest import is_sha256
 from ir.errors import IRError
 from ir.manifest import ModelManifest
 from ir.package import load_package
 
-SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -77,53 +76,29 @@ def model_spec(manifest: ModelManifest) -> ModelSpec:
 
 class ModelStore:
     def __init__(self, root: Path, max_artifact_bytes: int) -> None:
-        self.artifacts = root / "artifacts"
+        self.cache = ArtifactCache(root / "artifacts")  # no limit: these are the models served
+        self.cache.adopt(self.cache.root)  # an earlier release kept them flat
+        self.cache.check(verify=False)  # every file was verified before it was kept
         self.packages = root / "models"
         self.incoming = root / "incoming"
-        for d in (self.artifacts, self.packages, self.incoming):
+        for d in (self.packages, self.incoming):
             d.mkdir(parents=True, exist_ok=True)
         self.max_artifact_bytes = max_artifact_bytes
         self.models: dict[str, StoredModel] = {}
 
     def artifact_path(self, sha: str) -> Path | None:
-        if not SHA_RE.match(sha):
+        if not is_sha256(sha) or not self.cache.has(sha):
             return None
-        path = self.artifacts / sha
-        return path if path.is_file() else None
+        return self.cache.path(sha)
 
     async def receive(self, sha: str, chunks: AsyncIterator[bytes]) -> int:
         """Store an uploaded artifact if its bytes hash to `sha`; returns its size."""
-        if not SHA_RE.match(sha):
+        if not is_sha256(sha):
             raise ModelStoreError("an artifact is named by its SHA-256: 64 lowercase hex digits")
-        if self.artifact_path(sha) is not None:
-            async for _ in chunks:  # already here: drain the body, keep the stored copy
-                pass
-            return (self.artifacts / sha).stat().st_size
-        digest = hashlib.sha256()
-        size = 0
-        fd, tmp = tempfile.mkstemp(dir=self.incoming, prefix=sha[:16])
         try:
-            with os.fdopen(fd, "wb") as out:
-                async for chunk in chunks:
-                    size += len(chunk)
-                    if size > self.max_artifact_bytes:
-                        raise ModelStoreError(
-                            f"artifact is larger than the broker's limit of "
-                            f"{self.max_artifact_bytes} bytes"
-                        )
-                    digest.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            if digest.hexdigest() != sha:
-                raise ModelStoreError(
-                    f"the uploaded bytes hash to {digest.hexdigest()}, not {sha}; upload again"
-                )
-            os.replace(tmp, self.artifacts / sha)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)  # left only when refused
-        return size
+            return await self.cache.receive(sha, chunks, self.max_artifact_bytes)
+        except ArtifactError as exc:
+            raise ModelStoreError(f"artifact {sha[:12]} refused: {exc}") from None
 
     def register(self, manifest_bytes: bytes) -> StoredModel:
         """Validate and register a model whose artifacts are all stored."""
@@ -153,7 +128,7 @@ class ModelStore:
         staging = Path(tempfile.mkdtemp(dir=self.incoming, prefix="pkg-"))
         try:
             for file, sha in files.items():
-                os.link(self.artifacts / sha, staging / file)
+                os.link(self.cache.path(sha), staging / file)
             (staging / "manifest.json").write_bytes(manifest_bytes)
             try:
                 load_package(staging)

@@ -49,6 +49,8 @@ from client.sampling import Sampler
 from client.session import GenerationSession, generate
 from client.stages import ClientStages
 from client.text import TextStream
+from files.atomic import link_atomic, write_atomic
+from files.cache import ArtifactCache, ArtifactError
 from ir.manifest import ModelManifest
 
 Array = np.ndarray[Any, Any]
@@ -204,6 +206,7 @@ class AsyncClient:
         self._stages: dict[str, ClientStages] = {}
         self._loading: dict[str, asyncio.Lock] = {}  # one download of a model's stages at once
         self._manifests: dict[str, tuple[ModelManifest, bytes]] = {}
+        self._cache: ArtifactCache | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -339,17 +342,30 @@ class AsyncClient:
             files.append((manifest.tokenizer, manifest.tokenizer_sha256))
         for file, sha in files:
             await self._fetch(directory / Path(file).name, sha)
-        await asyncio.to_thread(_write, directory / "manifest.json", data)
+        await asyncio.to_thread(write_atomic, directory / "manifest.json", data)
         stages: ClientStages = await asyncio.to_thread(ClientStages, directory)
         return stages
 
-    async def _fetch(self, path: Path, sha: str) -> None:
-        if await asyncio.to_thread(_has_file, path, sha):
-            return
-        data = await self._request("GET", f"/v1/artifacts/{sha}", raw=True, timeout=600)
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise FusionAIError(f"the broker sent {path.name} with the wrong SHA-256")
-        await asyncio.to_thread(_write, path, data)
+    async def _artifacts(self) -> ArtifactCache:
+        """The content-addressed cache of what was downloaded (checked once per client)."""
+        if self._cache is None:
+            cache = await asyncio.to_thread(ArtifactCache, self.cache_dir / "artifacts")
+            await asyncio.to_thread(cache.check)
+            self._cache = cache
+        return self._cache
+
+    async def _fetch(self, path: Path, sha: str, url: str = "", what: str = "") -> None:
+        """Make `path` the artifact `sha` (from the cache, else downloaded from `url`)."""
+        cache = await self._artifacts()
+        if not cache.has(sha):
+            data = await self._request("GET", url or f"/v1/artifacts/{sha}", raw=True, timeout=600)
+            try:
+                await asyncio.to_thread(cache.put, sha, data)
+            except ArtifactError:
+                raise FusionAIError(
+                    f"the broker sent {what or path.name} with the wrong SHA-256"
+                ) from None
+        await asyncio.to_thread(link_atomic, cache.path(sha), path)
 
     # ---- embeddings ------------------------------------------------------------------------
 
@@ -667,16 +683,8 @@ class AsyncClient:
             raise FusionAIError(f"job {job_id} has no adapter (is it a finished fine-tune job?)")
         sha = str(adapter["sha256"])
         path = self.cache_dir / "adapters" / f"{sha}.safetensors"
-        if not await asyncio.to_thread(_has_file, path, sha):
-            data = await self._request(
-                "GET", f"/v1/jobs/{_quote(job_id)}/adapter", raw=True, timeout=600
-            )
-            if hashlib.sha256(data).hexdigest() != sha:
-                raise FusionAIError(
-                    f"the broker sent job {job_id}'s adapter with the wrong SHA-256"
-                )
-            await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
-            await asyncio.to_thread(_write, path, data)
+        url = f"/v1/jobs/{_quote(job_id)}/adapter"
+        await self._fetch(path, sha, url, f"job {job_id}'s adapter")
         return path, sha
 
     async def _adapter_tensors(self, adapter: str | Path, model: str) -> dict[str, Array]:
@@ -1020,27 +1028,3 @@ def _quote(part: str) -> str:
     from urllib.parse import quote
 
     return quote(part, safe="")
-
-
-def _has_file(path: Path, sha: str) -> bool:
-    if not path.is_file():
-        return False
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest() == sha
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Write through a temporary file, so a crash never leaves a partial file."""
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,8 +1,12 @@
-"""The artifact cache: stage files fetched over HTTP by SHA-256, verified, kept on disk (LRU).
+"""The content-addressed artifact cache the broker, providers and clients share: files named
+by their SHA-256, verified before anyone uses them, kept on disk (least recently used evicted
+first when a limit is set).
 
     cache = ArtifactCache(data_dir / "artifacts", limit_bytes=20 * 2**30)
     cache.check()                                  # at start: drop what fails verification
     path = await cache.fetch(sha256, url, size)    # resumes, verifies, evicts LRU to make room
+    await cache.receive(sha256, chunks, max_bytes) # an upload streamed in (the broker)
+    cache.put(sha256, data)                        # bytes already in hand (a client)
 
 Layout: `objects/<sha256>` holds verified files only (renamed into place after the hash
 matched, so a crash never leaves a half file there); `partial/<sha256>` holds a download in
@@ -14,22 +18,24 @@ Files in use are pinned and never evicted.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
-import re
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import aiohttp
 import msgspec
 
-from ir.validate import sha256_file
+from files.atomic import atomic_file, move_atomic, write_atomic
+from files.digest import CHUNK, SHA256_RE, sha256_file
+
+if TYPE_CHECKING:  # aiohttp loads on the first download: importing the cache stays cheap
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-CHUNK = 1 << 20
 PARTIAL_MAX_AGE_S = 7 * 24 * 3600.0  # a partial download untouched this long is dropped
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
@@ -47,18 +53,21 @@ class ArtifactCache:
     def __init__(
         self,
         root: Path,
-        limit_bytes: int,
+        limit_bytes: int | None = None,
         *,
         attempts: int = 5,
         backoff_s: float = 0.5,
         timeout_s: float = 60.0,
     ) -> None:
-        if limit_bytes <= 0:
+        """`limit_bytes`: the most the cache holds, evicting the least recently used
+        unpinned files to stay under it; None: no limit, nothing is ever evicted (the broker,
+        whose artifacts are the models it serves)."""
+        if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"the cache limit must be positive, got {limit_bytes} bytes")
         self.root = root
         self.objects = root / "objects"
         self.partial = root / "partial"
-        self.limit = limit_bytes
+        self.limit = limit_bytes if limit_bytes is not None else float("inf")
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
@@ -81,10 +90,8 @@ class ArtifactCache:
             return {}
 
     def _write_index(self) -> None:
-        path = self.root / "index.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(self._index))
-        os.replace(tmp, path)
+        # a cache: lost in a crash, every file is verified again
+        write_atomic(self.root / "index.json", msgspec.json.encode(self._index), sync=False)
 
     def _record(self, sha: str) -> None:
         st = (self.objects / sha).stat()
@@ -110,15 +117,19 @@ class ArtifactCache:
         if self._index.pop(sha256, None) is not None:
             self._write_index()
 
-    def check(self) -> list[str]:
+    def check(self, *, verify: bool = True) -> list[str]:
         """Verify the cache (at start, after a crash): drop files whose hash does not match
-        their name, stray files and leftovers. Returns the hashes dropped."""
+        their name, stray files and leftovers. Returns the hashes dropped. `verify=False`
+        only clears leftovers (a cache whose writers verified every file before keeping it,
+        and that is too large to hash at every start)."""
         dropped = []
         for p in list(self.objects.iterdir()):
             name = p.name
             if not SHA256_RE.match(name) or not p.is_file():
                 log.warning("removing stray file %s from the artifact cache", p)
                 _remove(p)
+                continue
+            if not verify:
                 continue
             st = p.stat()
             entry = self._index.get(name)
@@ -143,6 +154,59 @@ class ArtifactCache:
                 _remove(p)
         self._write_index()
         return dropped
+
+    def adopt(self, folder: Path) -> int:
+        """Move files named by their SHA-256 from `folder` (a flat store an earlier release
+        kept) into the cache; returns how many. Renames only: nothing is copied."""
+        moved = 0
+        for p in folder.iterdir():
+            if p.is_file() and SHA256_RE.match(p.name) and not (self.objects / p.name).exists():
+                os.replace(p, self.objects / p.name)
+                moved += 1
+        return moved
+
+    # ---- storing what the caller has ---------------------------------------------------
+
+    async def receive(self, sha256: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
+        """Keep an artifact streamed in (an upload) if its bytes hash to `sha256` and number
+        at most `max_bytes`; returns its size. A file already here is kept and the stream
+        drained. Raises `ArtifactError` (nothing is kept) otherwise."""
+        sha = _checked(sha256)
+        target = self.objects / sha
+        digest = hashlib.sha256()
+        size = 0
+        async with self._locks.setdefault(sha, asyncio.Lock()):
+            if target.is_file():  # already here: drain the stream, keep the stored copy
+                async for _ in chunks:
+                    pass
+                return target.stat().st_size
+            with atomic_file(target) as out:  # moved into place only if it checks out
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ArtifactError(f"it is larger than the limit of {max_bytes} bytes")
+                    digest.update(chunk)
+                    out.write(chunk)
+                if digest.hexdigest() != sha:
+                    raise ArtifactError(
+                        f"its bytes hash to {digest.hexdigest()}, not {sha}; send them again"
+                    )
+        self._record(sha)
+        return size
+
+    def put(self, sha256: str, data: bytes) -> Path:
+        """Keep `data` (already in hand) as artifact `sha256`; raises `ArtifactError` if it
+        hashes to something else."""
+        sha = _checked(sha256)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != sha:
+            raise ArtifactError(f"the bytes hash to {digest}, not {sha}: refused")
+        target = self.objects / sha
+        if not target.is_file():
+            self._make_room(len(data), keep=sha)
+            write_atomic(target, data)
+        self._record(sha)
+        return target
 
     # ---- fetching --------------------------------------------------------------------------
 
@@ -176,6 +240,8 @@ class ArtifactCache:
                 return target
             part = self.partial / sha
             self._make_room(size - (part.stat().st_size if part.exists() else 0), keep=sha)
+            import aiohttp
+
             own = session is None
             session = session or aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s)
@@ -197,6 +263,8 @@ class ArtifactCache:
         progress: Progress | None,
         pin: str = "",
     ) -> None:
+        import aiohttp
+
         part = self.partial / sha
         last: BaseException | None = None
         for attempt in range(self.attempts):
@@ -227,7 +295,7 @@ class ArtifactCache:
                     f"artifact from {url} has SHA-256 {digest}, not {sha}: the server sent a "
                     f"different or corrupt file; it was deleted"
                 )
-            os.replace(part, self.objects / sha)
+            move_atomic(part, self.objects / sha)
             return
         raise ArtifactError(
             f"could not download {sha[:12]} from {url} after {self.attempts} attempts: {last}; "
@@ -244,6 +312,8 @@ class ArtifactCache:
         progress: Progress | None,
         pin: str = "",
     ) -> None:
+        import aiohttp
+
         headers = {"Range": f"bytes={have}-"} if have else {}
         ssl: bool | aiohttp.Fingerprint = True
         if pin:
@@ -276,6 +346,8 @@ class ArtifactCache:
     def _make_room(self, size: int, keep: str) -> None:
         """Evict until `size` more bytes fit: other artifacts' partial downloads first, then
         the least recently used objects that no loaded stage pins. `keep`'s partial stays."""
+        if self.limit == float("inf"):
+            return
         files = [p for p in self.objects.iterdir() if p.is_file() and SHA256_RE.match(p.name)]
         partials = [p for p in self.partial.iterdir() if p.is_file()]
         used = sum(p.stat().st_size for p in files) + sum(p.stat().st_size for p in partials)

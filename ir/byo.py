@@ -8,7 +8,6 @@ providers; the caller keeps whichever it wants to run itself.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import onnx
 import onnx.utils
 
+from files.atomic import move_atomic
 from ir.errors import UnsupportedModel
 from ir.manifest import ModelManifest, StageInfo
 from ir.package import describe_stage, write_manifest
@@ -77,7 +77,7 @@ def split_onnx(
             onnx.utils.extract_model(str(source), str(path), inputs, outputs, check_model=True)
             info = describe_stage(index, f"part.{index}", "provider", path, onnx.load(str(path)))
             stages.append(info)
-            os.replace(path, out_dir / info.file)
+            move_atomic(path, out_dir / info.file)
             previous = list(outputs)
     manifest = ModelManifest(
         name=name, family="onnx", config={"source": source.name}, stages=stages

@@ -5,7 +5,6 @@ manifest = build_package(model, n_stages=3, out_dir=Path("pkg"), name="minilm")
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -15,10 +14,11 @@ from typing import Any
 
 import onnx
 
+from files.atomic import move_atomic
+from files.digest import sha256_file
 from ir.families import AdapterConfig, StageModule, plan_stages
 from ir.manifest import ModelManifest, StageInfo
 from ir.package import describe_stage, write_manifest
-from ir.validate import sha256_file
 
 OPSET = 17
 
@@ -92,7 +92,7 @@ def build_package(
                 graph = convert_to_fp16(graph)
                 onnx.save(graph, str(path))
             info = stage_info(index, stage, path, graph, "float16" if fp16 else "float32")
-            os.replace(path, out_dir / info.file)
+            move_atomic(path, out_dir / info.file)
             infos.append(info)
             if progress:
                 elapsed = time.perf_counter() - started

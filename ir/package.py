@@ -6,17 +6,18 @@ package = load_package(Path("pkg"))          # validates every file before retur
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
+from files.atomic import write_atomic
+from files.digest import sha256_file
 from ir import costs
 from ir.errors import ManifestError
 from ir.manifest import MANIFEST_FILE, ModelManifest, StageInfo, TensorInfo
-from ir.validate import Limits, sha256_file, validate_onnx_file
+from ir.validate import Limits, validate_onnx_file
 
 _ONNX_DTYPES = {
     onnx.TensorProto.FLOAT: "float32",
@@ -69,9 +70,7 @@ def describe_stage(
 
 
 def write_manifest(manifest: ModelManifest, out_dir: Path) -> None:
-    tmp = out_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_bytes(manifest.to_json())
-    os.replace(tmp, out_dir / MANIFEST_FILE)
+    write_atomic(out_dir / MANIFEST_FILE, manifest.to_json())
 
 
 @dataclass

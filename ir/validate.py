@@ -8,7 +8,6 @@ sizes must stay under limits. Each failure is a typed `IRError` saying what is w
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import onnx.checker
 import onnx.defs
 from onnx import TensorProto, external_data_helper
 
+from files.digest import sha256_file
 from ir.errors import CorruptModel, ForbiddenOperator, HashMismatch, TooLarge, UnsafeExternalData
 
 STANDARD_DOMAINS = frozenset({"", "ai.onnx"})
@@ -30,14 +30,6 @@ class Limits:
     max_external_bytes: int = 64 * 1024**3
     # Most nodes accepted in one graph; nodes.
     max_nodes: int = 200_000
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def validate_onnx_file(

@@ -15,7 +15,6 @@ This module imports neither trio nor libp2p.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import sys
@@ -30,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from files.atomic import write_atomic
 from p2p.errors import IdentityError, IdentityInUse
 
 KEY_FILE = "identity.key"
@@ -165,15 +165,7 @@ class Identity:
                 serialization.PrivateFormat.PKCS8,
                 serialization.NoEncryption(),
             )
-            tmp = path.with_suffix(".tmp")
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(pem)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, pem, mode=0o600)
             return key
         if sys.platform != "win32":
             mode = stat.S_IMODE(path.stat().st_mode)

@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from files.cache import ArtifactCache, human_bytes
 from p2p import ConnectionLost, Host, HostConfig, P2PError, RemoteError, RequestTimeout
 from proto.assign import (
     ASSIGN,
@@ -49,7 +50,6 @@ from proto.ping import PING, Ping, Pong
 from proto.session import SESSION
 from proto.snapshot import SHARD, SNAPSHOT
 from proto.train import TRAIN
-from provider.artifacts import ArtifactCache, human_bytes
 from provider.hosting import ExecutorChoice, StageRefused, host, memory_needed, stage_of
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
 from provider.serving import Fault, LoadedStage, Server

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import aiohttp
 import onnx
 
+from files.cache import ArtifactCache, ArtifactError, Progress
 from ir.errors import ExecutorError, IRError
 from ir.executors.base import Executor
 from ir.manifest import ModelManifest, StageInfo
 from ir.validate import validate_onnx_file
 from proto.assign import Assign
-from provider.artifacts import ArtifactCache, ArtifactError, Progress
 from provider.serving import LoadedStage
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ import numpy as np
 import psutil
 
 from dag.cost import HardwareProfile
+from files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -379,10 +380,8 @@ def load_or_measure(
             if cached.key == key and cached.version == PROFILE_VERSION:
                 return cached, False
     profile = measure(executor, device)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2))
-    os.replace(tmp, path)  # atomic: a crash leaves the old cache or the new, never half
+    # atomic: a crash leaves the old cache or the new, never half
+    write_atomic(path, msgspec.json.format(msgspec.json.encode(profile), indent=2))
     return profile, True
 
 

@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["p2p", "proto", "ir", "dag", "broker", "provider", "client", "sim", "cli"]
+PACKAGES = ["files", "p2p", "proto", "ir", "dag", "broker", "provider", "client", "sim", "cli"]
 
 # What each package may import from the project (DESIGN.md, "Dependencies point one way").
 ALLOWED: dict[str, set[str]] = {
-    "p2p": set(),
+    "files": set(),
+    "p2p": {"files"},
     "proto": {"p2p"},
-    "ir": set(),
+    "ir": {"files"},
     "dag": set(),
-    "broker": {"p2p", "proto", "ir", "dag", "client"},
-    "provider": {"p2p", "proto", "ir", "dag"},
-    "client": {"p2p", "proto", "ir"},
+    "broker": {"files", "p2p", "proto", "ir", "dag", "client"},
+    "provider": {"files", "p2p", "proto", "ir", "dag"},
+    "client": {"files", "p2p", "proto", "ir"},
     "sim": {"broker", "dag"},
     "cli": set(PACKAGES) - {"cli"},
 }
@@ -123,3 +124,15 @@ def test_importing_the_packages_does_not_load_libp2p() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert "libp2p" not in out.stdout
+
+
+def test_no_benchmark_is_named_after_a_top_level_package() -> None:
+    """`python benchmarks/x.py` puts benchmarks/ first on sys.path: a `benchmarks/broker.py`
+    would be imported instead of the broker package by every other benchmark."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert set(PACKAGES) <= packages
+    clashes = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.stem in packages)
+    assert not clashes, f"benchmarks named after a package (rename them): {clashes}"
+    makefile = (ROOT / "Makefile").read_text()
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        assert f"benchmarks/{path.name}" in makefile, f"`make bench` does not run {path.name}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from provider.artifacts import PARTIAL_MAX_AGE_S, ArtifactCache, ArtifactError
+from files.cache import PARTIAL_MAX_AGE_S, ArtifactCache, ArtifactError
 
 pytestmark = pytest.mark.timeout(60)
 BODY = os.urandom(1000)
@@ -81,3 +81,32 @@ async def test_check_drops_altered_files_and_stale_partials(
     path.write_bytes(BODY[:10] + b"!" + BODY[11:])  # same size, one byte altered
     assert ArtifactCache(tmp_path, limit_bytes=10_000).check() == [SHA]
     assert not path.exists() and not stale.exists()
+
+
+async def test_uploads_and_puts_are_kept_only_when_their_bytes_match(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path)  # no limit: nothing is evicted
+
+    async def chunks(data: bytes) -> AsyncIterator[bytes]:
+        for i in range(0, len(data), 300):
+            yield data[i : i + 300]
+
+    with pytest.raises(ArtifactError, match="hash to"):
+        await cache.receive(SHA, chunks(BODY[:-1] + b"x"), max_bytes=10_000)
+    with pytest.raises(ArtifactError, match="larger than"):
+        await cache.receive(SHA, chunks(BODY), max_bytes=999)
+    assert not cache.has(SHA) and list(cache.objects.iterdir()) == []  # nothing half-kept
+    assert await cache.receive(SHA, chunks(BODY), max_bytes=1000) == 1000
+    assert cache.path(SHA).read_bytes() == BODY
+    assert await cache.receive(SHA, chunks(BODY), max_bytes=1000) == 1000  # kept once
+    with pytest.raises(ArtifactError, match="hash to"):
+        cache.put(hashlib.sha256(b"other").hexdigest(), b"not other")
+    assert cache.put(hashlib.sha256(b"other").hexdigest(), b"other").read_bytes() == b"other"
+
+
+def test_a_flat_store_from_an_earlier_release_is_adopted(tmp_path: Path) -> None:
+    (tmp_path / SHA).write_bytes(BODY)  # as the broker kept artifacts before
+    (tmp_path / "notes.txt").write_text("not an artifact")
+    cache = ArtifactCache(tmp_path)
+    assert cache.adopt(tmp_path) == 1
+    assert cache.has(SHA) and cache.check() == []
+    assert (tmp_path / "notes.txt").exists()  # only what is named by its hash moves

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from files.digest import sha256_file
 from ir.errors import (
     CorruptModel,
     ForbiddenOperator,
@@ -20,7 +21,7 @@ from ir.errors import (
 )
 from ir.manifest import MANIFEST_FILE, ModelManifest
 from ir.package import load_package, write_manifest
-from ir.validate import sha256_file, validate_onnx_file
+from ir.validate import validate_onnx_file
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,66 @@
+"""A broker data folder written by an earlier release opens with this broker, nothing lost.
+
+`tests/data/broker-v1/` was written by `tests/data/make_broker_data.py` on main at 3ef63ed
+(before the rooms redesign): its identity, two models and their artifacts, placements, a
+finished embedding job with results, a cancelled job, one the broker stopped before it
+finished, a finished fine-tune with its snapshot records and adapter, and the event log.
+`expected.json` says what was in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tests.test_broker.inproc import swarm
+
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "broker-v1"
+
+
+async def test_a_data_folder_from_the_previous_release_opens_with_everything_in_it(
+    tmp_path: Path,
+) -> None:
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    shutil.copytree(FIXTURE, tmp_path / "broker")
+    s = await swarm(tmp_path, microbatch=2)
+    try:
+        b = s.broker
+        assert b.peer_id == expected["broker_peer"]  # the same identity: providers know it
+        assert sorted(b.models.models) == expected["models"]
+        for model in b.models.models.values():  # every artifact is found and intact
+            for stage in model.manifest.stages:
+                path = b.models.artifact_path(stage.sha256)
+                assert path is not None, f"{model.name}: {stage.file} lost"
+                assert hashlib.sha256(path.read_bytes()).hexdigest() == stage.sha256
+            assert b.driver.core.plans[model.name].placement is not None  # restored
+        unfinished = expected["queued_job"]
+        for job, state in expected["jobs"].items():
+            row = b.store.job(job)
+            assert row is not None and (job == unfinished or row.state == state), (job, row)
+        got = b.jobs.results(expected["embedding_job"], 0, 100)["embeddings"]
+        assert np.array_equal(np.array(got), np.array(expected["embeddings"]))
+        steps = b.store.finetune_steps(expected["finetune_job"])
+        assert [loss for _, losses in steps for loss in losses] == expected["finetune_losses"]
+        adapter, _ = b.jobs.adapter_path(expected["finetune_job"])
+        assert adapter.is_file()
+        assert b.store.story(expected["embedding_job"])  # the event log is kept
+
+        # The job the broker stopped runs once providers come back: its stored graph still runs.
+        model = b.store.job(unfinished).model
+        for _ in range(3):
+            await s.provider()
+        await s.elapse(b.config.grace_s + 2)  # the old providers' grace period ends: re-placed
+        row = await s.until(
+            "the queued job",
+            lambda: (r := b.store.job(unfinished)) and r.state == "succeeded" and r,
+            timeout=60,
+        )
+        rows = b.jobs.results(row.id, 0, 100)["embeddings"]
+        first = np.array(expected["embeddings"][:2])
+        assert model == "tiny-bert" and np.allclose(np.array(rows), first, atol=1e-4)
+    finally:
+        await s.close()
