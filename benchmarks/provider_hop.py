@@ -37,7 +37,8 @@ from ir.package import load_package
 from p2p import Host, HostConfig, Tensor
 from proto.session import SESSION, SessionOpen, SessionStep
 from provider.profile import measure
-from provider.serving import LoadedStage, Server
+from provider.serving import Server
+from provider.stage import LoadedStage
 
 LOCAL = ("/ip4/127.0.0.1/tcp/0",)
 

@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from broker.store import EventRow, Store
+from broker.schema import EventRow
+from broker.store import Store
 
 log = logging.getLogger("fusionai.broker")
 

@@ -65,7 +65,7 @@ from proto.train import (
 )
 
 if TYPE_CHECKING:
-    from broker.store import JobRow
+    from broker.schema import JobRow
 
 log = logging.getLogger("fusionai.broker")
 Array = np.ndarray[Any, Any]

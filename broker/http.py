@@ -53,7 +53,7 @@ from broker.errors import Conflict, NotFound, TooBusy, Unavailable
 from broker.gateway import Gateway
 from broker.jobs import TERMINAL, JobError
 from broker.models import ModelStoreError
-from broker.store import JobRow
+from broker.schema import JobRow
 
 if TYPE_CHECKING:
     from broker.service import Broker

@@ -39,8 +39,9 @@ from broker.core.events import JobEnded, JobProgressed, JobQueued, ModelUsed
 from broker.errors import Conflict, NotFound, Unavailable
 from broker.events import EventLog
 from broker.models import ModelStore
+from broker.schema import JobRow
 from broker.serving import Serving
-from broker.store import JobRow, Store
+from broker.store import Store
 from broker.verify import Verifier
 from client.session import unless_lost
 from client.stages import ClientStageError, ClientStages

@@ -13,118 +13,10 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS models (
-    name TEXT PRIMARY KEY,
-    manifest BLOB NOT NULL,
-    added_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS placements (
-    model TEXT PRIMARY KEY,
-    data TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    seq INTEGER NOT NULL,
-    kind TEXT NOT NULL,
-    model TEXT NOT NULL,
-    state TEXT NOT NULL,
-    request TEXT NOT NULL,
-    graph TEXT NOT NULL,
-    microbatches INTEGER NOT NULL,
-    estimate_s REAL NOT NULL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    error TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS results (
-    job TEXT NOT NULL,
-    idx INTEGER NOT NULL,
-    attempts INTEGER NOT NULL,
-    shape TEXT NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (job, idx)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at REAL NOT NULL,
-    kind TEXT NOT NULL,
-    job TEXT,
-    peer TEXT,
-    data TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS snapshots (
-    job TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    stage INTEGER NOT NULL,
-    data TEXT NOT NULL,
-    PRIMARY KEY (job, step, stage)
-);
-CREATE TABLE IF NOT EXISTS adapters (
-    job TEXT PRIMARY KEY,
-    model TEXT NOT NULL,
-    sha256 TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS work (
-    job TEXT NOT NULL,
-    idx INTEGER NOT NULL,
-    peer TEXT NOT NULL,
-    at REAL NOT NULL,
-    PRIMARY KEY (job, idx, peer)
-);
-CREATE TABLE IF NOT EXISTS reputation (
-    peer TEXT PRIMARY KEY,
-    checks INTEGER NOT NULL,
-    agreed INTEGER NOT NULL,
-    disagreed INTEGER NOT NULL,
-    quarantined REAL,
-    reason TEXT NOT NULL DEFAULT ''
-);
-CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
-CREATE INDEX IF NOT EXISTS work_peer ON work (peer, at);
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, seq);
-"""
-
-
-@dataclass(frozen=True)
-class JobRow:
-    id: str
-    seq: int
-    kind: str
-    model: str
-    state: str
-    request: dict[str, Any]
-    graph: bytes
-    microbatches: int
-    estimate_s: float
-    created: float
-    updated: float
-    error: str
-
-
-@dataclass(frozen=True)
-class EventRow:
-    id: int
-    at: float
-    kind: str
-    job: str | None
-    peer: str | None
-    data: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "at": round(self.at, 6), "kind": self.kind}
-        if self.job:
-            out["job"] = self.job
-        if self.peer:
-            out["peer"] = self.peer
-        out.update(self.data)
-        return out
+from broker.schema import EventRow, JobRow, open_schema
 
 
 class Store:
@@ -138,7 +30,7 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.execute("PRAGMA busy_timeout=5000")
-        self.db.executescript(SCHEMA)
+        open_schema(self.db)  # new, or brought up to date (refused if from a newer broker)
         self._since_trim = 0
 
     def close(self) -> None:

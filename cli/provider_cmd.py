@@ -84,9 +84,11 @@ def profile(args: argparse.Namespace) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
-    from provider.daemon import Provider, ProviderConfig, add_event_sink
+    from provider.config import ProviderConfig
+    from provider.daemon import Provider
+    from provider.events import add_event_sink
+    from provider.faults import Fault
     from provider.hosting import ExecutorChoice
-    from provider.serving import Fault
 
     if "/p2p/" not in args.broker:
         print("error: --broker must be a multiaddr ending in /p2p/<peer id>", file=sys.stderr)

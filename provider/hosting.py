@@ -23,7 +23,7 @@ from ir.executors.base import Executor
 from ir.manifest import ModelManifest, StageInfo
 from ir.validate import validate_onnx_file
 from proto.assign import Assign
-from provider.serving import LoadedStage
+from provider.stage import LoadedStage
 
 log = logging.getLogger(__name__)
 

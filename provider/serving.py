@@ -7,51 +7,31 @@ work may use only half the queue, so inference goes first. Sessions belong to th
 opened them, expire after `idle_timeout_s`, and their caches together stay under
 `kv_budget_bytes` (a step that would exceed it is answered `busy`, its session intact).
 
-Admitted requests then wait for one of `compute_slots` execution slots (default 1): the
-executor already uses every core (or the GPU) for one run, and more runs at once on the same
-cores only thrash their caches (measured: 12 MiniLM stage runs at once on 2 cores cost 43 %
-more CPU than 3). Waiting requests take a free slot in priority order: session steps
-(interactive), then forward requests, then training work; first come, first served within one.
+Admitted requests then wait for one of `compute_slots` execution slots (`gate.py`: session
+steps first, then forward requests, then training work). Chained requests (`chain.py`) run
+this provider's hops of a route the broker signed and relay the rest.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any
 
 import numpy as np
 
-from ir.errors import ExecutorError
-from ir.executors.base import Executor
-from ir.manifest import StageInfo
-from ir.pipeline import zero_adapters
 from ir.training import TrainingError, check_adapters
-from p2p import ErrorCode, P2PError, Refused, Relay, RemoteError, RequestTimeout, Tensor, verify
+from p2p import ErrorCode, Refused, Relay, Tensor
 from proto.forward import (
-    BAD_ANSWER,
     CHAIN,
     FORWARD,
-    MAX_HOPS,
-    ROUTE_DOMAIN,
-    TIMEOUT,
-    UNREACHABLE,
-    ChainAccepted,
-    ChainBroken,
     ChainResult,
     Forward,
     ForwardResult,
-    Hop,
     HopDone,
-    route_bytes,
 )
 from proto.session import (
     SessionClose,
@@ -61,126 +41,14 @@ from proto.session import (
     SessionOutput,
     SessionStep,
 )
+from provider.chain import check_route, finisher
+from provider.faults import Fault
+from provider.gate import ComputeGate, Priority
+from provider.stage import Array, LoadedStage, Session, arrays, run, tensors
 
 log = logging.getLogger(__name__)
-Array = np.ndarray[Any, Any]
 MAX_SESSION_ID = 128  # characters
 SWEEP_EVERY_S = 1.0  # idle sessions are looked for at most this often (and every heartbeat)
-
-
-@dataclass
-class LoadedStage:
-    key: str
-    info: StageInfo
-    executor: Executor
-    role: str  # "active" serves; "backup" stands by until promoted
-    load_s: float = 0.0
-
-    @property
-    def cache_inputs(self) -> list[str]:
-        return [i.name for i in self.info.inputs if i.name.startswith("past_")]
-
-    def with_adapters(self, feeds: dict[str, Array], adapters: dict[str, Array]) -> None:
-        """Feed `adapters`, or zero adapters (the base model) where the caller sent none."""
-        if self.info.adapters and not any(a.b_input in feeds for a in self.info.adapters):
-            feeds.update(adapters or zero_adapters(self.info))
-
-
-@dataclass
-class _Session:
-    peer: str
-    stage: str
-    batch: int
-    cache: dict[str, Array]
-    adapters: dict[str, Array] = field(default_factory=dict)
-    check: bool = False  # a shadow session: it may run on a standby stage
-    past_len: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.cache.values())
-
-
-class Priority(IntEnum):
-    """Who takes a free compute slot first (lowest value)."""
-
-    SESSION = 0  # interactive: a generation step
-    FORWARD = 1  # batch inference
-    TRAINING = 2
-
-
-class ComputeGate:
-    """`slots` executions at once; waiters take a free slot by (priority, arrival)."""
-
-    def __init__(self, slots: int = 1) -> None:
-        if slots < 1:
-            raise ValueError(f"compute slots must be >= 1, got {slots}")
-        self.slots = slots
-        self._busy = 0
-        self._waiting: list[tuple[int, int]] = []  # heap of (priority, ticket)
-        self._tickets = itertools.count()
-        self._cond = threading.Condition()
-
-    @contextmanager
-    def slot(self, priority: Priority) -> Iterator[None]:
-        with self._cond:
-            me = (priority, next(self._tickets))
-            heapq.heappush(self._waiting, me)
-            try:
-                while self._busy >= self.slots or self._waiting[0] != me:
-                    self._cond.wait()
-                self._busy += 1
-            finally:
-                self._waiting.remove(me)
-                heapq.heapify(self._waiting)
-                self._cond.notify_all()  # the next in line may take another free slot
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._busy -= 1
-                self._cond.notify_all()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Deterministic faults for tests (hidden `--fault` option)."""
-
-    die_at_step: int | None = None  # exit the process when serving this request (1-based)
-    wrong_output: bool = False  # add 1 to every floating-point output
-    slow_ms: float = 0.0  # sleep this long before each answer
-    drop: bool = False  # never answer (the caller times out)
-    on: str | None = None  # die-at-step, slow, drop: this stage key only (not wrong-output)
-
-    @classmethod
-    def parse(cls, text: str | None) -> Fault | None:
-        if not text:
-            return None
-        values: dict[str, Any] = {}
-        for part in text.split(","):
-            name, _, value = part.strip().partition("=")
-            if name == "die-at-step" and value.isdigit() and int(value) > 0:
-                values["die_at_step"] = int(value)
-            elif name == "wrong-output" and not value:
-                values["wrong_output"] = True
-            elif name == "slow" and value.replace(".", "", 1).isdigit():
-                values["slow_ms"] = float(value)
-            elif name == "drop" and not value:
-                values["drop"] = True
-            elif name == "on" and value:
-                values["on"] = value
-            else:
-                raise ValueError(
-                    f"unknown fault {part!r}; use die-at-step=N, wrong-output, slow=MS, drop "
-                    f"and on=STAGE_KEY"
-                )
-        return cls(**values)
 
 
 class Server:
@@ -207,7 +75,7 @@ class Server:
         self.peer_id = ""  # ours and our broker's, once the host runs: chained requests
         self.broker_id = ""  # are accepted only along a route the broker signed
         self.stages: dict[str, LoadedStage] = {}
-        self.sessions: dict[tuple[str, str, str], _Session] = {}  # (peer, stage, session)
+        self.sessions: dict[tuple[str, str, str], Session] = {}  # (peer, stage, session)
         self.draining = False
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -331,7 +199,7 @@ class Server:
         return outputs
 
     def _outputs(self, outputs: dict[str, Array]) -> dict[str, Tensor]:
-        return _tensors(self._faulty(outputs))
+        return tensors(self._faulty(outputs))
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -339,7 +207,7 @@ class Server:
         if request.route:
             return self._chained(peer, request)
         stage = self._forward_stage(request.stage, request.check)
-        outputs, ms = self._run_forward(peer, stage, _arrays(request.inputs), request.training)
+        outputs, ms = self._run_forward(peer, stage, arrays(request.inputs), request.training)
         return ForwardResult(outputs=self._outputs(outputs), compute_ms=ms)
 
     def _forward_stage(self, key: str, check: bool = False) -> LoadedStage:
@@ -359,33 +227,21 @@ class Server:
             stage.with_adapters(feeds, {})
             with self.gate.slot(Priority.TRAINING if training else Priority.FORWARD):
                 start = time.perf_counter()
-                outputs = _run(stage.executor, feeds)
+                outputs = run(stage.executor, feeds)
                 return outputs, (time.perf_counter() - start) * 1e3
 
     def _chained(self, peer: str, request: Forward) -> Relay:
         """Run this hop of a chain (and the next ones if they are ours too), then relay the
         hidden states to the next hop's provider, or the outputs to the broker."""
+        check_route(request, peer, self.peer_id, self.broker_id)
         route, i = request.route, request.hop
-        if not self.broker_id:
-            raise Refused(ErrorCode.REFUSED, "this provider takes no chained requests")
-        if len(route) > MAX_HOPS or not 0 <= i < len(route):
-            raise Refused(ErrorCode.REFUSED, f"a route has 1 to {MAX_HOPS} hops, hop within it")
-        if route[i].peer != self.peer_id or route[i].stage != request.stage:
-            raise Refused(ErrorCode.REFUSED, f"hop {i} of this route is not this provider's")
-        if peer != (self.broker_id if i == 0 else route[i - 1].peer):
-            raise Refused(ErrorCode.REFUSED, f"hop {i} of this route comes from another peer")
-        if request.expires < time.time():
-            raise Refused(ErrorCode.REFUSED, "the route has expired")
-        signed = route_bytes(request.chain, route, request.expires)
-        if not verify(self.broker_id, signed, request.signature, domain=ROUTE_DOMAIN):
-            raise Refused(ErrorCode.REFUSED, "the route is not signed by this provider's broker")
-        feeds = _arrays(request.inputs)
+        feeds = arrays(request.inputs)
         done: list[HopDone] = []
         while True:  # this hop, and the following ones while they are ours
             stage = self._forward_stage(route[i].stage)
             names = {t.name for t in stage.info.inputs}
-            run = {k: v for k, v in feeds.items() if k in names}
-            outputs, ms = self._run_forward(peer, stage, run, request.training)
+            mine = {k: v for k, v in feeds.items() if k in names}
+            outputs, ms = self._run_forward(peer, stage, mine, request.training)
             hidden = self._faulty(outputs).get("hidden_states_out")
             if hidden is None:
                 raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} has no hidden_states_out")
@@ -394,20 +250,20 @@ class Server:
             if i + 1 == len(route) or route[i + 1].peer != self.peer_id:
                 break
             i += 1
-        tensors = _tensors(feeds)
+        wire = tensors(feeds)
         timeout = max(request.expires - time.time(), 1.0)
         with self._lock:  # a drain waits for the rest of the route too
             self._relaying += 1
         if i + 1 == len(route):  # the last hop: the outputs go to the broker
             result = ChainResult(
-                chain=request.chain, outputs={"hidden_states_out": tensors["hidden_states"]}
+                chain=request.chain, outputs={"hidden_states_out": wire["hidden_states"]}
             )
-            finish = _finish(done, None, self._relayed)
+            finish = finisher(done, None, self._relayed)
             return Relay(self.broker_id, [], CHAIN, result, timeout, finish)
         nxt = route[i + 1]
         message = Forward(
             stage=nxt.stage,
-            inputs=tensors,
+            inputs=wire,
             training=request.training,
             chain=request.chain,
             route=route,
@@ -416,7 +272,7 @@ class Server:
             signature=request.signature,
         )
         return Relay(
-            nxt.peer, nxt.addrs, FORWARD, message, timeout, _finish(done, nxt, self._relayed)
+            nxt.peer, nxt.addrs, FORWARD, message, timeout, finisher(done, nxt, self._relayed)
         )
 
     def _relayed(self) -> None:
@@ -447,7 +303,7 @@ class Server:
             raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
         if not 1 <= request.batch <= 1024:
             raise Refused(ErrorCode.REFUSED, f"batch must be 1 to 1024, got {request.batch}")
-        adapters = _arrays(request.adapters)
+        adapters = arrays(request.adapters)
         if adapters:
             try:
                 check_adapters(stage.info, adapters)
@@ -477,7 +333,7 @@ class Server:
                 )
             if key in self.sessions:
                 raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
-            self.sessions[key] = _Session(
+            self.sessions[key] = Session(
                 peer, request.stage, request.batch, cache, adapters, check=request.check
             )
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
@@ -498,10 +354,10 @@ class Server:
         with self._admit(peer) as number, session.lock:
             session.last_used = time.monotonic()  # in use: not idle, whatever the step takes
             self._apply_fault(number, session.stage)
-            feeds = {**_arrays(request.inputs), **session.cache}
+            feeds = {**arrays(request.inputs), **session.cache}
             stage.with_adapters(feeds, session.adapters)
             with self.gate.slot(Priority.SESSION):
-                outputs = _run(stage.executor, feeds)
+                outputs = run(stage.executor, feeds)
             new_cache = {
                 name.replace("present_", "past_", 1): value
                 for name, value in outputs.items()
@@ -542,51 +398,3 @@ class Server:
     def kv_bytes(self) -> int:
         with self._lock:
             return sum(s.nbytes for s in self.sessions.values())
-
-
-def _finish(
-    done: list[HopDone], nxt: Hop | None, relayed: Callable[[], None]
-) -> Callable[[Any], ForwardResult | ChainBroken]:
-    """How a chain hop answers once the next hop (`nxt`; None: the broker) has answered."""
-
-    relaying = True
-
-    def finish(outcome: Any) -> ForwardResult | ChainBroken:
-        nonlocal relaying
-        if relaying:  # the relay is over: counted once, however often asked
-            relaying = False
-            relayed()
-        if isinstance(outcome, ChainBroken):  # further down the route
-            return outcome
-        if isinstance(outcome, ForwardResult):
-            return ForwardResult(outputs={}, hops=[*done, *outcome.hops])
-        if isinstance(outcome, ChainAccepted):
-            return ForwardResult(outputs={}, hops=done)
-        peer, stage = (nxt.peer, nxt.stage) if nxt else ("", "")  # "": the broker itself
-        if isinstance(outcome, RemoteError):
-            return ChainBroken(peer, stage, str(outcome.code), str(outcome))
-        if isinstance(outcome, RequestTimeout):
-            return ChainBroken(peer, stage, TIMEOUT, str(outcome))
-        if isinstance(outcome, P2PError):
-            return ChainBroken(peer, stage, UNREACHABLE, str(outcome))
-        return ChainBroken(peer, stage, BAD_ANSWER, f"unexpected {type(outcome).__name__}")
-
-    return finish
-
-
-def _tensors(arrays: dict[str, Array]) -> dict[str, Tensor]:
-    return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-
-
-def _arrays(tensors: dict[str, Tensor]) -> dict[str, Array]:
-    try:
-        return {k: t.to_numpy() for k, t in tensors.items()}
-    except ValueError as exc:
-        raise Refused(ErrorCode.REFUSED, f"bad tensor: {exc}") from None
-
-
-def _run(executor: Executor, feeds: dict[str, Array]) -> dict[str, Array]:
-    try:
-        return executor.run(feeds)
-    except ExecutorError as exc:
-        raise Refused(ErrorCode.REFUSED, str(exc)) from None

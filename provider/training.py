@@ -53,8 +53,10 @@ from proto.train import (
     TrainUpdate,
     TrainUpdated,
 )
-from provider.serving import LoadedStage, Priority, Server
+from provider.gate import Priority
+from provider.serving import Server
 from provider.shards import ShardError, ShardStore, decode, encode, sha256
+from provider.stage import LoadedStage
 
 log = logging.getLogger(__name__)
 Array = np.ndarray[Any, Any]

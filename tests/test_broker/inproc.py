@@ -22,7 +22,8 @@ from broker.core.events import ClockTicked
 from broker.service import Broker
 from p2p import Host, Identity
 from p2p.testing import MemoryHost, MemoryNetwork
-from provider.daemon import Provider, ProviderConfig
+from provider.config import ProviderConfig
+from provider.daemon import Provider
 from provider.profile import ExecutorProfile, MachineProfile
 
 # What a provider measured (a 2-core CPU machine); the same for every provider unless said.

@@ -12,7 +12,7 @@ import pytest
 from p2p import Identity
 from proto.heartbeat import HEARTBEAT, Heartbeat
 from proto.join import JOIN, JOIN_DOMAIN, Join, signed_join_bytes
-from provider.serving import Fault
+from provider.faults import Fault
 from tests.test_broker.conftest import local_embeddings
 from tests.test_broker.inproc import Swarm, host_of, swarm
 

@@ -15,7 +15,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from broker.schema import VERSION, SchemaError
+from broker.store import Store
 from tests.test_broker.inproc import swarm
 
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "broker-v1"
@@ -64,3 +67,17 @@ async def test_a_data_folder_from_the_previous_release_opens_with_everything_in_
         assert model == "tiny-bert" and np.allclose(np.array(rows), first, atol=1e-4)
     finally:
         await s.close()
+
+
+def test_the_database_is_versioned_and_one_from_a_newer_broker_is_refused(tmp_path: Path) -> None:
+    shutil.copy(FIXTURE / "broker.db", tmp_path / "broker.db")
+    store = Store(tmp_path / "broker.db")  # written before versioning: taken as version 1
+    assert store.db.execute("PRAGMA user_version").fetchone() == (VERSION,)
+    assert len(store.jobs()) == 4
+    store.db.execute(f"PRAGMA user_version = {VERSION + 1}")  # as a newer broker leaves it
+    store.close()
+    with pytest.raises(SchemaError, match=r"newer broker.*upgrade fusionai"):
+        Store(tmp_path / "broker.db")
+    fresh = Store(tmp_path / "new.db")
+    assert fresh.db.execute("PRAGMA user_version").fetchone() == (VERSION,)
+    fresh.close()

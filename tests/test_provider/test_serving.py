@@ -42,7 +42,10 @@ from proto.forward import (
     route_bytes,
 )
 from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
-from provider.serving import ComputeGate, Fault, LoadedStage, Priority, Server
+from provider.faults import Fault
+from provider.gate import ComputeGate, Priority
+from provider.serving import Server
+from provider.stage import LoadedStage
 from tests.procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
@@ -405,7 +408,7 @@ def test_fault_options_parse_or_are_refused() -> None:
 
 
 def test_addresses_on_all_interfaces_are_announced_as_dialable_ones() -> None:
-    from provider.daemon import dialable
+    from provider.addresses import dialable
 
     out = dialable(["/ip4/0.0.0.0/tcp/4001/p2p/12D3KooWX", "/ip4/10.1.2.3/tcp/9/p2p/12D3KooWX"])
     assert "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWX" in out

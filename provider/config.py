@@ -1,0 +1,33 @@
+"""The provider daemon's settings: one frozen dataclass, a unit on every field; the CLI's
+`fusionai provider start` flags map onto it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from provider.faults import Fault
+from provider.hosting import ExecutorChoice
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    broker: str  # the broker's multiaddr, ending in /p2p/<peer id>
+    data_dir: Path
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce: tuple[str, ...] = ()  # addresses others dial instead of the listen ones (e.g.
+    # a public address forwarded to this machine); /p2p/<peer id> is added when missing
+    executor: ExecutorChoice = field(default_factory=ExecutorChoice)
+    max_memory_bytes: int | None = None  # None: the device's free memory when profiled
+    cache_bytes: int = 20 * 1024**3  # artifact cache size limit, bytes
+    drain_s: float = 30.0  # how long a graceful stop waits for requests in flight, seconds
+    join_token: str | None = None
+    reprofile: bool = False  # measure the hardware again instead of using the cached profile
+    max_queue: int = 32  # requests waiting for a compute slot before new ones are busy
+    per_peer: int = 8  # of those, at most this many from one peer
+    compute_slots: int = 1  # stage runs at once (each uses every core, or the GPU)
+    kv_budget_bytes: int | None = None  # None: a quarter of the memory budget
+    idle_timeout_s: float = 300.0  # a generation session idle this long is closed, seconds
+    fault: Fault | None = None  # a fault to inject (tests and chaos runs only)
+    backoff_max_s: float = 30.0  # longest wait between joins while the broker is away
+    status_every_s: float = 5.0  # live status line on a terminal, seconds (0: off)

@@ -1,0 +1,61 @@
+"""The provider's structured events: one log line each (the name and its fields as JSON),
+also handed to any sink added (`fusionai provider start --json` prints them)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+log = logging.getLogger("fusionai.provider")
+
+EventSink = Callable[[dict[str, Any]], None]
+_sinks: list[EventSink] = []
+
+
+def add_event_sink(sink: EventSink) -> None:
+    """Also hand every event (a dict with "event", "t" and its fields) to `sink`."""
+    _sinks.append(sink)
+
+
+def event(name: str, **fields: Any) -> None:
+    """A structured log line: the event name and its fields as JSON."""
+    log.info("%s %s", name, json.dumps(fields, default=str, sort_keys=True))
+    for sink in _sinks:
+        sink({"event": name, "t": round(time.time(), 3), **fields})
+
+
+def throttled_progress(label: str) -> Callable[[int, int], None]:
+    """A download progress callback that reports at most once a second, and the end."""
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 1.0:
+            return
+        last[0] = now
+        event("download", stage=label, done=done, total=total)
+
+    return report
+
+
+def version() -> str:
+    try:
+        return metadata.version("fusionai")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def onnxruntime_distributions() -> list[str]:
+    """The onnxruntime packages installed (CPU, CUDA and DirectML builds share one module)."""
+    found = []
+    for dist in ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml"):
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(dist)
+    return found

@@ -1,0 +1,220 @@
+"""Membership: join the broker, then heartbeat; join again (with backoff) when it cannot be
+reached or has forgotten us.
+
+Joining sends the measured hardware profile, signed with the provider's identity, plus the
+measured round trip and bandwidth to the broker, and the stages still loaded (a broker that
+restarted learns what we have). A heartbeat reports what is loaded, the queue, the KV-cache
+bytes, and whether we are draining; the broker answers whether it knows us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+
+import msgspec
+
+from p2p import Host, P2PError
+from proto.heartbeat import HEARTBEAT, Heartbeat
+from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, signed_join_bytes
+from proto.ping import PING, Ping
+from provider.addresses import announced, dialable
+from provider.config import ProviderConfig
+from provider.events import event, version
+from provider.profile import MachineProfile
+from provider.serving import Server
+
+log = logging.getLogger("fusionai.provider")
+
+FAST_RETRY_S = 30.0  # seconds of an outage during which joins are retried about every second
+
+
+class Rejoin(Exception):
+    """The broker does not know this provider (it restarted): join again."""
+
+
+class Refused(Exception):
+    """The broker refused the join; the message is its reason."""
+
+
+class Membership:
+    """This provider's membership of the broker's pool. `host`, `profile` and
+    `memory_budget` are set by the daemon once known (attach, prepare)."""
+
+    def __init__(self, config: ProviderConfig, server: Server, broker_id: str, boot: str):
+        self.config = config
+        self.server = server
+        self.broker_id = broker_id
+        self.boot = boot  # this process: joining again is not a restart
+        self.host: Host | None = None
+        self.profile: MachineProfile | None = None
+        self.memory_budget = 0
+        self.joined = asyncio.Event()
+        self.heartbeat_s = 5.0
+        self.wake = asyncio.Event()  # send a heartbeat now (draining started)
+        self.told_draining = asyncio.Event()  # the broker acknowledged we are draining
+        self._seq = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Join, then heartbeat; on any failure join again with backoff, until `stop`."""
+        backoff = 0.5
+        immediate = True  # one immediate re-join after the broker forgot us, then backoff
+        outage_since: float | None = None
+        while not stop.is_set():
+            if self.server.draining and not self.joined.is_set():
+                return  # leaving: no point in joining again
+            try:
+                await self.join()
+                backoff = 0.5
+                outage_since = None
+                await self._heartbeats(stop)
+            except (P2PError, OSError) as exc:
+                self.joined.clear()
+                event("broker_unreachable", error=str(exc), retry_s=round(backoff, 1))
+            except Rejoin as exc:
+                self.joined.clear()
+                event("rejoin", reason=str(exc))
+                if immediate:
+                    immediate = False
+                    continue
+            except Refused as exc:
+                self.joined.clear()
+                event("join_refused", reason=str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an unexpected answer: say so, keep trying
+                self.joined.clear()
+                log.exception("membership with the broker failed")
+                event("broker_error", error=f"{type(exc).__name__}: {exc}")
+            if outage_since is None:
+                outage_since = time.monotonic()
+            # Retry about once a second for the first FAST_RETRY_S of an outage (a broker
+            # restart takes seconds), then back off exponentially; jitter spreads the swarm.
+            fast = time.monotonic() - outage_since < FAST_RETRY_S
+            delay = min(1.0, backoff) if fast else backoff
+            try:
+                await asyncio.wait_for(stop.wait(), delay * random.uniform(0.5, 1.0))
+            except TimeoutError:
+                pass
+            backoff = min(self.config.backoff_max_s, backoff * 2)
+
+    async def measure_network(self) -> tuple[float, float]:
+        """(upload bytes/s, rtt s) to the broker: pings, then 512 KiB echoes (assumed
+        symmetric: the echo takes as long back)."""
+        assert self.host is not None
+        rtts = []
+        for i in range(5):
+            start = time.perf_counter()
+            await self.host.request(self.broker_id, PING, Ping(nonce=i), timeout=10.0)
+            rtts.append(time.perf_counter() - start)
+        rtt = statistics.median(rtts)
+        payload = b"\0" * (512 * 1024)  # under the ping protocol's 1 MiB limit
+        times = []
+        for i in range(3):
+            start = time.perf_counter()
+            await self.host.request(
+                self.broker_id, PING, Ping(nonce=100 + i, payload=payload), timeout=30.0
+            )
+            times.append(time.perf_counter() - start)
+        transfer = max(1e-6, min(times) - rtt)
+        return 2 * len(payload) / transfer, rtt
+
+    def _announced(self) -> list[str]:
+        assert self.host is not None
+        if self.config.announce:
+            return announced(self.config.announce, self.host.peer_id)
+        return dialable(self.host.addrs)
+
+    async def join(self) -> None:
+        """Join the broker once (raises `Refused` with its reason)."""
+        assert self.host is not None and self.profile is not None
+        await self.host.connect(self.config.broker)
+        up, rtt = await self.measure_network()
+        profile = JoinProfile(
+            gpu=self.profile.gpu,
+            cpu=self.profile.cpu,
+            cpu_cores=self.profile.cpu_cores,
+            executors=[
+                ExecutorInfo(
+                    e.executor,
+                    e.device,
+                    dict(e.flops),
+                    e.mem_bandwidth,
+                    e.memory_bytes,
+                    e.memory_free_bytes,
+                )
+                for e in self.profile.executors
+            ],
+            executor=self.config.executor.kind,
+            memory_limit_bytes=self.memory_budget,
+            net_up_bytes_s=up,
+            rtt_s=rtt,
+            version=version(),
+            addrs=self._announced(),
+        )
+        body = msgspec.json.encode(profile)
+        stamp = time.time()
+        signature = self.host.identity.sign(
+            signed_join_bytes(body, self.broker_id, stamp), domain=JOIN_DOMAIN
+        )
+        reply = await self.host.request(
+            self.broker_id,
+            JOIN,
+            Join(
+                profile=body,
+                signature=signature,
+                broker=self.broker_id,
+                timestamp=stamp,
+                token=self.config.join_token,
+                loaded=sorted(self.server.stages),
+                boot=self.boot,
+            ),
+            timeout=15.0,
+        )
+        if not reply.accepted:
+            raise Refused(reply.reason or "the broker refused the join")
+        self.heartbeat_s = max(0.2, reply.heartbeat_s)
+        self.joined.set()
+        event(
+            "joined",
+            broker=self.broker_id,
+            pool=reply.pool,
+            rtt_ms=round(rtt * 1e3, 2),
+            up_mb_s=round(up / 1e6, 1),
+            loaded=sorted(self.server.stages),
+        )
+
+    async def heartbeat(self) -> None:
+        """One heartbeat; raises `Rejoin` if the broker does not know us."""
+        assert self.host is not None
+        self._seq += 1
+        self.server.expire()
+        self.wake.clear()  # (a wake while this heartbeat is on its way sends another)
+        draining = self.server.draining
+        ack = await self.host.request(
+            self.broker_id,
+            HEARTBEAT,
+            Heartbeat(
+                seq=self._seq,
+                loaded=sorted(self.server.stages),
+                queued=self.server.in_flight,
+                kv_bytes=self.server.kv_bytes(),
+                draining=draining,
+            ),
+            timeout=max(2.0, 2 * self.heartbeat_s),
+        )
+        if not ack.known:
+            raise Rejoin("the broker does not know this provider (it restarted)")
+        if draining:
+            self.told_draining.set()
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.heartbeat()
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.heartbeat_s)
+            except TimeoutError:
+                pass

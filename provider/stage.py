@@ -1,0 +1,75 @@
+"""A stage loaded on this provider, a generation session's state, and the conversions between
+wire tensors and arrays that every handler uses (a bad tensor or a failed run is refused with
+the reason, never an exception that kills the connection)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ir.errors import ExecutorError
+from ir.executors.base import Executor
+from ir.manifest import StageInfo
+from ir.pipeline import zero_adapters
+from p2p import ErrorCode, Refused, Tensor
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass
+class LoadedStage:
+    key: str
+    info: StageInfo
+    executor: Executor
+    role: str  # "active" serves; "backup" stands by until promoted
+    load_s: float = 0.0
+
+    @property
+    def cache_inputs(self) -> list[str]:
+        return [i.name for i in self.info.inputs if i.name.startswith("past_")]
+
+    def with_adapters(self, feeds: dict[str, Array], adapters: dict[str, Array]) -> None:
+        """Feed `adapters`, or zero adapters (the base model) where the caller sent none."""
+        if self.info.adapters and not any(a.b_input in feeds for a in self.info.adapters):
+            feeds.update(adapters or zero_adapters(self.info))
+
+
+@dataclass
+class Session:
+    """One generation session on one stage: its KV cache, owned by the peer that opened it."""
+
+    peer: str
+    stage: str
+    batch: int
+    cache: dict[str, Array]
+    adapters: dict[str, Array] = field(default_factory=dict)
+    check: bool = False  # a shadow session: it may run on a standby stage
+    past_len: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.cache.values())
+
+
+def tensors(arrays: dict[str, Array]) -> dict[str, Tensor]:
+    return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+
+
+def arrays(wire: dict[str, Tensor]) -> dict[str, Array]:
+    try:
+        return {k: t.to_numpy() for k, t in wire.items()}
+    except ValueError as exc:
+        raise Refused(ErrorCode.REFUSED, f"bad tensor: {exc}") from None
+
+
+def run(executor: Executor, feeds: dict[str, Array]) -> dict[str, Array]:
+    try:
+        return executor.run(feeds)
+    except ExecutorError as exc:
+        raise Refused(ErrorCode.REFUSED, str(exc)) from None
