@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import trio
 
+from p2p._outgoing import Outgoing
 from p2p.codec import (
-    FLAG_MORE,
     HEADER,
     HEADER_SIZE,
     MAX_CHUNK,
@@ -71,33 +71,6 @@ class ChannelOwner(Protocol):
     def on_closed(self, channel: Channel, error: BaseException | None) -> None: ...
 
 
-class _Outgoing:
-    __slots__ = ("call_id", "kind", "offset", "on_sent", "payload")
-
-    def __init__(
-        self, kind: int, call_id: int, payload: bytes, on_sent: Callable[[bool], None] | None
-    ) -> None:
-        self.kind = kind
-        self.call_id = call_id
-        self.payload = memoryview(payload)
-        self.offset = 0
-        self.on_sent = on_sent
-
-    def next_frame_size(self, chunk: int) -> int:
-        return HEADER_SIZE + min(chunk, len(self.payload) - self.offset)
-
-    def take(self, chunk: int) -> bytes:
-        start = self.offset
-        end = min(start + chunk, len(self.payload))
-        self.offset = end
-        flags = FLAG_MORE if end < len(self.payload) else 0
-        return HEADER.pack(end - start, self.kind, flags, self.call_id) + self.payload[start:end]
-
-    @property
-    def done(self) -> bool:
-        return self.offset >= len(self.payload)
-
-
 class Channel:
     """A framed, flow-controlled duplex over one libp2p stream.
 
@@ -129,8 +102,8 @@ class Channel:
         self._max_message = max_message
         # sending
         self._ctrl: deque[bytes] = deque()
-        self._small: deque[_Outgoing] = deque()  # single-frame messages
-        self._large: deque[_Outgoing] = deque()  # multi-frame messages, one at a time
+        self._small: deque[Outgoing] = deque()  # single-frame messages
+        self._large: deque[Outgoing] = deque()  # multi-frame messages, one at a time
         self._out_bytes = 0  # payload bytes queued and not yet written
         self._last_large = False
         self._send_credit = INITIAL_CREDIT
@@ -274,7 +247,7 @@ class Channel:
             if on_sent is not None:
                 on_sent(False)
             return
-        item = _Outgoing(kind, call_id, payload, on_sent)
+        item = Outgoing(kind, call_id, payload, on_sent)
         if self.mode != "stream" and len(payload) <= self._chunk:
             self._small.append(item)
         else:
@@ -306,7 +279,7 @@ class Channel:
         self.consumed(size)
         self._start_waiting()
 
-    def _next_outgoing(self) -> tuple[deque[_Outgoing], _Outgoing] | None:
+    def _next_outgoing(self) -> tuple[deque[Outgoing], Outgoing] | None:
         """Alternate between small messages and frames of the large message in progress."""
         if self._small and (not self._large or self._last_large):
             return self._small, self._small[0]

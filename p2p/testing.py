@@ -16,8 +16,9 @@ from typing import Any
 
 from p2p.codec import Message, ProtocolSpec
 from p2p.config import HostConfig
-from p2p.host import Host, Stream
+from p2p.host import Host
 from p2p.memory import MemoryHost, MemoryNetwork
+from p2p.stream import Stream
 from p2p.tensor import Tensor
 
 __all__ = ["MemoryHost", "MemoryNetwork"]  # (and the helpers below)

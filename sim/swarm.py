@@ -39,8 +39,7 @@ from broker.core.events import (
 from broker.core.placement import Placement, PlacementConfig, PlacementError, Replica, equal_split
 from broker.core.pool import PoolState
 from dag.cost import HardwareProfile
-from sim import brokered, petals
-from sim.catalog import GPUS, NETWORKS, profile
+from sim import brokered, petals, population
 from sim.driver import Driver
 from sim.engine import Engine
 from sim.rates import ReplicaRates
@@ -63,32 +62,13 @@ class SwarmSim:
         self.driver = Driver(scenario.core_config(self.config))
         self.ours = scenario.placement == "ours"
         self.keys = tuple(f"{self.model.name}/{i}" for i in range(self.model.n_layers))
-        network = NETWORKS[scenario.network]
-        names, weights = zip(*sorted(scenario.gpus.items()), strict=True)
-        self.profiles: dict[str, HardwareProfile] = {}
-        self.download: dict[str, float] = {}
-        self.power: dict[str, float] = {}
-
-        def recruit(i: int) -> str:
-            gpu = GPUS[self.rng.choices(names, weights)[0]]
-            up, down = network.draw(self.rng)
-            peer = f"{gpu.name}-{i}"
-            self.profiles[peer] = profile(gpu, up, network.rtt)
-            self.download[peer] = down
-            self.power[peer] = gpu.power_w
-            return peer
-
-        self.initial = [recruit(i) for i in range(scenario.peers)]
-        self.rates = ReplicaRates(self.w, self.profiles)  # (newcomers' profiles join later)
-        # Newcomers: a Poisson process over the run, drawn up front so a seed fixes them.
-        self.arrivals: list[tuple[float, str]] = []
-        rate = scenario.peers * scenario.churn.arrivals_per_peer_hour / 3600.0
-        t = 0.0
-        while rate > 0:
-            t += self.rng.expovariate(rate)
-            if t >= scenario.hours * 3600.0:
-                break
-            self.arrivals.append((t, recruit(scenario.peers + len(self.arrivals))))
+        people = population.draw(scenario, self.rng)
+        self.profiles: dict[str, HardwareProfile] = people.profiles
+        self.download: dict[str, float] = people.download
+        self.power: dict[str, float] = people.power
+        self.initial = people.initial
+        self.arrivals: list[tuple[float, str]] = people.arrivals
+        self.rates = ReplicaRates(self.w, self.profiles)
         self.online: set[str] = set()
         self.session: dict[str, int] = {}  # peer -> its current online session's number
         self.placement: Placement | None = None
