@@ -36,7 +36,9 @@ import numpy as np
 from broker.jobs import JobError, JobFailed, JobRunner, Ref
 from client.stages import ClientStages
 from dag.builders import finetune
+from dag.execute import Unit, execute
 from dag.tasks import TaskKind, task
+from dag.validate import DagError
 from ir.manifest import ModelManifest, StageInfo
 from ir.training import (
     METHODS,
@@ -270,10 +272,6 @@ class Backend(Protocol):
     async def update(self, pos: int, step: int) -> float: ...
 
 
-def _microbatch_of(node: str) -> int:
-    return int(node.split(".", 1)[0].removeprefix("mb"))
-
-
 async def run_step(
     graph: nx.DiGraph,
     step: int,
@@ -283,53 +281,57 @@ async def run_step(
     backend: Backend,
 ) -> float:
     """Run one optimizer step's graph, every task as soon as its inputs are ready; returns the
-    step's mean token loss."""
+    step's mean token loss. A failure cancels the rest (an `ExceptionGroup`)."""
     r = data.request
     scale = 1.0 / (r.batch * r.seq_len)
-    done: dict[str, asyncio.Future[dict[str, Any]]] = {
-        n: asyncio.get_running_loop().create_future() for n in graph.nodes
-    }
     losses: dict[int, float] = {}
 
-    async def run(node: str) -> None:
-        t = task(graph, node)
-        inputs: dict[str, Any] = {}
-        for src, _, e in graph.in_edges(node, data=True):
-            inputs[e["into"]] = (await done[src])[e["tensor"]]
-        out: dict[str, Any] = {}
-        if t.kind is TaskKind.DATA_LOAD:
-            ids, _ = data.microbatch(step, _microbatch_of(node))
-            out["ids"] = ids
-        elif t.kind is TaskKind.EMBED:
-            out["hidden"] = await asyncio.to_thread(client.embed, inputs["ids"])
-        elif t.kind is TaskKind.FORWARD:
-            assert t.stage is not None
-            hidden = inputs["hidden"]
-            positions = np.broadcast_to(
-                np.arange(hidden.shape[1], dtype=np.int64), hidden.shape[:2]
-            ).copy()
-            feeds = {"hidden_states": hidden, "position_ids": positions}
-            out["hidden"] = await backend.forward(t.stage, step, _microbatch_of(node), feeds)
-            out["saved"] = None
-        elif t.kind is TaskKind.LOSS:
-            m = _microbatch_of(node)
-            _, targets = data.microbatch(step, m)
-            losses[m], out["grad"] = await asyncio.to_thread(head, inputs["hidden"], targets, scale)
-        elif t.kind is TaskKind.BACKWARD:
-            assert t.stage is not None
-            m = _microbatch_of(node)
-            out["grad"] = await backend.backward(t.stage, step, m, inputs["grad"], t.stage > 0)
-            out["adapter_grad"] = None
-        elif t.kind is TaskKind.UPDATE:
-            assert t.stage is not None
-            await backend.update(t.stage, step)
-        else:
-            raise TrainingError(f"task {node} ({t.kind}) cannot run in a fine-tune job")
-        done[node].set_result(out)
+    async def load(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+        ids, _ = data.microbatch(step, unit.microbatch)
+        return {"ids": ids}
 
-    async with asyncio.TaskGroup() as group:
-        for node in graph.nodes:
-            group.create_task(run(node))
+    async def embed(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
+
+    async def forward(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+        hidden = inputs["hidden"]
+        positions = np.broadcast_to(
+            np.arange(hidden.shape[1], dtype=np.int64), hidden.shape[:2]
+        ).copy()
+        feeds = {"hidden_states": hidden, "position_ids": positions}
+        (stage,) = unit.stages
+        return {"hidden": await backend.forward(stage, step, unit.microbatch, feeds), "saved": None}
+
+    async def loss(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+        m = unit.microbatch
+        _, targets = data.microbatch(step, m)
+        losses[m], grad = await asyncio.to_thread(head, inputs["hidden"], targets, scale)
+        return {"grad": grad}
+
+    async def backward(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+        (stage,) = unit.stages
+        grad = await backend.backward(stage, step, unit.microbatch, inputs["grad"], stage > 0)
+        return {"grad": grad, "adapter_grad": None}
+
+    async def update(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+        (stage,) = unit.stages
+        await backend.update(stage, step)
+        return {}
+
+    handlers = {
+        TaskKind.DATA_LOAD: load,
+        TaskKind.EMBED: embed,
+        TaskKind.FORWARD: forward,
+        TaskKind.LOSS: loss,
+        TaskKind.BACKWARD: backward,
+        TaskKind.UPDATE: update,
+    }
+    try:
+        await execute(graph, handlers, concurrent=True)
+    except DagError as exc:
+        raise TrainingError(
+            f"{exc} (a fine-tune step runs forward, loss, backward, update)"
+        ) from None
     return float(sum(losses[m] for m in sorted(losses)))
 
 

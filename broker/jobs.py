@@ -47,7 +47,9 @@ from client.session import unless_lost
 from client.stages import ClientStageError, ClientStages
 from dag.builders import inference_pipeline
 from dag.cost import Workload
+from dag.execute import Unit, execute
 from dag.tasks import TaskKind, task
+from dag.validate import DagError
 from dag.wire import from_json, to_json
 from files.atomic import write_atomic
 from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout, Tensor
@@ -597,41 +599,36 @@ class JobRunner:
         avoid: set[str],
         used: list[str],
     ) -> Array:
-        values: dict[str, dict[str, Array]] = {}
-        result: Array | None = None
-        order = list(nx.topological_sort(graph))
-        n = 0
-        while n < len(order):
-            node = order[n]
-            n += 1
-            t = task(graph, node)
-            inputs = {
-                e["into"]: values[src][e["tensor"]] for src, _, e in graph.in_edges(node, data=True)
-            }
-            if t.kind is TaskKind.DATA_LOAD:
-                values[node] = {"ids": ids}
-            elif t.kind is TaskKind.EMBED:
-                values[node] = {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
-            elif t.kind is TaskKind.FORWARD:
-                assert t.stage is not None
-                stages = [t.stage]  # with the FORWARD tasks that directly follow it
-                while n < len(order) and graph.has_edge(node, order[n]):
-                    after = task(graph, order[n])
-                    if after.kind is not TaskKind.FORWARD or graph.in_degree(order[n]) != 1:
-                        break
-                    assert after.stage is not None
-                    stages.append(after.stage)
-                    node = order[n]
-                    n += 1
-                hidden = await self._stages(job, stages, inputs["hidden"], mask, avoid, used)
-                values[node] = {"hidden": hidden}
-            elif t.kind is TaskKind.HEAD:
-                result = await asyncio.to_thread(client.head, inputs["hidden"], mask)
-            else:
-                raise JobFailed(f"task {node} ({t.kind}) cannot run in an embedding job")
-        if result is None:
+        """One microbatch through the job graph (its forward stages chained provider to
+        provider); the head's output."""
+
+        async def load(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"ids": ids}
+
+        async def embed(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
+
+        async def forward(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            hidden = await self._stages(job, unit.stages, inputs["hidden"], mask, avoid, used)
+            return {"hidden": hidden}
+
+        async def head(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"out": await asyncio.to_thread(client.head, inputs["hidden"], mask)}
+
+        handlers = {
+            TaskKind.DATA_LOAD: load,
+            TaskKind.EMBED: embed,
+            TaskKind.FORWARD: forward,
+            TaskKind.HEAD: head,
+        }
+        try:
+            values = await execute(graph, handlers, fuse=frozenset({TaskKind.FORWARD}))
+        except DagError as exc:
+            raise JobFailed(f"{exc} (an embedding job runs load, embed, forward, head)") from None
+        results = [v["out"] for v in values.values() if "out" in v]
+        if len(results) != 1:
             raise JobFailed("the job graph has no head task")
-        return np.ascontiguousarray(result, dtype=np.float32)
+        return np.ascontiguousarray(results[0], dtype=np.float32)
 
     async def _stages(
         self,

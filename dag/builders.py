@@ -8,6 +8,7 @@ traffic per task feed the cost model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import networkx as nx
 
@@ -202,7 +203,14 @@ def _finetune_replica(
     for m in range(microbatches):
         p = f"{prefix}mb{m}."
         load = add_task(
-            g, Task(f"{p}load", TaskKind.DATA_LOAD, replica=replica, outputs={"ids": 8.0 * tokens})
+            g,
+            Task(
+                f"{p}load",
+                TaskKind.DATA_LOAD,
+                replica=replica,
+                outputs={"ids": 8.0 * tokens},
+                microbatch=m,
+            ),
         )
         embed = add_task(
             g,
@@ -213,6 +221,7 @@ def _finetune_replica(
                 mem_bytes=hidden,
                 inputs={"ids": 8.0 * tokens},
                 outputs={"hidden": hidden},
+                microbatch=m,
             ),
         )
         connect(g, load, embed, "ids")
@@ -222,16 +231,19 @@ def _finetune_replica(
             saved = hidden * (span[1] - span[0])  # LoRA-FA keeps block inputs, not A's inputs
             fwd = add_task(
                 g,
-                _forward(
-                    model,
-                    s,
-                    span,
-                    f"{p}fwd.s{s}",
-                    tokens,
-                    seq,
-                    batch,
-                    replica,
-                    extra_outputs={"saved": saved},
+                replace(
+                    _forward(
+                        model,
+                        s,
+                        span,
+                        f"{p}fwd.s{s}",
+                        tokens,
+                        seq,
+                        batch,
+                        replica,
+                        extra_outputs={"saved": saved},
+                    ),
+                    microbatch=m,
                 ),
             )
             connect(g, source, fwd, "hidden")
@@ -246,6 +258,7 @@ def _finetune_replica(
                 flops=3 * tokens * model.head_flops_per_token,
                 inputs={"hidden": hidden},
                 outputs={"grad": hidden},
+                microbatch=m,
             ),
         )
         connect(g, source, loss, "hidden")
@@ -263,6 +276,7 @@ def _finetune_replica(
                     mem_bytes=fwd.mem_bytes,
                     inputs={"grad": hidden, "saved": fwd.outputs["saved"]},
                     outputs={"grad": hidden, "adapter_grad": adapter_bytes[s]},
+                    microbatch=m,
                 ),
             )
             connect(g, upstream, bwd, "grad")

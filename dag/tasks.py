@@ -34,6 +34,7 @@ class Task:
     mem_bytes: float = 0.0  # bytes it moves through device memory (weights, KV cache)
     inputs: dict[str, float] = field(default_factory=dict)  # tensor -> bytes
     outputs: dict[str, float] = field(default_factory=dict)  # tensor -> bytes
+    microbatch: int = 0  # which microbatch of its batch or optimizer step it works on
 
 
 def add_task(graph: nx.DiGraph, task: Task) -> Task:

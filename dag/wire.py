@@ -1,6 +1,13 @@
-"""The versioned JSON form of a job graph, for the wire and for storage. No pickle."""
+"""The versioned JSON form of a job graph, for the wire and for storage. No pickle.
+
+Version 2 adds each task's `microbatch`. A version-1 graph (stored by an earlier broker) has
+none; its fine-tune tasks carried the microbatch in their ids ("mb3.fwd.s0", "r1.mb3.loss"),
+which is read once here, on decoding, and nowhere else.
+"""
 
 from __future__ import annotations
+
+import re
 
 import msgspec
 import networkx as nx
@@ -9,7 +16,8 @@ from dag.tasks import Task, TaskKind
 from dag.validate import DagError, validate
 
 FORMAT = "fusionai.dag"
-VERSION = 1
+VERSION = 2
+_V1_MICROBATCH = re.compile(r"(?:^|\.)mb(\d+)\.")
 
 
 class _Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -21,6 +29,7 @@ class _Task(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     mem_bytes: float = 0.0
     inputs: dict[str, float] = {}
     outputs: dict[str, float] = {}
+    microbatch: int | None = None  # absent in version 1
 
 
 class _Edge(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -43,7 +52,15 @@ class _Dag(msgspec.Struct, frozen=True):
 def to_json(graph: nx.DiGraph) -> bytes:
     tasks = [
         _Task(
-            t.id, t.kind, t.stage, t.replica, t.flops, t.mem_bytes, dict(t.inputs), dict(t.outputs)
+            t.id,
+            t.kind,
+            t.stage,
+            t.replica,
+            t.flops,
+            t.mem_bytes,
+            dict(t.inputs),
+            dict(t.outputs),
+            t.microbatch,
         )
         for t in (graph.nodes[n]["task"] for n in graph.nodes)
     ]
@@ -79,6 +96,7 @@ def from_json(data: bytes) -> nx.DiGraph:
                 t.mem_bytes,
                 dict(t.inputs),
                 dict(t.outputs),
+                _microbatch(t, doc.version),
             ),
         )
     for e in doc.edges:
@@ -90,3 +108,14 @@ def from_json(data: bytes) -> nx.DiGraph:
         graph.add_edge(e.src, e.dst, tensor=e.tensor, into=e.into, bytes=e.bytes)
     validate(graph)
     return graph
+
+
+def _microbatch(t: _Task, version: int) -> int:
+    if t.microbatch is not None:
+        if t.microbatch < 0:
+            raise DagError(f"task {t.id!r}: negative microbatch {t.microbatch}")
+        return t.microbatch
+    if version >= 2:
+        raise DagError(f"task {t.id!r} has no microbatch")
+    found = _V1_MICROBATCH.search(t.id)
+    return int(found.group(1)) if found else 0
