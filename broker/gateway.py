@@ -28,7 +28,7 @@ import numpy as np
 from aiohttp import web
 
 from broker.errors import NotFound, TooBusy, Unavailable
-from broker.jobs import JobError
+from broker.jobkinds import JobError
 from client.errors import GenerationError
 from client.sampling import Sampler
 from client.session import GenerationSession, generate
@@ -215,7 +215,7 @@ class BrokerRouter:
         return self.broker.rng.choice(holders) if holders else None  # unpredictable checkers
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
-        return (await self.broker.jobs.verifier.report(peer, self.model, pos, reason))[1]
+        return (await self.broker.verifier.report(peer, self.model, pos, reason))[1]
 
 
 class Gateway:
@@ -246,7 +246,7 @@ class Gateway:
         self.running += 1
         start = time.perf_counter()
         try:
-            vectors, tokens = await self.broker.jobs.embed_now(model, texts, ids)
+            vectors, tokens = await self.broker.embeds.embed_now(model, texts, ids)
         finally:
             self.running -= 1
             self.broker.metrics.interactive("embeddings", time.perf_counter() - start)
@@ -276,7 +276,7 @@ class Gateway:
         stored = self.broker.models.models.get(req.model)
         if stored is None:
             raise NotFound(f"no model named {req.model!r}")
-        client = await asyncio.to_thread(self.broker.jobs.client, req.model)
+        client = await asyncio.to_thread(self.broker.models.client, req.model)
         if not client.decoder:
             raise JobError("model", f"{req.model} is an encoder; use /v1/embeddings")
         if client.tokenizer is None:
@@ -357,7 +357,7 @@ class Gateway:
             broker.host,
             client,
             keys,
-            BrokerRouter(broker, req.model, broker.jobs.inflight),
+            BrokerRouter(broker, req.model, broker.calls.inflight),
             timeout=broker.config.request_timeout_s,
             max_attempts=broker.config.max_attempts,
             on_failover=on_failover,

@@ -51,7 +51,7 @@ from aiohttp import web
 
 from broker.errors import Conflict, NotFound, TooBusy, Unavailable
 from broker.gateway import Gateway
-from broker.jobs import TERMINAL, JobError
+from broker.jobkinds import TERMINAL, JobError
 from broker.models import ModelStoreError
 from broker.schema import JobRow
 
@@ -253,7 +253,7 @@ def make_app(broker: Broker) -> web.Application:
         return job
 
     async def healthz(request: web.Request) -> web.Response:
-        providers = broker.registry.summary()
+        providers = broker.registry.summary(broker.verifier.summary)
         return web.json_response(
             {
                 "ok": True,
@@ -269,7 +269,7 @@ def make_app(broker: Broker) -> web.Application:
             {
                 "broker": {"peer_id": broker.peer_id, "addrs": broker.addrs},
                 "heartbeat_timeout_s": broker.config.heartbeat_timeout_s,
-                "providers": broker.registry.summary(),
+                "providers": broker.registry.summary(broker.verifier.summary),
                 "models": [serving.describe(name) for name in sorted(serving.plans)],
             }
         )
@@ -277,8 +277,8 @@ def make_app(broker: Broker) -> web.Application:
     async def providers(request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "providers": broker.registry.summary(),
-                "quarantined": broker.jobs.verifier.quarantined_list(),
+                "providers": broker.registry.summary(broker.verifier.summary),
+                "quarantined": broker.verifier.quarantined_list(),
             }
         )
 
@@ -332,7 +332,7 @@ def make_app(broker: Broker) -> web.Application:
                 raise Unavailable(f"no other provider holds stage {stage} of {name}")
             checker = broker.rng.choice(holders)  # a provider cannot know it checks or is checked
             return web.json_response({"key": key, **serving.peer_info(checker)})
-        peer = await serving.pick(name, stage, set(avoid), broker.jobs.inflight, float(wait))
+        peer = await serving.pick(name, stage, set(avoid), broker.calls.inflight, float(wait))
         if peer is None:
             raise Unavailable(f"no provider has served stage {stage} of {name} for {wait:g} s")
         return web.json_response({"key": key, **serving.peer_info(peer)})
@@ -357,9 +357,7 @@ def make_app(broker: Broker) -> web.Application:
         keys = serving.unit_keys(plan) if plan is not None else []
         if wrong not in keys:
             raise JobError("wrong_output", f"no provider stage {wrong!r}")
-        agreed, quarantined = await broker.jobs.verifier.report(
-            peer, name, keys.index(wrong), reason
-        )
+        agreed, quarantined = await broker.verifier.report(peer, name, keys.index(wrong), reason)
         return web.json_response(
             {
                 "peer_id": peer,
@@ -418,7 +416,7 @@ def make_app(broker: Broker) -> web.Application:
         return web.json_response(jobs.results(request.match_info["id"], offset, limit))
 
     async def adapter(request: web.Request) -> web.StreamResponse:
-        path, row = jobs.adapter_path(request.match_info["id"])
+        path, row = broker.finetunes.adapter_path(request.match_info["id"])
         return web.FileResponse(
             path,
             headers={
@@ -482,7 +480,7 @@ def make_app(broker: Broker) -> web.Application:
         rows = store.jobs(limit=50)
         return {
             "broker": {"peer_id": broker.peer_id, "addrs": broker.addrs},
-            "providers": broker.registry.summary(),
+            "providers": broker.registry.summary(broker.verifier.summary),
             "models": [serving.describe(n) for n in sorted(serving.plans)],
             "jobs": [job_json(j, store.count_done(j.id)) for j in rows],
         }

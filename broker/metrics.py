@@ -44,7 +44,7 @@ class _State(Collector):
         b = self.broker
         pools = GaugeMetricFamily("fusionai_providers", "Providers per pool", labels=["pool"])
         counts = dict.fromkeys(POOLS, 0)
-        for p in b.registry.summary():
+        for p in b.registry.summary(b.verifier.summary):
             counts[p["pool"]] = counts.get(p["pool"], 0) + 1
         for pool, n in sorted(counts.items()):
             pools.add_metric([pool], n)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from client.stages import ClientStages
 from dag.model import ModelSpec
 from files.cache import ArtifactCache, ArtifactError
 from files.digest import is_sha256
@@ -85,6 +86,15 @@ class ModelStore:
             d.mkdir(parents=True, exist_ok=True)
         self.max_artifact_bytes = max_artifact_bytes
         self.models: dict[str, StoredModel] = {}
+        self._clients: dict[str, ClientStages] = {}
+
+    def client(self, name: str) -> ClientStages:
+        """The model's client-side stages (tokenizer, embedding, head), loaded once; a new
+        version of the model drops them. Loads files: call it off the event loop."""
+        stages = self._clients.get(name)
+        if stages is None:
+            stages = self._clients[name] = ClientStages(self.models[name].directory)
+        return stages
 
     def artifact_path(self, sha: str) -> Path | None:
         if not is_sha256(sha) or not self.cache.has(sha):
@@ -145,6 +155,7 @@ class ModelStore:
             shutil.rmtree(staging, ignore_errors=True)
         stored = StoredModel(manifest, manifest_bytes, self.packages / manifest.name)
         self.models[manifest.name] = stored
+        self._clients.pop(manifest.name, None)
         return stored
 
     def load(self, name: str, manifest_bytes: bytes) -> StoredModel | None:

@@ -89,7 +89,6 @@ class Registry:
         self.load: dict[str, tuple[int, int]] = {}  # peer -> (queued, kv bytes), last heartbeat
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
         self.quarantined: dict[str, str] = {}  # peer -> why its answers are not trusted
-        self.reputation_of: Callable[[str], dict[str, Any]] = lambda peer: {}
         driver.carry(ProviderLost, self._on_lost)
 
     @property
@@ -223,7 +222,11 @@ class Registry:
             except TimeoutError:
                 pass
 
-    def summary(self) -> list[dict[str, Any]]:
+    def summary(
+        self, reputation_of: Callable[[str], dict[str, Any]] = lambda peer: {}
+    ) -> list[dict[str, Any]]:
+        """Every provider known, as the API shows it (`reputation_of(peer)`: the verifier's
+        account of it)."""
         out = []
         now = self.clock()
         state = self.core.pool
@@ -248,7 +251,7 @@ class Registry:
                     "loaded": sorted(self.core.loaded.get(peer, ())),
                     "addrs": list(profile.addrs) if profile else [],
                     "flapping": p.flapping(state.now, state.config),
-                    "reputation": self.reputation_of(peer),
+                    "reputation": reputation_of(peer),
                 }
             )
         return out

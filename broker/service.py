@@ -24,12 +24,15 @@ from pathlib import Path
 from aiohttp import web
 
 from broker.auth import ArtifactTokens, Keys, fingerprint
+from broker.calls import StageCalls
 from broker.config import BrokerConfig
 from broker.core import Core
 from broker.core.actions import Notice
 from broker.driver import CoreDriver
+from broker.embedjobs import EmbedJobs
 from broker.errors import Conflict
 from broker.events import EventLog
+from broker.finetune.kind import FinetuneJobs
 from broker.http import make_app
 from broker.jobs import JobRunner
 from broker.metrics import Metrics
@@ -37,6 +40,7 @@ from broker.models import ModelStore, StoredModel
 from broker.registry import Registry
 from broker.serving import Serving
 from broker.store import Store
+from broker.verify import Verifier
 from p2p import Host, HostConfig
 from proto.assign import STAGE_STATUS
 from proto.forward import CHAIN
@@ -82,7 +86,11 @@ class Broker:
         # Set in start(): they need the host's peer id and the HTTP address.
         self.registry: Registry
         self.serving: Serving
+        self.calls: StageCalls
         self.jobs: JobRunner
+        self.verifier: Verifier
+        self.embeds: EmbedJobs
+        self.finetunes: FinetuneJobs
 
     @property
     def peer_id(self) -> str:
@@ -107,10 +115,44 @@ class Broker:
             artifact_base="",
             clock=self.clock,
         )
-        self.jobs = JobRunner(
-            self.config, self.store, self.events, self.serving, self.models, self.host, self.rng
+        self.calls = StageCalls(
+            self.config, self.events, self.serving, self.models, self.host, self.metrics.stage
         )
-        self.jobs.on_stage = self.metrics.stage
+        self.jobs = JobRunner(
+            self.store,
+            self.events,
+            self.driver,
+            self.clock,
+            self.serving.route,
+            lambda model: model in self.models.models,
+        )
+        self.verifier = Verifier(
+            self.config,
+            self.store,
+            self.events,
+            self.registry,
+            self.models,
+            self.calls.check,
+            self.rng,
+            self.clock,
+            on_quarantine=self.jobs.redo,
+        )
+        self.embeds = EmbedJobs(
+            self.config,
+            self.store,
+            self.events,
+            self.driver,
+            self.serving,
+            self.models,
+            self.calls,
+            self.verifier,
+            self.jobs.using,
+        )
+        self.jobs.register(self.embeds)
+        self.finetunes = FinetuneJobs(
+            self.config, self.store, self.events, self.serving, self.models, self.calls
+        )
+        self.jobs.register(self.finetunes)
         self.metrics.watch(self)
         context = self._tls()
         self._runner = web.AppRunner(make_app(self), access_log=None)
@@ -134,7 +176,7 @@ class Broker:
         self.host.add_control_handler(HEARTBEAT, self.registry.on_heartbeat)
         self.host.add_control_handler(STAGE_STATUS, self.serving.on_status)
         self.host.add_control_handler(PING, self._on_ping)
-        self.host.add_control_handler(CHAIN, self.jobs.on_chain_result)
+        self.host.add_control_handler(CHAIN, self.calls.on_chain_result)
         self._restore()
         self._tasks = [
             asyncio.create_task(self.registry.tick(self._stop)),
@@ -183,7 +225,6 @@ class Broker:
         # Hashing and validating multi-GB stages happens off the event loop.
         stored = await asyncio.to_thread(self.models.register, manifest)
         self.store.put_model(stored.name, manifest)
-        self.jobs.clients.pop(stored.name, None)
         self.events.emit(
             "model_added",
             model=stored.name,
@@ -239,7 +280,7 @@ def _name_of(manifest: bytes) -> str:
 
 
 def status_line(broker: Broker) -> str:
-    providers = broker.registry.summary()
+    providers = broker.registry.summary(broker.verifier.summary)
     pools: dict[str, int] = {}
     for p in providers:
         pools[p["pool"]] = pools.get(p["pool"], 0) + 1

@@ -83,7 +83,11 @@ class Verifier:
         request: Callable[[str, ProtocolSpec, Message], Awaitable[asyncio.Future[Any] | None]],
         rng: random.Random,
         clock: Callable[[], float],
+        on_quarantine: Callable[[str, dict[str, int]], None] = lambda peer, redo: None,
     ) -> None:
+        """`request`: a request to a peer unless it is declared lost (`StageCalls.check`);
+        `on_quarantine(peer, dropped)`: a quarantined peer's results were dropped (job id ->
+        microbatches), so the jobs can run again for them."""
         self.config = config
         self.rng = rng  # unpredictable in service (which tasks are checked, by whom)
         self.clock = clock
@@ -103,7 +107,7 @@ class Verifier:
         }
         self.phase: dict[str, float] = {}  # stage key -> checks owed, in [0, 1)
         self.answered: dict[str, int] = {}  # peer -> FORWARD tasks given since this broker started
-        self.on_quarantine: Callable[[str, dict[str, int]], None] = lambda peer, redo: None
+        self.on_quarantine = on_quarantine
         self._local: OrderedDict[str, OrtExecutor] = OrderedDict()
         self._local_lock = asyncio.Lock()
         self._probed: dict[str, tuple[float, bool | None]] = {}  # peer -> (when, verdict)

@@ -136,3 +136,55 @@ def test_no_benchmark_is_named_after_a_top_level_package() -> None:
     makefile = (ROOT / "Makefile").read_text()
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         assert f"benchmarks/{path.name}" in makefile, f"`make bench` does not run {path.name}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports at run time (anywhere in it,
+    functions included; not what `if TYPE_CHECKING:` imports for annotations only)."""
+    paths: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in _modules(package):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) in _TYPE_CHECKING
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(paths)
+                found.update(subs or {node.module})  # `from p2p import host`: the submodule
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+_TYPE_CHECKING = {"TYPE_CHECKING", "typing.TYPE_CHECKING"}
+
+
+def test_no_module_imports_another_that_imports_it_back() -> None:
+    graph = _module_graph()
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            cycle = [*stack[stack.index(node) :], node]
+            raise AssertionError(f"import circle: {' -> '.join(cycle)}")
+        if node in done:
+            return
+        for dep in sorted(graph[node]):
+            visit(dep, [*stack, node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])

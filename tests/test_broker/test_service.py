@@ -437,8 +437,12 @@ def test_providers_that_cannot_reach_each_other_relay_through_the_broker(
     broker notes the pair, checks the second is alive (it answers a ping, so it stays), and
     sends their hidden states through itself from then on; the job succeeds."""
     b: BrokerProc = broker("--verify-fraction", "0")
+    # Room for one stage each (a 21 MB block and a 50 MB workspace), so the chain crosses
+    # from one to the other: with room for both, a loaded machine's join measurements can
+    # make the placement put both stages on one provider (no hop, no failed dial).
     for _ in range(2):
-        peer_of(provider(b.addr, "--announce", f"/ip4/127.0.0.1/tcp/{free_port()}"))
+        announce = ("--announce", f"/ip4/127.0.0.1/tcp/{free_port()}")
+        peer_of(provider(b.addr, *announce, "--max-memory", "0.1"))
     wait_until("two providers", lambda: len(pools(b.http)) == 2)
     add_model(b.http, minilm_package)
     route = wait_ready(b.http, "minilm")

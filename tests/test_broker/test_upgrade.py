@@ -48,7 +48,7 @@ async def test_a_data_folder_from_the_previous_release_opens_with_everything_in_
         assert np.array_equal(np.array(got), np.array(expected["embeddings"]))
         steps = b.store.finetune_steps(expected["finetune_job"])
         assert [loss for _, losses in steps for loss in losses] == expected["finetune_losses"]
-        adapter, _ = b.jobs.adapter_path(expected["finetune_job"])
+        adapter, _ = b.finetunes.adapter_path(expected["finetune_job"])
         assert adapter.is_file()
         assert b.store.story(expected["embedding_job"])  # the event log is kept
 

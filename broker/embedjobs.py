@@ -1,0 +1,430 @@
+"""Embedding jobs: N texts (or token id lists) through an encoder, cut into microbatches.
+
+Each microbatch runs the job's graph (`dag.execute`): the client-side tasks (load, embed,
+head) through the model's client stages here, the FORWARD tasks on providers serving those
+stages (`broker/calls.py`): consecutive ones as one chained request, unless a stage is due a
+spot check (it then runs on its own, and `broker/verify.py` checks the answer) or `relay` is
+"star". Several microbatches are in the pipeline at once. A microbatch that fails (provider
+lost, stalled, busy, refused) is retried on another route, up to `max_attempts`; results are
+stored per microbatch as they arrive, so a broker restarted mid-job only redoes what was in
+flight. The HTTP gateway's /v1/embeddings runs the same way, neither queued nor stored
+(`embed_now`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from broker.calls import Array, CallFailed, StageCalls
+from broker.config import BrokerConfig
+from broker.core.events import JobProgressed
+from broker.driver import CoreDriver
+from broker.errors import NotFound, Unavailable
+from broker.events import EventLog
+from broker.jobkinds import JobError, JobFailed, NotReady, Prepared, Ref
+from broker.models import ModelStore
+from broker.schema import JobRow
+from broker.serving import Serving
+from broker.store import Store
+from broker.verify import Verifier
+from client.stages import ClientStageError, ClientStages
+from dag.builders import inference_pipeline
+from dag.execute import Unit, execute
+from dag.tasks import TaskKind, task
+from dag.validate import DagError
+from dag.wire import from_json, to_json
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    kind: str
+    model: str
+    texts: list[str] | None
+    token_ids: list[list[int]] | None
+    microbatch: int
+
+    @property
+    def count(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids or [])
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "model": self.model,
+            "microbatch": self.microbatch,
+        }
+        if self.texts is not None:
+            out["texts"] = self.texts
+        if self.token_ids is not None:
+            out["token_ids"] = self.token_ids
+        return out
+
+
+def parse_request(body: Any, config: BrokerConfig) -> JobRequest:
+    """Validate a job submission (JSON); raises `JobError` naming the field."""
+    if not isinstance(body, dict):
+        raise JobError("body", "a job is a JSON object")
+    unknown = sorted(set(body) - {"kind", "model", "texts", "token_ids", "microbatch"})
+    if unknown:
+        raise JobError(unknown[0], "unknown field")
+    kind = body.get("kind", "embed")
+    if kind != "embed":
+        raise JobError("kind", f"unknown job kind {kind!r}; this broker runs 'embed' batch jobs")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise JobError("model", "name the model (a string)")
+    texts, ids = body.get("texts"), body.get("token_ids")
+    if (texts is None) == (ids is None):
+        raise JobError("texts", "give either texts (strings) or token_ids (lists of ints)")
+    if texts is not None:
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise JobError("texts", "must be a list of strings")
+        items: Sequence[Any] = texts
+    else:
+        if not isinstance(ids, list) or not all(
+            isinstance(seq, list) and seq and all(type(t) is int for t in seq) for seq in ids
+        ):
+            raise JobError("token_ids", "must be a list of non-empty lists of integers")
+        items = ids
+    if not items:
+        raise JobError("texts" if texts is not None else "token_ids", "is empty")
+    if len(items) > config.max_job_texts:
+        raise JobError(
+            "texts" if texts is not None else "token_ids",
+            f"{len(items)} sequences; one job takes at most {config.max_job_texts}",
+        )
+    microbatch = body.get("microbatch", config.microbatch)
+    if type(microbatch) is not int or not 1 <= microbatch <= 1024:
+        raise JobError("microbatch", "must be an integer from 1 to 1024")
+    return JobRequest(kind, model, texts, ids, microbatch)
+
+
+class EmbedJobs:
+    """The "embed" job kind."""
+
+    name = "embed"
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        store: Store,
+        events: EventLog,
+        driver: CoreDriver,
+        serving: Serving,
+        models: ModelStore,
+        calls: StageCalls,
+        verifier: Verifier,
+        using: Callable[[str], contextlib.AbstractContextManager[None]],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.events = events
+        self.driver = driver
+        self.serving = serving
+        self.models = models
+        self.calls = calls
+        self.verifier = verifier
+        self.using = using  # an interactive request holds the model while it runs
+        self.clock = serving.clock
+
+    async def prepare(self, body: dict[str, Any]) -> Prepared:
+        """Check a submission (the heavy checks run off the event loop)."""
+        request = await asyncio.to_thread(parse_request, body, self.config)
+        model = self.models.models.get(request.model)
+        if model is None:
+            raise NotFound(f"no model named {request.model!r}; add it first")
+        client = await asyncio.to_thread(self.models.client, request.model)
+        lengths = (
+            [len(t) for t in request.token_ids]
+            if request.token_ids is not None
+            else [min(client.max_tokens, 2 + len(t.split())) for t in request.texts or []]
+        )
+        if request.token_ids is not None:
+            try:
+                await asyncio.to_thread(client.pad, request.token_ids)  # range, length checks
+            except ClientStageError as exc:
+                raise JobError("token_ids", str(exc)) from None
+        elif client.tokenizer is None:
+            raise JobError("texts", f"model {request.model} takes token_ids, not texts")
+        mb = request.microbatch
+        graph = self._graph(request.model, mb, max(lengths))
+        microbatches = -(-request.count // mb)
+        flops = sum(task(graph, n).flops for n in graph.nodes) * microbatches
+        return Prepared(
+            request.model,
+            request.to_json(),
+            to_json(graph),
+            microbatches,
+            flops,
+            {"sequences": request.count, "microbatches": microbatches},
+        )
+
+    async def embed_now(
+        self, model: str, texts: list[str] | None, token_ids: list[list[int]] | None
+    ) -> tuple[Array, int]:
+        """An interactive embedding request, run at once through the same graph and retries
+        as a batch job but neither queued nor stored: (embeddings in input order, tokens)."""
+        if model not in self.models.models:
+            raise NotFound(f"no model named {model!r}")
+        client = await asyncio.to_thread(self.models.client, model)
+        if client.decoder:
+            raise JobError("model", f"{model} is a decoder; embeddings come from encoder models")
+        try:
+            if texts is not None:
+                ids, mask = await asyncio.to_thread(client.tokenize, texts)
+            else:
+                ids, mask = await asyncio.to_thread(client.pad, token_ids or [])
+        except ClientStageError as exc:
+            raise JobError("input", str(exc)) from None
+        mb = self.config.microbatch
+        graph = self._graph(model, mb, ids.shape[1])
+        ref = Ref("request-" + uuid.uuid4().hex[:12], model)
+        parts: dict[int, Array] = {}
+
+        def keep(idx: int, out: Array, attempts: int, peers: tuple[str, ...]) -> None:
+            parts[idx] = out
+
+        try:
+            with self.using(model):
+                todo = range(-(-len(ids) // mb))
+                await self._microbatches(ref, graph, client, ids, mask, mb, todo, keep)
+        except JobFailed as exc:
+            raise Unavailable(str(exc)) from None
+        return np.concatenate([parts[i] for i in sorted(parts)]), int(mask.sum())
+
+    def _graph(self, model: str, microbatch: int, seq: int) -> nx.DiGraph:
+        """The job graph of one microbatch: client stages, then each provider stage."""
+        units = len(self.models.models[model].units)
+        pairs = [(i, i + 1) for i in range(units)]
+        return inference_pipeline(self.serving.spec(model), pairs, batch=microbatch, seq=seq)
+
+    async def run(self, job: JobRow) -> None:
+        graph = from_json(job.graph)
+        request = job.request
+        client = await asyncio.to_thread(self.models.client, job.model)
+        if "texts" in request:
+            ids, mask = await asyncio.to_thread(client.tokenize, request["texts"])
+        else:
+            ids, mask = await asyncio.to_thread(client.pad, request["token_ids"])
+        mb = int(request["microbatch"])
+        done = self.store.done_microbatches(job.id)
+        todo = [i for i in range(job.microbatches) if i not in done]
+        self.store.set_job_state(job.id, "running")
+        self.events.emit("job_running", job=job.id, todo=len(todo), done=len(done))
+        step = max(1, job.microbatches // 10)
+
+        def store(idx: int, out: Array, attempts: int, peers: tuple[str, ...]) -> None:
+            self.store.put_result(job.id, idx, attempts, out.shape, out.tobytes(), peers)
+            finished = self.store.count_done(job.id)
+            if finished % step == 0 or finished == job.microbatches:
+                self.events.emit("job_progress", job=job.id, done=finished, of=job.microbatches)
+                self.driver.handle(JobProgressed(job.id, finished / job.microbatches, self.clock()))
+
+        while todo:  # again while a quarantined provider's results were dropped meanwhile
+            await self._microbatches(
+                Ref(job.id, job.model), graph, client, ids, mask, mb, todo, store
+            )
+            done = self.store.done_microbatches(job.id)
+            todo = [i for i in range(job.microbatches) if i not in done]
+
+    async def _microbatches(
+        self,
+        ref: Ref,
+        graph: nx.DiGraph,
+        client: ClientStages,
+        ids: Array,
+        mask: Array,
+        mb: int,
+        todo: Iterable[int],
+        done: Callable[[int, Array, int, tuple[str, ...]], None],
+    ) -> None:
+        """Run microbatches `todo` (rows of `mb` sequences), up to `in_flight` at once, each
+        result handed to `done(index, output, attempts, providers that computed it)`. One
+        failure cancels the others; the job's own failure (`JobFailed`) is raised first."""
+        gate = asyncio.Semaphore(self.config.in_flight)
+
+        async def one(idx: int) -> None:
+            async with gate:
+                rows = slice(idx * mb, (idx + 1) * mb)
+                used = int(mask[rows].sum(axis=1).max())  # trim padding beyond this microbatch
+                out, attempts, peers = await self._microbatch(
+                    ref, graph, client, idx, ids[rows, :used], mask[rows, :used]
+                )
+                done(idx, out, attempts, peers)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i in todo:
+                    group.create_task(one(i))
+        except ExceptionGroup as group:
+            errors: list[BaseException] = list(group.exceptions)
+            raise next((e for e in errors if isinstance(e, JobFailed)), errors[0]) from None
+
+    async def _microbatch(
+        self,
+        job: Ref,
+        graph: nx.DiGraph,
+        client: ClientStages,
+        idx: int,
+        ids: Array,
+        mask: Array,
+    ) -> tuple[Array, int, tuple[str, ...]]:
+        """Run one microbatch through the job graph; returns (result, attempts, providers)."""
+        attempts = 0
+        avoid: set[str] = set()
+        busy_until: float | None = None
+        while True:
+            attempts += 1
+            used: list[str] = []
+            try:
+                out = await self._walk(job, graph, client, ids, mask, avoid, used)
+            except CallFailed as exc:
+                avoid.add(exc.peer)
+                if exc.busy and busy_until is None:
+                    busy_until = self.clock() + self.config.request_timeout_s
+                if exc.busy and busy_until is not None and self.clock() < busy_until:
+                    attempts -= 1  # busy answers do not count, for up to a request timeout
+                    continue
+                if attempts >= self.config.max_attempts:
+                    raise JobFailed(
+                        f"microbatch {idx} failed {attempts} times; last: {exc}"
+                    ) from None
+                self.events.emit(
+                    "microbatch_retry",
+                    job=job.id,
+                    peer=exc.peer,
+                    microbatch=idx,
+                    attempt=attempts,
+                    stage=exc.key,
+                    reason=exc.reason,
+                )
+                continue
+            distrusted = [p for p in used if self.verifier.quarantined(p)]
+            if distrusted:  # quarantined while this microbatch was on its way: redo it
+                avoid.update(distrusted)
+                attempts -= 1
+                self.events.emit(
+                    "microbatch_retry",
+                    job=job.id,
+                    peer=distrusted[0],
+                    microbatch=idx,
+                    attempt=attempts,
+                    reason="the provider was quarantined",
+                )
+                continue
+            if attempts > 1:
+                self.events.emit(
+                    "microbatch_recovered",
+                    job=job.id,
+                    microbatch=idx,
+                    attempts=attempts,
+                    route=used,
+                )
+            return out, attempts, tuple(used)
+
+    async def _walk(
+        self,
+        job: Ref,
+        graph: nx.DiGraph,
+        client: ClientStages,
+        ids: Array,
+        mask: Array,
+        avoid: set[str],
+        used: list[str],
+    ) -> Array:
+        """One microbatch through the job graph (its forward stages chained provider to
+        provider); the head's output."""
+
+        async def load(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"ids": ids}
+
+        async def embed(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"hidden": await asyncio.to_thread(client.embed, inputs["ids"])}
+
+        async def forward(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            hidden = await self._stages(job, unit.stages, inputs["hidden"], mask, avoid, used)
+            return {"hidden": hidden}
+
+        async def head(unit: Unit, inputs: dict[str, Any]) -> dict[str, Any]:
+            return {"out": await asyncio.to_thread(client.head, inputs["hidden"], mask)}
+
+        handlers = {
+            TaskKind.DATA_LOAD: load,
+            TaskKind.EMBED: embed,
+            TaskKind.FORWARD: forward,
+            TaskKind.HEAD: head,
+        }
+        try:
+            values = await execute(graph, handlers, fuse=frozenset({TaskKind.FORWARD}))
+        except DagError as exc:
+            raise JobFailed(f"{exc} (an embedding job runs load, embed, forward, head)") from None
+        results = [v["out"] for v in values.values() if "out" in v]
+        if len(results) != 1:
+            raise JobFailed("the job graph has no head task")
+        return np.ascontiguousarray(results[0], dtype=np.float32)
+
+    async def _stages(
+        self,
+        job: Ref,
+        stages: list[int],
+        hidden: Array,
+        mask: Array,
+        avoid: set[str],
+        used: list[str],
+    ) -> Array:
+        """Run consecutive stages: chained provider to provider, but for stages due a spot
+        check, whose input and output the broker must see (they run on their own)."""
+        model = self.models.models[job.model]
+        peers = [await self.calls.pick(job, pos, avoid) for pos in stages]
+        tasks = []
+        for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
+            due = self.verifier.due(model.unit_key(model.units[pos]))
+            nth = self.verifier.count(peer)
+            tasks.append((pos, peer, nth if due else 0))
+
+        async def one(pos: int, peer: str, hidden: Array, nth: int) -> Array:
+            out, msg = await self.calls.forward(job, pos, peer, hidden, mask, used)
+            if nth:  # check the answer: the `nth` task the broker gave that provider
+                key = model.unit_key(model.units[pos])
+                out, used[-1] = await self.verifier.check(job.model, pos, key, peer, msg, out, nth)
+            return out
+
+        async def flush(run: list[tuple[int, str]], hidden: Array) -> Array:
+            if len(run) == 1:
+                return await one(run[0][0], run[0][1], hidden, 0)
+            return await self.calls.chain(job, run, hidden, mask, used) if run else hidden
+
+        run: list[tuple[int, str]] = []
+        for pos, peer, nth in tasks:
+            alone = bool(nth) or self.config.relay == "star"
+            if alone or (run and self.calls.unreachable_to(run[-1][1], peer)):
+                hidden = await flush(run, hidden)
+                run = []
+            if alone:
+                hidden = await one(pos, peer, hidden, nth)
+            else:
+                run.append((pos, peer))
+        return await flush(run, hidden)
+
+    def results(self, job: JobRow, offset: int, limit: int) -> dict[str, Any]:
+        job_id = job.id
+        if job.state != "succeeded":
+            raise NotReady(f"job {job_id} is {job.state}; results come when it has succeeded")
+        rows: list[list[float]] = []
+        total = 0
+        for _, shape, data in self.store.results(job_id):
+            block = np.frombuffer(data, dtype=np.float32).reshape(shape)
+            first = total
+            total += block.shape[0]
+            lo, hi = max(offset - first, 0), min(offset + limit - first, block.shape[0])
+            if lo < hi:
+                rows.extend(block[lo:hi].tolist())
+        return {"job": job_id, "offset": offset, "total": total, "embeddings": rows}
