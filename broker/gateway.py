@@ -18,25 +18,33 @@ import base64
 import contextlib
 import json
 import logging
+import random
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from broker.config import BrokerConfig
+from broker.embedjobs import EmbedJobs
 from broker.errors import NotFound, TooBusy, Unavailable
+from broker.events import EventLog
 from broker.jobkinds import JobError
+from broker.metrics import Metrics
+from broker.models import ModelStore
+from broker.registry import Registry
+from broker.serving import Serving
+from broker.verify import Verifier
 from client.errors import GenerationError
 from client.sampling import Sampler
 from client.session import GenerationSession, generate
 from client.stages import ClientStageError, ClientStages
 from client.text import TextStream
-
-if TYPE_CHECKING:
-    from broker.service import Broker
+from p2p import Host
 
 log = logging.getLogger("fusionai.broker")
 
@@ -185,17 +193,36 @@ def parse_completion(body: Any) -> Completion:
     )
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What the gateway uses of the broker, handed over by the composition root."""
+
+    config: BrokerConfig
+    serving: Serving
+    registry: Registry
+    models: ModelStore
+    verifier: Verifier
+    embeds: EmbedJobs
+    metrics: Metrics
+    events: EventLog
+    host: Host
+    inflight: dict[str, int]  # stage requests outstanding per provider (shared with jobs)
+    using: Callable[[str], AbstractContextManager[None]]  # a model in interactive use
+    stopping: Callable[[], bool]
+    rng: random.Random  # who checks a generation step: unpredictable
+
+
 class BrokerRouter:
     """Routes for generation sessions the broker runs itself (`client.session.Router`)."""
 
-    def __init__(self, broker: Broker, model: str, load: dict[str, int]) -> None:
-        self.broker = broker
+    def __init__(self, parts: Parts, model: str, load: dict[str, int]) -> None:
+        self.parts = parts
         self.model = model
         self.load = load
 
     async def pick(self, pos: int, avoid: set[str]) -> str:
-        timeout = self.broker.config.request_timeout_s
-        peer = await self.broker.serving.pick(self.model, pos, avoid, self.load, timeout)
+        timeout = self.parts.config.request_timeout_s
+        peer = await self.parts.serving.pick(self.model, pos, avoid, self.load, timeout)
         if peer is None:
             raise GenerationError(
                 f"no provider has served stage {pos} of {self.model} for {timeout:.0f} s"
@@ -203,31 +230,31 @@ class BrokerRouter:
         return peer
 
     async def failed(self, pos: int, peer: str, reason: str) -> None:
-        await self.broker.serving.suspect(peer, f"a generation step failed: {reason}")
+        await self.parts.serving.suspect(peer, f"a generation step failed: {reason}")
 
     def lost(self, peer: str) -> asyncio.Event | None:
-        return self.broker.registry.lost_event(peer)
+        return self.parts.registry.lost_event(peer)
 
     async def checker(self, pos: int, avoid: set[str]) -> str | None:
-        plan = self.broker.serving.plans[self.model]
-        key = self.broker.serving.unit_keys(plan)[pos]
-        holders = self.broker.registry.holders(key, avoid)
-        return self.broker.rng.choice(holders) if holders else None  # unpredictable checkers
+        plan = self.parts.serving.plans[self.model]
+        key = self.parts.serving.unit_keys(plan)[pos]
+        holders = self.parts.registry.holders(key, avoid)
+        return self.parts.rng.choice(holders) if holders else None  # unpredictable checkers
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
-        return (await self.broker.verifier.report(peer, self.model, pos, reason))[1]
+        return (await self.parts.verifier.report(peer, self.model, pos, reason))[1]
 
 
 class Gateway:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
         self.running = 0  # interactive requests in progress
 
     def _admit(self) -> None:
-        if self.running >= self.broker.config.max_interactive:
+        if self.running >= self.parts.config.max_interactive:
             raise TooBusy(
                 f"{self.running} embedding and completion requests are in progress "
-                f"(limit {self.broker.config.max_interactive}); try again shortly"
+                f"(limit {self.parts.config.max_interactive}); try again shortly"
             )
 
     # ---- embeddings ------------------------------------------------------------------------
@@ -246,10 +273,10 @@ class Gateway:
         self.running += 1
         start = time.perf_counter()
         try:
-            vectors, tokens = await self.broker.embeds.embed_now(model, texts, ids)
+            vectors, tokens = await self.parts.embeds.embed_now(model, texts, ids)
         finally:
             self.running -= 1
-            self.broker.metrics.interactive("embeddings", time.perf_counter() - start)
+            self.parts.metrics.interactive("embeddings", time.perf_counter() - start)
         if dims is not None and dims != vectors.shape[1]:
             raise JobError("dimensions", f"{model} gives {vectors.shape[1]} dimensions only")
         data = []
@@ -273,10 +300,10 @@ class Gateway:
 
     async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
         req = parse_completion(body)
-        stored = self.broker.models.models.get(req.model)
+        stored = self.parts.models.models.get(req.model)
         if stored is None:
             raise NotFound(f"no model named {req.model!r}")
-        client = await asyncio.to_thread(self.broker.models.client, req.model)
+        client = await asyncio.to_thread(self.parts.models.client, req.model)
         if not client.decoder:
             raise JobError("model", f"{req.model} is an encoder; use /v1/embeddings")
         if client.tokenizer is None:
@@ -325,7 +352,7 @@ class Gateway:
             )
         finally:
             self.running -= 1
-            self.broker.metrics.interactive("completions", time.perf_counter() - start)
+            self.parts.metrics.interactive("completions", time.perf_counter() - start)
 
     def _prompt_ids(self, client: ClientStages, req: Completion) -> list[list[int]]:
         if req.prompt_ids is not None:
@@ -343,23 +370,23 @@ class Gateway:
         self, req: Completion, client: ClientStages, prompt: list[int]
     ) -> AsyncGenerator[tuple[str, str | None, int]]:
         """(text piece, finish reason once finished, tokens so far) as the answer grows."""
-        broker = self.broker
-        keys = broker.serving.unit_keys(broker.serving.plans[req.model])
+        parts = self.parts
+        keys = parts.serving.unit_keys(parts.serving.plans[req.model])
         sid = uuid.uuid4().hex[:12]
 
         def on_failover(pos: int, peer: str, reason: str) -> None:
-            broker.events.emit(
+            parts.events.emit(
                 "session_failover", peer=peer, session=sid, stage=keys[pos], reason=reason
             )
-            broker.metrics.failover("session_retry")
+            parts.metrics.failover("session_retry")
 
         session = GenerationSession(
-            broker.host,
+            parts.host,
             client,
             keys,
-            BrokerRouter(broker, req.model, broker.calls.inflight),
-            timeout=broker.config.request_timeout_s,
-            max_attempts=broker.config.max_attempts,
+            BrokerRouter(parts, req.model, parts.inflight),
+            timeout=parts.config.request_timeout_s,
+            max_attempts=parts.config.max_attempts,
             on_failover=on_failover,
         )
         text = TextStream(client.tokenizer, req.stop, prefix=prompt)
@@ -367,9 +394,9 @@ class Gateway:
         count = 0
         tokens = generate(session, prompt, req.max_tokens, sampler, eos=client.eos)
         try:
-            with broker.jobs.using(req.model):  # no rebalancing under an open session
+            with parts.using(req.model):  # no rebalancing under an open session
                 async for token in tokens:
-                    if broker.stopping:
+                    if parts.stopping():
                         raise Unavailable("the broker is shutting down")
                     count += 1
                     piece = text.push(token)
@@ -383,7 +410,7 @@ class Gateway:
         finally:
             await tokens.aclose()
             await session.close()
-            broker.metrics.tokens(req.model, count)
+            parts.metrics.tokens(req.model, count)
 
     async def _stream(
         self,

@@ -41,22 +41,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from broker.auth import ArtifactTokens, Keys
+from broker.config import BrokerConfig
 from broker.errors import Conflict, NotFound, TooBusy, Unavailable
+from broker.events import EventLog
+from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
 from broker.jobkinds import TERMINAL, JobError
-from broker.models import ModelStoreError
+from broker.jobs import JobRunner
+from broker.metrics import Metrics
+from broker.models import ModelStore, ModelStoreError, StoredModel
+from broker.registry import Registry
 from broker.schema import JobRow
-
-if TYPE_CHECKING:
-    from broker.service import Broker
+from broker.serving import Serving
+from broker.store import Store
+from broker.verify import Verifier
 
 log = logging.getLogger("fusionai.broker")
 
@@ -207,8 +216,33 @@ def job_json(job: JobRow, done: int) -> dict[str, Any]:
     }
 
 
-def make_app(broker: Broker) -> web.Application:
-    keys, tokens, metrics = broker.keys, broker.tokens, broker.metrics
+@dataclass(frozen=True)
+class ApiParts:
+    """What the HTTP API uses of the broker, handed over by the composition root."""
+
+    config: BrokerConfig
+    store: Store
+    events: EventLog
+    registry: Registry
+    serving: Serving
+    models: ModelStore
+    jobs: JobRunner
+    finetunes: FinetuneJobs
+    verifier: Verifier
+    gateway: Gateway
+    keys: Keys
+    tokens: ArtifactTokens
+    metrics: Metrics
+    inflight: dict[str, int]  # stage requests outstanding per provider (shared with jobs)
+    add_model: Callable[[bytes], Awaitable[StoredModel]]
+    stopping: Callable[[], bool]
+    rng: random.Random  # who checks a client's stage: unpredictable
+    peer_id: str
+    addrs: list[str]
+
+
+def make_app(parts: ApiParts) -> web.Application:
+    keys, tokens, metrics = parts.keys, parts.tokens, parts.metrics
 
     @web.middleware
     async def measure(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -241,10 +275,10 @@ def make_app(broker: Broker) -> web.Application:
         return await handler(request)
 
     app = web.Application(
-        middlewares=[measure, errors, auth], client_max_size=broker.config.max_body_bytes
+        middlewares=[measure, errors, auth], client_max_size=parts.config.max_body_bytes
     )
-    store, jobs, serving = broker.store, broker.jobs, broker.serving
-    gateway = Gateway(broker)
+    store, jobs, serving = parts.store, parts.jobs, parts.serving
+    gateway = parts.gateway
 
     def job_or_404(job_id: str) -> JobRow:
         job = store.job(job_id, full=False)
@@ -253,12 +287,12 @@ def make_app(broker: Broker) -> web.Application:
         return job
 
     async def healthz(request: web.Request) -> web.Response:
-        providers = broker.registry.summary(broker.verifier.summary)
+        providers = parts.registry.summary(parts.verifier.summary)
         return web.json_response(
             {
                 "ok": True,
-                "peer_id": broker.peer_id,
-                "addrs": broker.addrs,
+                "peer_id": parts.peer_id,
+                "addrs": parts.addrs,
                 "providers": sum(1 for p in providers if p["pool"] != "dead"),
                 "models": len(serving.plans),
             }
@@ -267,9 +301,9 @@ def make_app(broker: Broker) -> web.Application:
     async def swarm(request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "broker": {"peer_id": broker.peer_id, "addrs": broker.addrs},
-                "heartbeat_timeout_s": broker.config.heartbeat_timeout_s,
-                "providers": broker.registry.summary(broker.verifier.summary),
+                "broker": {"peer_id": parts.peer_id, "addrs": parts.addrs},
+                "heartbeat_timeout_s": parts.config.heartbeat_timeout_s,
+                "providers": parts.registry.summary(parts.verifier.summary),
                 "models": [serving.describe(name) for name in sorted(serving.plans)],
             }
         )
@@ -277,8 +311,8 @@ def make_app(broker: Broker) -> web.Application:
     async def providers(request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "providers": broker.registry.summary(broker.verifier.summary),
-                "quarantined": broker.verifier.quarantined_list(),
+                "providers": parts.registry.summary(parts.verifier.summary),
+                "quarantined": parts.verifier.quarantined_list(),
             }
         )
 
@@ -287,7 +321,7 @@ def make_app(broker: Broker) -> web.Application:
 
     async def add_model(request: web.Request) -> web.Response:
         body = await request.read()
-        stored = await broker.add_model(body)
+        stored = await parts.add_model(body)
         return web.json_response(serving.describe(stored.name), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
@@ -317,7 +351,7 @@ def make_app(broker: Broker) -> web.Application:
         avoid = body.get("avoid", [])
         if not isinstance(avoid, list) or not all(isinstance(a, str) for a in avoid):
             raise JobError("avoid", "must be a list of peer ids")
-        limit = broker.config.request_timeout_s
+        limit = parts.config.request_timeout_s
         wait = body.get("timeout", limit)
         if type(wait) not in (int, float) or not 0 <= wait < 1e9:
             raise JobError("timeout", "must be a non-negative number of seconds")
@@ -327,12 +361,12 @@ def make_app(broker: Broker) -> web.Application:
             raise JobError("check", "must be true or false")
         key = serving.unit_keys(serving.plans[name])[stage]
         if check:  # a provider to check another's answers: any holder of the stage, at once
-            holders = broker.registry.holders(key, set(avoid))
+            holders = parts.registry.holders(key, set(avoid))
             if not holders:
                 raise Unavailable(f"no other provider holds stage {stage} of {name}")
-            checker = broker.rng.choice(holders)  # a provider cannot know it checks or is checked
+            checker = parts.rng.choice(holders)  # a provider cannot know it checks or is checked
             return web.json_response({"key": key, **serving.peer_info(checker)})
-        peer = await serving.pick(name, stage, set(avoid), broker.calls.inflight, float(wait))
+        peer = await serving.pick(name, stage, set(avoid), parts.inflight, float(wait))
         if peer is None:
             raise Unavailable(f"no provider has served stage {stage} of {name} for {wait:g} s")
         return web.json_response({"key": key, **serving.peer_info(peer)})
@@ -347,7 +381,7 @@ def make_app(broker: Broker) -> web.Application:
         wrong = body.get("wrong_output")
         if wrong is None:
             await serving.suspect(peer, f"a client's request failed: {reason}")  # if alive
-            return web.json_response({"peer_id": peer, "alive": broker.registry.alive(peer)})
+            return web.json_response({"peer_id": peer, "alive": parts.registry.alive(peer)})
         # A client's shadow step disagreed: the broker probes the provider itself (a client's
         # word alone quarantines no one).
         if not isinstance(wrong, str):
@@ -357,11 +391,11 @@ def make_app(broker: Broker) -> web.Application:
         keys = serving.unit_keys(plan) if plan is not None else []
         if wrong not in keys:
             raise JobError("wrong_output", f"no provider stage {wrong!r}")
-        agreed, quarantined = await broker.verifier.report(peer, name, keys.index(wrong), reason)
+        agreed, quarantined = await parts.verifier.report(peer, name, keys.index(wrong), reason)
         return web.json_response(
             {
                 "peer_id": peer,
-                "alive": broker.registry.alive(peer),
+                "alive": parts.registry.alive(peer),
                 "probe_agreed": agreed,
                 "quarantined": quarantined,
             }
@@ -369,11 +403,11 @@ def make_app(broker: Broker) -> web.Application:
 
     async def put_artifact(request: web.Request) -> web.Response:
         sha = request.match_info["sha"]
-        size = await broker.models.receive(sha, request.content.iter_chunked(1 << 20))
+        size = await parts.models.receive(sha, request.content.iter_chunked(1 << 20))
         return web.json_response({"sha256": sha, "size": size}, status=201)
 
     async def get_artifact(request: web.Request) -> web.StreamResponse:
-        path = broker.models.artifact_path(request.match_info["sha"])
+        path = parts.models.artifact_path(request.match_info["sha"])
         if path is None:
             raise NotFound("no such artifact")
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
@@ -395,11 +429,11 @@ def make_app(broker: Broker) -> web.Application:
         done = store.count_done(job.id)
         seen, loop = (job.state, done), asyncio.get_running_loop()
         end = loop.time() + hold
-        while job.state not in TERMINAL and not broker.stopping:
+        while job.state not in TERMINAL and not parts.stopping():
             left = end - loop.time()
             if left <= 0:
                 break
-            await broker.events.wait(left)  # progress and state changes are events
+            await parts.events.wait(left)  # progress and state changes are events
             job = store.job(job.id, full=False) or job
             done = store.count_done(job.id)
             if (job.state, done) != seen:
@@ -416,7 +450,7 @@ def make_app(broker: Broker) -> web.Application:
         return web.json_response(jobs.results(request.match_info["id"], offset, limit))
 
     async def adapter(request: web.Request) -> web.StreamResponse:
-        path, row = broker.finetunes.adapter_path(request.match_info["id"])
+        path, row = parts.finetunes.adapter_path(request.match_info["id"])
         return web.FileResponse(
             path,
             headers={
@@ -429,7 +463,7 @@ def make_app(broker: Broker) -> web.Application:
     async def delete_results(request: web.Request) -> web.Response:
         job = job_or_404(request.match_info["id"])
         removed = store.delete_results(job.id)
-        broker.events.emit("job_results_deleted", job=job.id, microbatches=removed)
+        parts.events.emit("job_results_deleted", job=job.id, microbatches=removed)
         return web.json_response({"job": job.id, "deleted": removed})
 
     async def story(request: web.Request) -> web.Response:
@@ -452,7 +486,7 @@ def make_app(broker: Broker) -> web.Application:
     async def _job_events(response: web.StreamResponse, job: JobRow) -> None:
         since = 0
         current: JobRow | None = job
-        while not broker.stopping:
+        while not parts.stopping():
             current = store.job(job.id, full=False)  # (read first: no event is missed)
             while rows := store.events(since=since, limit=1000, job=job.id):
                 for row in rows:
@@ -460,7 +494,7 @@ def make_app(broker: Broker) -> web.Application:
                     await sse(response, row.kind, row.to_json())
             if current is None or current.state in TERMINAL:
                 break
-            await broker.events.wait(KEEPALIVE_S)
+            await parts.events.wait(KEEPALIVE_S)
             await response.write(b": waiting\n\n")
         if current is not None and current.state == "succeeded" and current.kind != "finetune":
             offset, first = 0, 0
@@ -479,8 +513,8 @@ def make_app(broker: Broker) -> web.Application:
     def snapshot() -> dict[str, Any]:
         rows = store.jobs(limit=50)
         return {
-            "broker": {"peer_id": broker.peer_id, "addrs": broker.addrs},
-            "providers": broker.registry.summary(broker.verifier.summary),
+            "broker": {"peer_id": parts.peer_id, "addrs": parts.addrs},
+            "providers": parts.registry.summary(parts.verifier.summary),
             "models": [serving.describe(n) for n in sorted(serving.plans)],
             "jobs": [job_json(j, store.count_done(j.id)) for j in rows],
         }
@@ -495,7 +529,7 @@ def make_app(broker: Broker) -> web.Application:
         last: str | None = None
         since = max(0, store.last_event_id() - 50)  # the page starts with recent history
         quiet = 0.0
-        while not broker.stopping:
+        while not parts.stopping():
             for row in store.events(since=since, limit=200):
                 since = row.id
                 await sse(response, "event", row.to_json())
@@ -508,7 +542,7 @@ def make_app(broker: Broker) -> web.Application:
                 quiet = 0.0
             await asyncio.sleep(interval)
             quiet += interval
-            await broker.events.wait(max(0.0, 2.0 - interval))  # load changes without events
+            await parts.events.wait(max(0.0, 2.0 - interval))  # load changes without events
 
     async def embeddings(request: web.Request) -> web.Response:
         return await gateway.embeddings(await json_body(request))

@@ -20,15 +20,12 @@ Each broker has its own collector registry, so several brokers can live in one p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from broker.service import Broker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 POOLS = ("active", "backup", "draining", "dead")
@@ -36,21 +33,31 @@ STATES = ("queued", "placed", "running", "succeeded", "failed", "cancelled")
 FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+@dataclass(frozen=True)
+class Readings:
+    """What the gauges read at each scrape."""
+
+    pools: Callable[[], Iterable[str]]  # each known provider's pool
+    jobs: Callable[[], dict[str, int]]  # jobs per state
+    queued: Callable[[], dict[str, int]]  # queued jobs per model
+    served: Callable[[], dict[str, int]]  # per model: provider stages with a route
+
+
 class _State(Collector):
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, readings: Readings) -> None:
+        self.readings = readings
 
     def collect(self) -> Iterator[Metric]:
-        b = self.broker
+        r = self.readings
         pools = GaugeMetricFamily("fusionai_providers", "Providers per pool", labels=["pool"])
         counts = dict.fromkeys(POOLS, 0)
-        for p in b.registry.summary(b.verifier.summary):
-            counts[p["pool"]] = counts.get(p["pool"], 0) + 1
+        for pool in r.pools():
+            counts[pool] = counts.get(pool, 0) + 1
         for pool, n in sorted(counts.items()):
             pools.add_metric([pool], n)
         yield pools
         jobs = GaugeMetricFamily("fusionai_jobs", "Jobs per state", labels=["state"])
-        by_state = b.store.count_jobs()
+        by_state = r.jobs()
         for state in STATES:
             jobs.add_metric([state], by_state.get(state, 0))
         yield jobs
@@ -62,11 +69,10 @@ class _State(Collector):
             "Provider stages of a model with at least one serving provider",
             labels=["model"],
         )
-        queued = b.store.count_queued()
-        for name in sorted(b.serving.plans):
+        queued = r.queued()
+        for name, stages in sorted(r.served().items()):
             queue.add_metric([name], queued.get(name, 0))
-            route = b.serving.route(name) or []
-            served.add_metric([name], sum(1 for peers in route if peers))
+            served.add_metric([name], stages)
         yield queue
         yield served
 
@@ -109,12 +115,12 @@ class Metrics:
             registry=r,
         )
 
-    def watch(self, broker: Broker) -> None:
-        """Read the swarm's state from `broker` at each scrape; count its events."""
-        self.registry.register(_State(broker))
-        broker.events.sinks.append(self._event)
+    def watch(self, readings: Readings) -> None:
+        """Read the swarm's state with `readings` at each scrape."""
+        self.registry.register(_State(readings))
 
-    def _event(self, row: object) -> None:
+    def event(self, row: object) -> None:
+        """Count an event of the broker's log (one of its sinks)."""
         kind = getattr(row, "kind", "")
         if kind in ("job_succeeded", "job_failed", "job_cancelled"):
             self.outcomes.labels(kind.removeprefix("job_")).inc()

@@ -33,9 +33,11 @@ from broker.embedjobs import EmbedJobs
 from broker.errors import Conflict
 from broker.events import EventLog
 from broker.finetune.kind import FinetuneJobs
-from broker.http import make_app
+from broker.gateway import Gateway
+from broker.gateway import Parts as GatewayParts
+from broker.http import ApiParts, make_app
 from broker.jobs import JobRunner
-from broker.metrics import Metrics
+from broker.metrics import Metrics, Readings
 from broker.models import ModelStore, StoredModel
 from broker.registry import Registry
 from broker.serving import Serving
@@ -78,6 +80,7 @@ class Broker:
         self.keys = Keys(config.api_keys)
         self.tokens = ArtifactTokens(config.data_dir)
         self.metrics = Metrics()
+        self.events.sinks.append(self.metrics.event)
         self.tls_sha256 = ""  # the certificate's fingerprint when serving HTTPS
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -153,9 +156,57 @@ class Broker:
             self.config, self.store, self.events, self.serving, self.models, self.calls
         )
         self.jobs.register(self.finetunes)
-        self.metrics.watch(self)
+        self.metrics.watch(
+            Readings(
+                pools=lambda: [p.status.value for p in self.driver.core.pool.providers.values()],
+                jobs=self.store.count_jobs,
+                queued=self.store.count_queued,
+                served=lambda: {
+                    name: sum(1 for peers in self.serving.route(name) or [] if peers)
+                    for name in self.serving.plans
+                },
+            )
+        )
         context = self._tls()
-        self._runner = web.AppRunner(make_app(self), access_log=None)
+        gateway = Gateway(
+            GatewayParts(
+                self.config,
+                self.serving,
+                self.registry,
+                self.models,
+                self.verifier,
+                self.embeds,
+                self.metrics,
+                self.events,
+                self.host,
+                self.calls.inflight,
+                self.jobs.using,
+                lambda: self.stopping,
+                self.rng,
+            )
+        )
+        api = ApiParts(
+            self.config,
+            self.store,
+            self.events,
+            self.registry,
+            self.serving,
+            self.models,
+            self.jobs,
+            self.finetunes,
+            self.verifier,
+            gateway,
+            self.keys,
+            self.tokens,
+            self.metrics,
+            self.calls.inflight,
+            self.add_model,
+            lambda: self.stopping,
+            self.rng,
+            self.peer_id,
+            self.addrs,
+        )
+        self._runner = web.AppRunner(make_app(api), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(
             self._runner, self.config.http_host, self.config.http_port, ssl_context=context

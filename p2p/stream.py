@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from p2p._answers import HandlerEntry
 from p2p._channel import Channel
 from p2p._core import StreamInbox
-from p2p._runtime import post
+from p2p._runtime import TrioRuntime, post
 from p2p.codec import ErrorCode, Kind, Message, decode_error, encode_message
 from p2p.errors import ConnectionLost, FrameError, HostClosed, RemoteError
 
-if TYPE_CHECKING:
-    from p2p.host import Host
+
+class StreamHost(Protocol):
+    """The host side a stream needs: its trio runtime (the `Host` provides it)."""
+
+    _runtime: TrioRuntime | None
+
+    def _running(self) -> tuple[TrioRuntime, Any]: ...
 
 
 class EndOfStream(ConnectionLost):
@@ -33,7 +38,12 @@ class Stream:
     """
 
     def __init__(
-        self, host: Host, channel: Channel, entry: HandlerEntry, inbox: StreamInbox, outbound: bool
+        self,
+        host: StreamHost,
+        channel: Channel,
+        entry: HandlerEntry,
+        inbox: StreamInbox,
+        outbound: bool,
     ) -> None:
         self._host = host
         self._channel = channel

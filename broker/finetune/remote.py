@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from broker.calls import StageCalls
+from broker.config import BrokerConfig
+from broker.events import EventLog
 from broker.finetune.request import FinetuneRequest, trainable_stages
 from broker.jobkinds import JobFailed, Ref
+from broker.models import ModelStore
 from broker.schema import JobRow
+from broker.serving import Serving
+from broker.store import Store
 from ir.training import (
     init_adapters,
 )
@@ -28,8 +34,19 @@ from proto.train import (
     TrainUpdated,
 )
 
-if TYPE_CHECKING:
-    from broker.finetune.kind import FinetuneJobs
+
+class JobParts(Protocol):
+    """What a fine-tune job uses of the broker (its job kind provides it)."""
+
+    config: BrokerConfig
+    store: Store
+    events: EventLog
+    serving: Serving
+    models: ModelStore
+    calls: StageCalls
+
+    def save_adapter(self, job_id: str, model: str, data: bytes) -> None: ...
+
 
 Array = np.ndarray[Any, Any]
 
@@ -44,7 +61,7 @@ class SwarmStages:
     """A fine-tune job's stages on the providers of its route: training requests to them
     (the step executor's `Backend`), each failure a `StageFailed` naming the stage."""
 
-    def __init__(self, kind: FinetuneJobs, job: JobRow) -> None:
+    def __init__(self, kind: JobParts, job: JobRow) -> None:
         self.kind = kind
         self.calls = kind.calls
         self.clock = kind.serving.clock

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -45,9 +45,6 @@ from proto.train import (
     TrainExport,
     TrainState,
 )
-
-if TYPE_CHECKING:
-    pass
 
 Array = np.ndarray[Any, Any]
 MAX_RECOVERIES = 10  # provider losses one job survives

@@ -188,3 +188,15 @@ def test_no_module_imports_another_that_imports_it_back() -> None:
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_broker_service_is_its_one_composition_root() -> None:
+    """Components get what they need in their constructors: none imports the service (not
+    even for annotations), and none is wired by assigning another's attributes afterwards."""
+    for path in _modules("broker"):
+        if path.name == "service.py":
+            continue
+        assert "broker.service" not in _imports(path, 2), (
+            f"{path.relative_to(ROOT)} imports broker.service: take the parts you need in "
+            f"the constructor"
+        )
