@@ -64,7 +64,7 @@ def _package(tmp: Path) -> Path:
     import transformers
 
     from cli.demo_models import CORPUS, bpe_tokenizer
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
     from ir.export import build_package
     from ir.families import AdapterConfig
 
@@ -98,7 +98,7 @@ def _package(tmp: Path) -> Path:
 
 def _request(steps: int, **extra: Any) -> Any:
     from broker.finetune import FinetuneRequest
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
 
     return FinetuneRequest(
         model=NAME, texts=read_texts(SAMPLE_DATA), steps=steps, **{**SETTINGS, **extra}
@@ -145,7 +145,7 @@ def local_steps(package: Path, steps: int) -> list[float]:
 
 def swarm_run(swarm: Swarm, steps: int, every: int, kill_after: int | None = None) -> Any:
     from client import Client
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
 
     with Client(swarm.http, timeout=120) as fa:
         body = {

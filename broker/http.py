@@ -45,175 +45,48 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from broker.auth import ArtifactTokens, Keys
 from broker.config import BrokerConfig
-from broker.errors import Conflict, NotFound, TooBusy, Unavailable
+from broker.errors import NotFound
 from broker.events import EventLog
 from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
-from broker.jobkinds import TERMINAL, JobError
+from broker.httpkit import (
+    DASHBOARD,
+    KEEPALIVE_S,
+    MAX_JOB_WAIT_S,
+    OPENAPI,
+    RESULT_ROWS,
+    Handler,
+    error,
+    errors,
+    event_stream,
+    float_param,
+    int_param,
+    job_json,
+    json_body,
+    presented_key,
+    public_path,
+    results_event,
+    sse,
+    sse_bytes,
+)
+from broker.jobkinds import TERMINAL
 from broker.jobs import JobRunner
 from broker.metrics import Metrics
-from broker.models import ModelStore, ModelStoreError, StoredModel
+from broker.models import ModelStore, StoredModel
 from broker.registry import Registry
 from broker.schema import JobRow
 from broker.serving import Serving
+from broker.sessions_api import SessionRoutes
 from broker.store import Store
 from broker.verify import Verifier
 
 log = logging.getLogger("fusionai.broker")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def error(status: int, message: str, field: str | None = None) -> web.Response:
-    body: dict[str, Any] = {"message": message}
-    if field is not None:
-        body["field"] = field
-    return web.json_response({"error": body}, status=status)
-
-
-@web.middleware
-async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes a JSON error; nothing a client sends crashes the broker."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status >= 400 and exc.content_type != "application/json":
-            return error(exc.status, exc.reason if not exc.text else exc.text)
-        raise
-    except JobError as exc:
-        return error(400, str(exc), exc.field)
-    except ModelStoreError as exc:
-        return error(400, str(exc))
-    except NotFound as exc:
-        return error(404, str(exc))
-    except Conflict as exc:
-        return error(409, str(exc))
-    except TooBusy as exc:
-        response = error(429, str(exc))
-        response.headers["Retry-After"] = "1"
-        return response
-    except Unavailable as exc:
-        return error(503, str(exc))
-    except Exception:  # a bug: logged with its traceback, answered without one
-        log.exception("%s %s failed", request.method, request.path)
-        return error(500, "internal error; the broker's log has the details")
-
-
-DASHBOARD = Path(__file__).parent / "dashboard"
-OPENAPI = Path(__file__).parent / "openapi.json"
-PUBLIC = frozenset({"/healthz", "/openapi.json", "/"})  # no key needed, nor below /dashboard/
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
-MAX_JOB_WAIT_S = 30.0  # longest `GET /v1/jobs/{id}?wait=S` holds a request for a change
-
-
-RESULT_ROWS = 8  # microbatches per `results` event of a job's stream
-
-
-def _results_event(job: str, offset: int, rows: list[tuple[int, list[int], bytes]]) -> bytes:
-    embeddings: list[Any] = []
-    for _, shape, data in rows:
-        embeddings.extend(np.frombuffer(data, dtype=np.float32).reshape(shape).tolist())
-    return sse_bytes(
-        "results", json.dumps({"job": job, "offset": offset, "embeddings": embeddings})
-    )
-
-
-def _public(path: str) -> bool:
-    return path in PUBLIC or path.startswith("/dashboard/")
-
-
-def presented_key(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return request.headers.get("X-API-Key")
-
-
-def sse_bytes(event: str, data: str) -> bytes:
-    """One server-sent event; `data` is JSON text (one line)."""
-    return f"event: {event}\ndata: {data}\n\n".encode()
-
-
-async def event_stream(
-    request: web.Request, body: Callable[[web.StreamResponse], Awaitable[None]]
-) -> web.StreamResponse:
-    """A server-sent event stream written by `body` until it returns or the client leaves."""
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    try:
-        await body(response)
-    except ConnectionResetError:  # the client went away
-        pass
-    return response
-
-
-async def sse(response: web.StreamResponse, event: str, data: Any) -> None:
-    await response.write(sse_bytes(event, json.dumps(data, default=str)))
-
-
-async def json_body(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: 413, answered by the middleware
-    try:
-        return await asyncio.to_thread(json.loads, raw)  # up to max_body_bytes: off the loop
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise JobError("body", f"not valid JSON: {exc}") from None
-    except RecursionError:
-        raise JobError("body", "JSON nested too deeply") from None
-
-
-def _number_param(
-    request: web.Request, name: str, default: float, low: float, high: float, kind: type
-) -> Any:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise JobError(name, f"must be {what}, got {raw!r}") from None
-    if not low <= value <= high:  # (NaN fails this too)
-        raise JobError(name, f"must be from {_plain(low)} to {_plain(high)}")
-    return value
-
-
-def _plain(v: float) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    value: int = _number_param(request, name, default, low, high, int)
-    return value
-
-
-def float_param(request: web.Request, name: str, default: float, low: float, high: float) -> float:
-    value: float = _number_param(request, name, default, low, high, float)
-    return value
-
-
-def job_json(job: JobRow, done: int) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "model": job.model,
-        "state": job.state,
-        "microbatches": job.microbatches,
-        "done": done,
-        "progress": round(done / job.microbatches, 4) if job.microbatches else 1.0,
-        "created": job.created,
-        "updated": job.updated,
-        "error": job.error or None,
-    }
 
 
 @dataclass(frozen=True)
@@ -262,7 +135,7 @@ def make_app(parts: ApiParts) -> web.Application:
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not keys.required or _public(request.path) or request.method == "OPTIONS":
+        if not keys.required or public_path(request.path) or request.method == "OPTIONS":
             return await handler(request)
         sha = request.match_info.get("sha")
         download = request.method in ("GET", "HEAD") and sha is not None  # by a provider
@@ -278,6 +151,14 @@ def make_app(parts: ApiParts) -> web.Application:
         middlewares=[measure, errors, auth], client_max_size=parts.config.max_body_bytes
     )
     store, jobs, serving = parts.store, parts.jobs, parts.serving
+    sessions = SessionRoutes(
+        serving,
+        parts.registry,
+        parts.verifier,
+        parts.inflight,
+        parts.rng,
+        parts.config.request_timeout_s,
+    )
     gateway = parts.gateway
 
     def job_or_404(job_id: str) -> JobRow:
@@ -336,70 +217,6 @@ def make_app(parts: ApiParts) -> web.Application:
             raise NotFound(f"no model named {name!r}")
         body = serving.plans[name].model.manifest_bytes
         return web.Response(body=body, content_type="application/json")
-
-    async def pick(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        if name not in serving.plans:
-            raise NotFound(f"no model named {name!r}")
-        body = await json_body(request)
-        if not isinstance(body, dict):
-            raise JobError("body", "must be a JSON object")
-        units = len(serving.unit_keys(serving.plans[name]))
-        stage = body.get("stage")
-        if type(stage) is not int or not 0 <= stage < units:
-            raise JobError("stage", f"must be a provider stage position from 0 to {units - 1}")
-        avoid = body.get("avoid", [])
-        if not isinstance(avoid, list) or not all(isinstance(a, str) for a in avoid):
-            raise JobError("avoid", "must be a list of peer ids")
-        limit = parts.config.request_timeout_s
-        wait = body.get("timeout", limit)
-        if type(wait) not in (int, float) or not 0 <= wait < 1e9:
-            raise JobError("timeout", "must be a non-negative number of seconds")
-        wait = min(wait, limit)  # waits longer than the broker's request timeout are cut
-        check = body.get("check", False)
-        if type(check) is not bool:
-            raise JobError("check", "must be true or false")
-        key = serving.unit_keys(serving.plans[name])[stage]
-        if check:  # a provider to check another's answers: any holder of the stage, at once
-            holders = parts.registry.holders(key, set(avoid))
-            if not holders:
-                raise Unavailable(f"no other provider holds stage {stage} of {name}")
-            checker = parts.rng.choice(holders)  # a provider cannot know it checks or is checked
-            return web.json_response({"key": key, **serving.peer_info(checker)})
-        peer = await serving.pick(name, stage, set(avoid), parts.inflight, float(wait))
-        if peer is None:
-            raise Unavailable(f"no provider has served stage {stage} of {name} for {wait:g} s")
-        return web.json_response({"key": key, **serving.peer_info(peer)})
-
-    async def report(request: web.Request) -> web.Response:
-        peer = request.match_info["peer"]
-        body = await json_body(request)
-        reason = body.get("reason") if isinstance(body, dict) else None
-        if not isinstance(reason, str) or not reason or len(reason) > 1000:
-            raise JobError("reason", "must be a non-empty string of at most 1000 characters")
-        assert isinstance(body, dict)
-        wrong = body.get("wrong_output")
-        if wrong is None:
-            await serving.suspect(peer, f"a client's request failed: {reason}")  # if alive
-            return web.json_response({"peer_id": peer, "alive": parts.registry.alive(peer)})
-        # A client's shadow step disagreed: the broker probes the provider itself (a client's
-        # word alone quarantines no one).
-        if not isinstance(wrong, str):
-            raise JobError("wrong_output", "must name the stage key (MODEL/INDEX) it answered")
-        name = wrong.rpartition("/")[0]
-        plan = serving.plans.get(name)
-        keys = serving.unit_keys(plan) if plan is not None else []
-        if wrong not in keys:
-            raise JobError("wrong_output", f"no provider stage {wrong!r}")
-        agreed, quarantined = await parts.verifier.report(peer, name, keys.index(wrong), reason)
-        return web.json_response(
-            {
-                "peer_id": peer,
-                "alive": parts.registry.alive(peer),
-                "probe_agreed": agreed,
-                "quarantined": quarantined,
-            }
-        )
 
     async def put_artifact(request: web.Request) -> web.Response:
         sha = request.match_info["sha"]
@@ -502,7 +319,7 @@ def make_app(parts: ApiParts) -> web.Application:
                 stored = store.results_from(job.id, first, RESULT_ROWS)
                 if not stored:
                     break
-                block = await asyncio.to_thread(_results_event, job.id, offset, stored)
+                block = await asyncio.to_thread(results_event, job.id, offset, stored)
                 await response.write(block)
                 first = stored[-1][0] + 1
                 offset += sum(shape[0] for _, shape, _ in stored)
@@ -584,8 +401,8 @@ def make_app(parts: ApiParts) -> web.Application:
     app.router.add_get("/v1/models/{name}", get_model)
     app.router.add_get("/v1/models/{name}/route", get_model)
     app.router.add_get("/v1/models/{name}/manifest", get_manifest)
-    app.router.add_post("/v1/models/{name}/pick", pick)
-    app.router.add_post("/v1/providers/{peer}/report", report)
+    app.router.add_post("/v1/models/{name}/pick", sessions.pick)
+    app.router.add_post("/v1/providers/{peer}/report", sessions.report)
     app.router.add_put("/v1/artifacts/{sha}", put_artifact)
     app.router.add_get("/v1/artifacts/{sha}", get_artifact)
     app.router.add_post("/v1/jobs", submit)

@@ -199,7 +199,7 @@ def finetune_cmd(args: argparse.Namespace) -> int:
     import shutil
 
     from client import FinetuneStep, FusionAIError
-    from client.api import SAMPLE_DATA
+    from client.data import SAMPLE_DATA
 
     k, _, n = args.shards.partition("/")
     if not (k.isdigit() and n.isdigit()):

@@ -9,16 +9,7 @@ providers' route; embeddings and batch jobs go through the broker. Wire and IR c
 `p2p`, `proto` and `ir`, never reimplemented here.
 """
 
-from client.api import (
-    AsyncClient,
-    Client,
-    Failover,
-    FineTune,
-    FinetuneStep,
-    Generation,
-    GenerationStream,
-    Job,
-)
+from client.api import AsyncClient
 from client.errors import (
     APIError,
     AuthenticationError,
@@ -35,6 +26,8 @@ from client.errors import (
     UnavailableError,
     VerificationError,
 )
+from client.sync import Client
+from client.types import Failover, FineTune, FinetuneStep, Generation, GenerationStream, Job
 
 __all__ = [
     "APIError",

@@ -90,7 +90,7 @@ class References:
 
 def references(minilm: Path, llama: Path) -> References:
     from broker.finetune import FinetuneRequest, LocalFinetune
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
     from tests.test_broker.conftest import local_embeddings
     from tests.test_broker.test_gateway import local_greedy
 
@@ -280,7 +280,7 @@ def run_job(swarm: Swarm, refs: References, kind: str, rng: random.Random) -> Ou
 
 
 def _sample_texts() -> list[str]:
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
 
     return read_texts(SAMPLE_DATA)
 

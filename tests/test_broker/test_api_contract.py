@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from broker.http import OPENAPI
+from broker.httpkit import OPENAPI
 from tests.test_broker.conftest import BrokerProc
 
 pytestmark = pytest.mark.timeout(180)

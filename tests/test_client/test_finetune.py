@@ -46,7 +46,7 @@ def swarm(
 
 def reference(package: Path, steps: int, **settings: Any) -> Any:
     from broker.finetune import FinetuneRequest, LocalFinetune
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
 
     request = FinetuneRequest(model=MODEL, texts=read_texts(SAMPLE_DATA), steps=steps, **settings)
     local = LocalFinetune(package, request)
@@ -63,7 +63,7 @@ def test_lora_fa_through_three_stages_matches_one_process_and_changes_generation
     broker: Spawner, provider: Spawner, finetune_package: Path, tmp_path: Path
 ) -> None:
     from client import BadRequestError, Client
-    from client.api import SAMPLE_DATA
+    from client.data import SAMPLE_DATA
     from ir.training import load_state, read_metadata
 
     b, _ = swarm(broker, provider, finetune_package, 3)
@@ -151,7 +151,7 @@ def local_greedy_with(package: Path, adapters: dict[str, Any], prompt: str, n: i
 
 
 def submit(fa: Any, steps: int, **settings: Any) -> str:
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
 
     body = {"kind": "finetune", "model": MODEL, "texts": read_texts(SAMPLE_DATA), "steps": steps}
     return str(fa.submit({**body, **SETTINGS, **settings}).id)

@@ -148,7 +148,7 @@ async def test_a_pipeline_mixing_onnxruntime_and_torch_providers(
     test's router picks them by executor): the tokens equal the in-process run's."""
     pytest.importorskip("torch")
     from client import AsyncClient
-    from client.api import HttpRouter
+    from client.routing import HttpRouter
     from client.sampling import Sampler
     from client.session import GenerationSession, generate
 

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 def request(**extra: Any) -> Any:
     from broker.finetune import FinetuneRequest
-    from client.api import SAMPLE_DATA, read_texts
+    from client.data import SAMPLE_DATA, read_texts
 
     settings = {"batch": 4, "microbatches": 2, "seq_len": 16, "rank": 4, "lr": 0.05, "seed": 3}
     return FinetuneRequest(

@@ -1,0 +1,149 @@
+"""`AsyncClient`'s fine-tuning: submit a fine-tune job and follow it, read its steps, fetch
+its adapter (kept once in the artifact cache) and check one against a model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from client.data import load_adapter, read_texts
+from client.errors import (
+    FusionAIError,
+    JobFailed,
+    JobTimeout,
+)
+from client.routing import quote_part
+from client.types import (
+    FineTune,
+    FinetuneStep,
+    Job,
+    long_poll_s,
+)
+from ir.manifest import ModelManifest
+
+Array = np.ndarray[Any, Any]
+
+
+class FinetuneMethods:
+    """Part of `AsyncClient` (its other parts provide what is declared below)."""
+
+    if TYPE_CHECKING:
+        timeout: float
+        cache_dir: Path
+
+        async def _request(
+            self,
+            method: str,
+            path: str,
+            body: Any = None,
+            *,
+            timeout: float | None = None,
+            raw: bool = False,
+        ) -> Any: ...
+        async def _default_model(self, decoder: bool) -> str: ...
+        async def submit(self, job: Mapping[str, Any]) -> Job: ...
+        async def job(self, job_id: str, *, wait: float = 0.0) -> Job: ...
+        async def wait(
+            self,
+            job_id: str,
+            *,
+            timeout: float | None = None,
+            poll: float = 10.0,
+            progress: Callable[[Job], None] | None = None,
+        ) -> Job: ...
+        async def manifest(self, name: str) -> ModelManifest: ...
+        async def _fetch(self, path: Path, sha: str, url: str = "", what: str = "") -> None: ...
+
+    # ---- fine-tuning -----------------------------------------------------------------------
+
+    async def finetune(
+        self,
+        model: str,
+        data: str | Path | Sequence[str],
+        *,
+        steps: int = 20,
+        progress: Callable[[FinetuneStep], None] | None = None,
+        timeout: float | None = None,
+        poll: float = 10.0,
+        **options: Any,
+    ) -> FineTune:
+        """Fine-tune `model` through the swarm on `data` (texts, or a JSONL file of
+        {"text": ...} lines, or a plain text file of one example per line) and wait for it.
+        `options`: batch, microbatches, seq_len, method ("lora-fa" or "lora"), rank, lr,
+        weight_decay, seed, snapshot_every, shards ([k, n]). `progress` gets each step as it
+        is done (`poll`: the longest one status request waits for a change, as in `wait`).
+        Returns the losses and the downloaded adapter."""
+        if isinstance(data, str | Path):
+            texts = await asyncio.to_thread(read_texts, data)
+        else:
+            texts = [str(t) for t in data]
+        body = {"kind": "finetune", "model": model, "texts": texts, "steps": steps, **options}
+        if "shards" in body:
+            body["shards"] = list(body["shards"])
+        job = await self.submit(body)
+        seen = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        hold = 0.0
+        while True:
+            current = await self.job(job.id, wait=hold)
+            done = await self._steps(job.id, seen, current.microbatches)
+            for s in done:
+                if progress is not None:
+                    progress(s)
+            seen += len(done)
+            if current.finished:
+                if current.state != "succeeded":
+                    raise JobFailed(current)
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise JobTimeout(
+                    f"fine-tune job {job.id} is still {current.state} after {timeout} s"
+                )
+            hold = long_poll_s(poll, left)
+        path, sha = await self._download_adapter(job.id)
+        return FineTune(
+            job.id, model, await self._steps(job.id, 0, current.microbatches), path, sha
+        )
+
+    async def finetune_steps(self, job_id: str, *, offset: int = 0) -> list[FinetuneStep]:
+        """The steps a fine-tune job has done so far (from `offset` on)."""
+        return await self._steps(job_id, offset, (await self.job(job_id)).microbatches)
+
+    async def _steps(self, job_id: str, offset: int, total: int) -> list[FinetuneStep]:
+        out = await self._request(
+            "GET", f"/v1/jobs/{quote_part(job_id)}/results?offset={offset}&limit=10000"
+        )
+        return [
+            FinetuneStep(s["step"], total, s["loss"], s["tokens"], s["seconds"])
+            for s in out.get("steps", [])
+        ]
+
+    async def adapter(self, job_id: str) -> Path:
+        """A fine-tune job's trained adapter (safetensors), downloaded once into the cache."""
+        path, _ = await self._download_adapter(job_id)
+        return path
+
+    async def _download_adapter(self, job_id: str) -> tuple[Path, str]:
+        info = await self._request("GET", f"/v1/jobs/{quote_part(job_id)}/results?limit=1")
+        adapter = info.get("adapter")
+        if not adapter:
+            raise FusionAIError(f"job {job_id} has no adapter (is it a finished fine-tune job?)")
+        sha = str(adapter["sha256"])
+        path = self.cache_dir / "adapters" / f"{sha}.safetensors"
+        url = f"/v1/jobs/{quote_part(job_id)}/adapter"
+        await self._fetch(path, sha, url, f"job {job_id}'s adapter")
+        return path, sha
+
+    async def _adapter_tensors(self, adapter: str | Path, model: str) -> dict[str, Array]:
+        """An adapter's tensors, checked against the model it is applied to."""
+        path = Path(adapter)
+        is_file = await asyncio.to_thread(path.is_file)
+        if not (isinstance(adapter, Path) or path.suffix == ".safetensors" or is_file):
+            path = await self.adapter(str(adapter))  # a fine-tune job's id
+        return await asyncio.to_thread(load_adapter, path, model)

@@ -1,0 +1,134 @@
+"""Routes for the SDK's generation sessions: the broker names a provider per stage over HTTP
+(`client.session.Router`); the client dials each one itself and reports those that fail."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from client.errors import (
+    FusionAIError,
+    GenerationError,
+    UnavailableError,
+)
+
+Array = np.ndarray[Any, Any]
+AVOID_PATIENCE_S = 5.0  # how long a failed peer is not taken back while others may come
+
+
+class RouterClient(Protocol):
+    """What the router uses of the SDK client."""
+
+    timeout: float
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+    ) -> Any: ...
+
+    async def _p2p(self) -> Any: ...
+
+
+class HttpRouter:
+    """Providers for a client's generation session, named by the broker over HTTP
+    (`client.session.Router`). The client connects to each provider it is given."""
+
+    def __init__(self, client: RouterClient, model: str) -> None:
+        self.client = client
+        self.model = model
+
+    async def pick(self, pos: int, avoid: set[str]) -> str:
+        host = await self.client._p2p()
+        tried = set(avoid)
+        deadline = time.monotonic() + self.client.timeout
+        # A peer that just failed is what the broker names until it has noticed (its ping
+        # fails) and promoted a backup: ask again for a while before taking it back.
+        patience = time.monotonic() + min(AVOID_PATIENCE_S, self.client.timeout / 2)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GenerationError(f"no reachable provider serves stage {pos} of {self.model}")
+            body = {"stage": pos, "avoid": sorted(tried), "timeout": round(left, 3)}
+            try:
+                out = await self.client._request(
+                    "POST", f"/v1/models/{quote_part(self.model)}/pick", body, timeout=left + 5
+                )
+            except FusionAIError as exc:
+                raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
+            peer: str = out["peer_id"]
+            if peer in tried and time.monotonic() < patience:
+                await asyncio.sleep(0.2)
+                continue
+            reason = await _dial(host, peer, list(out["addrs"]), deadline)
+            if reason is None:
+                return peer
+            await self.failed(pos, peer, f"cannot connect: {reason}")
+            if peer in tried:  # the broker had no other: give it a moment to notice
+                await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+            tried.add(peer)
+
+    async def failed(self, pos: int, peer: str, reason: str) -> None:
+        try:
+            await self.client._request(
+                "POST", f"/v1/providers/{quote_part(peer)}/report", {"reason": reason[:1000]}
+            )
+        except FusionAIError:
+            pass  # best effort: the broker's heartbeats notice a dead provider anyway
+
+    def lost(self, peer: str) -> asyncio.Event | None:
+        return None  # the client learns of a dead provider from its own requests
+
+    async def checker(self, pos: int, avoid: set[str]) -> str | None:
+        host = await self.client._p2p()
+        body = {"stage": pos, "avoid": sorted(avoid), "check": True}
+        try:
+            out = await self.client._request(
+                "POST", f"/v1/models/{quote_part(self.model)}/pick", body
+            )
+        except UnavailableError:
+            return None  # no one else holds the stage
+        except FusionAIError as exc:
+            raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
+        peer: str = out["peer_id"]
+        deadline = time.monotonic() + self.client.timeout
+        return peer if await _dial(host, peer, list(out["addrs"]), deadline) is None else None
+
+    async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
+        try:
+            out = await self.client._request(
+                "POST",
+                f"/v1/providers/{quote_part(peer)}/report",
+                {"reason": reason[:1000], "wrong_output": key},
+            )
+        except FusionAIError:
+            return False  # unresolved: the session raises VerificationError
+        return bool(out.get("quarantined"))
+
+
+async def _dial(host: Any, peer: str, addrs: list[str], deadline: float) -> str | None:
+    """Connect to `peer` by the first of `addrs` that answers before `deadline` (monotonic);
+    None once connected, else why not."""
+    if peer in host.connected_peers():
+        return None
+    errors = []
+    for n, addr in enumerate(addrs):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        # an unreachable address must not use up the time the others need
+        cap = left if n == len(addrs) - 1 else min(left, 10.0)
+        try:
+            full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer}"
+            await asyncio.wait_for(host.connect(full), cap)
+            return None
+        except Exception as exc:  # any dial failure: try the next
+            errors.append(f"{addr}: {exc or type(exc).__name__}")
+    return "; ".join(errors) or "it has no addresses"
+
+
+def quote_part(part: str) -> str:
+    from urllib.parse import quote
+
+    return quote(part, safe="")

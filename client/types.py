@@ -1,0 +1,117 @@
+"""What the SDK returns: a batch job's state, fine-tune steps, a generation and its stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+Array = np.ndarray[Any, Any]
+TERMINAL = ("succeeded", "failed", "cancelled")
+MAX_HOLD_S = 30.0  # the broker holds a status request at most this long (`?wait=`)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A batch job's state as the broker reported it."""
+
+    id: str
+    model: str
+    state: str  # queued, running, succeeded, failed, cancelled
+    done: int  # microbatches finished
+    microbatches: int
+    progress: float  # 0..1
+    error: str | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Job:
+        return cls(
+            d["id"], d["model"], d["state"], d["done"], d["microbatches"], d["progress"],
+            d.get("error"), d,
+        )  # fmt: skip
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclass(frozen=True)
+class FinetuneStep:
+    """One optimizer step of a fine-tune job."""
+
+    step: int
+    steps: int  # the job's total
+    loss: float  # mean next-token loss of the step's batch
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """A finished fine-tune job: its losses, and the trained adapter (a safetensors file)."""
+
+    job: str
+    model: str
+    steps: list[FinetuneStep]
+    adapter: Path  # downloaded into the cache, named by its SHA-256
+    sha256: str
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+
+@dataclass(frozen=True)
+class Failover:
+    """A provider stage that failed during a generation, and why."""
+
+    stage: int  # provider stage position
+    peer: str
+    reason: str
+    at: float  # time.monotonic() when it was noticed
+
+
+@dataclass
+class Generation:
+    """A finished generation (`generate(..., stream=False)`), or one in progress (the stream's
+    `result`)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (eos or a stop string) or "length"
+    failovers: list[Failover] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each token
+    route: list[str] = field(default_factory=list)  # peer id per provider stage at the end
+    checked: int = 0  # with verify: stage steps a second provider's answer confirmed
+    unchecked: int = 0  # with verify: stage steps no second provider could check
+    distrusted: list[str] = field(default_factory=list)  # providers found wrong (quarantined)
+
+
+class GenerationStream:
+    """Text pieces of a generation as they come (`async for piece in stream`); `result` fills
+    in as it goes and is complete once the iteration ends."""
+
+    def __init__(self, pieces: AsyncIterator[str], result: Generation) -> None:
+        self._pieces = pieces
+        self.result = result
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._pieces
+
+    async def aclose(self) -> None:
+        close = getattr(self._pieces, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def long_poll_s(poll: float, left: float | None) -> float:
+    """How long the next status request may wait at the broker for a change (a long poll)."""
+    return min(max(poll, 0.0), MAX_HOLD_S, MAX_HOLD_S if left is None else left)
