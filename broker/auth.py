@@ -16,7 +16,6 @@ import datetime as dt
 import hashlib
 import hmac
 import ipaddress
-import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
@@ -133,17 +132,11 @@ def self_signed(directory: Path, hosts: Iterable[str]) -> tuple[Path, Path]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA256())
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    write_atomic(key_path, pem, mode=0o600)
+    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
 

@@ -1,7 +1,8 @@
 """The broker database's schema, its version, and the rows read from it.
 
 The version lives in SQLite's `user_version`. A database from before versioning (0, the
-tables already there) is version 1: the same tables. `open_schema` brings an older database up
+tables already there) is version 1: the same tables (any it lacks, from an older broker still,
+are created). `open_schema` brings an older database up
 to `VERSION` step by step, each step in one transaction, and refuses one written by a newer
 broker (it would misread it) with what to do instead.
 """
@@ -112,9 +113,23 @@ def open_schema(db: sqlite3.Connection) -> int:
         db.executescript(SCHEMA)
         db.execute(f"PRAGMA user_version = {VERSION}")
         return 0
-    version = found or 1  # written before the schema was versioned: version 1's tables
-    while version < VERSION:
-        db.executescript(f"BEGIN; {MIGRATIONS[version]}; COMMIT;")
+    if not found:  # written before the schema was versioned: version 1's tables, of which
+        # the oldest such databases lack some (all IF NOT EXISTS). When VERSION passes 1,
+        # this must create version 1's tables (keep them as SCHEMA_V1), not today's.
+        db.executescript(SCHEMA)
+    version = found or 1
+    while version < VERSION:  # each step and its version number in one transaction
+        try:
+            db.executescript(
+                f"BEGIN; {MIGRATIONS[version]}; PRAGMA user_version = {version + 1}; COMMIT;"
+            )
+        except sqlite3.Error as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise SchemaError(
+                f"upgrading the database from schema version {version} failed ({exc}); "
+                f"it is unchanged: keep this data folder and report the error"
+            ) from None
         version += 1
     db.execute(f"PRAGMA user_version = {VERSION}")
     return found or 1

@@ -103,6 +103,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         self._loading: dict[str, asyncio.Lock] = {}  # one download of a model's stages at once
         self._manifests: dict[str, tuple[ModelManifest, bytes]] = {}
         self._cache: ArtifactCache | None = None
+        self._cache_lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -244,10 +245,11 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
 
     async def _artifacts(self) -> ArtifactCache:
         """The content-addressed cache of what was downloaded (checked once per client)."""
-        if self._cache is None:
-            cache = await asyncio.to_thread(ArtifactCache, self.cache_dir / "artifacts")
-            await asyncio.to_thread(cache.check)
-            self._cache = cache
+        async with self._cache_lock:
+            if self._cache is None:
+                cache = await asyncio.to_thread(ArtifactCache, self.cache_dir / "artifacts")
+                await asyncio.to_thread(cache.check)
+                self._cache = cache
         return self._cache
 
     async def _fetch(self, path: Path, sha: str, url: str = "", what: str = "") -> None:

@@ -16,27 +16,41 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 
+def _umask() -> int:
+    """The process's umask, read once (reading it means setting it: not safe to do while
+    other threads create files)."""
+    if not hasattr(os, "umask"):
+        return 0
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, *, mode: int | None = None, sync: bool = True) -> Iterator[BinaryIO]:
     """A binary file to write `path`'s new content into; moved over `path` when the block ends
-    without an exception. `mode` sets its permission bits (default: the umask's);
-    `sync=False` skips the fsyncs (for caches a crash may lose)."""
+    without an exception. `mode` sets its permission bits (default: what a plain write would
+    get under the umask); `sync=False` skips the fsyncs (for caches a crash may lose)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        if mode is not None:
-            os.fchmod(fd, mode)
-        elif hasattr(os, "umask"):  # mkstemp makes 0600; a plain write would follow the umask
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
+            try:
+                os.fchmod(f.fileno(), mode if mode is not None else 0o666 & ~_UMASK)
+            except OSError:  # a file system without permissions (FAT, some shares)
+                if mode is not None:
+                    raise
             yield f
             f.flush()
             if sync:
@@ -71,17 +85,19 @@ def link_atomic(source: Path, path: Path) -> None:
     if path.exists() and os.path.samefile(source, path):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.link")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.link")  # one per call
     try:
         os.link(source, tmp)
     except OSError:  # no hard links here (another file system, FAT, some shares)
         with atomic_file(path) as f, open(source, "rb") as src:
-            while block := src.read(1 << 20):
-                f.write(block)
+            shutil.copyfileobj(src, f, 1 << 20)
         return
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def sync_folder(folder: Path) -> None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # aiohttp loads on the first download: importing the cache st
 log = logging.getLogger(__name__)
 
 PARTIAL_MAX_AGE_S = 7 * 24 * 3600.0  # a partial download untouched this long is dropped
+STRAY_AGE_S = 3600.0  # a file not named by its hash, this old, is a crashed write's leftover
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
 
@@ -123,11 +124,14 @@ class ArtifactCache:
         only clears leftovers (a cache whose writers verified every file before keeping it,
         and that is too large to hash at every start)."""
         dropped = []
+        stray_before = time.time() - STRAY_AGE_S
         for p in list(self.objects.iterdir()):
             name = p.name
             if not SHA256_RE.match(name) or not p.is_file():
-                log.warning("removing stray file %s from the artifact cache", p)
-                _remove(p)
+                # A write under way (another process sharing the cache) is young: left alone.
+                if _mtime(p) < stray_before:
+                    log.warning("removing stray file %s from the artifact cache", p)
+                    _remove(p)
                 continue
             if not verify:
                 continue
@@ -145,8 +149,6 @@ class ArtifactCache:
         for name in list(self._index):
             if not (self.objects / name).is_file():
                 del self._index[name]
-        for p in self.objects.glob("*.tmp"):
-            _remove(p)
         stale = time.time() - PARTIAL_MAX_AGE_S
         for p in self.partial.iterdir():  # downloads abandoned long ago
             if p.is_file() and p.stat().st_mtime < stale:
@@ -295,7 +297,8 @@ class ArtifactCache:
                     f"artifact from {url} has SHA-256 {digest}, not {sha}: the server sent a "
                     f"different or corrupt file; it was deleted"
                 )
-            move_atomic(part, self.objects / sha)
+            # fsyncing gigabytes takes a while: not on the event loop
+            await asyncio.to_thread(move_atomic, part, self.objects / sha)
             return
         raise ArtifactError(
             f"could not download {sha[:12]} from {url} after {self.attempts} attempts: {last}; "
@@ -374,6 +377,13 @@ def _checked(sha256: str) -> str:
     if not SHA256_RE.match(sha256):
         raise ArtifactError(f"{sha256!r} is not a SHA-256 hex digest")
     return sha256
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")  # gone meanwhile (a write finished): nothing to remove
 
 
 def _remove(path: Path) -> None:

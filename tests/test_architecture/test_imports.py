@@ -215,3 +215,20 @@ def test_every_module_fits_the_budget() -> None:
             if n > MODULE_BUDGET:
                 over.append(f"{path.relative_to(ROOT)}: {n}")
     assert not over, f"modules over {MODULE_BUDGET} lines (split them): {over}"
+
+
+def test_the_distribution_ships_every_package_and_subpackage() -> None:
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = set(find_packages(str(ROOT), include=include))
+    present = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for package in PACKAGES
+        for p in (ROOT / package).rglob("__init__.py")
+    }
+    assert present <= shipped, f"not in the wheel: {sorted(present - shipped)}"
+    assert not {p for p in shipped if p.split(".")[0] in ("tests", "benchmarks")}

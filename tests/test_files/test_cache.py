@@ -110,3 +110,15 @@ def test_a_flat_store_from_an_earlier_release_is_adopted(tmp_path: Path) -> None
     assert cache.adopt(tmp_path) == 1
     assert cache.has(SHA) and cache.check() == []
     assert (tmp_path / "notes.txt").exists()  # only what is named by its hash moves
+
+
+def test_a_check_leaves_writes_under_way_alone_and_sweeps_old_leftovers(tmp_path: Path) -> None:
+    cache = ArtifactCache(tmp_path)
+    young = cache.objects / f".{SHA}.abc.tmp"  # another process sharing the cache, writing
+    old = cache.objects / f".{SHA}.def.tmp"  # a crashed write's leftover
+    young.write_bytes(b"half")
+    old.write_bytes(b"half")
+    long_ago = time.time() - 2 * 3600
+    os.utime(old, (long_ago, long_ago))
+    assert cache.check() == []
+    assert young.exists() and not old.exists()
