@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from client.core import ClientCore
 from client.data import load_adapter, read_texts
 from client.errors import (
     FusionAIError,
@@ -21,43 +22,14 @@ from client.routing import quote_part
 from client.types import (
     FineTune,
     FinetuneStep,
-    Job,
     long_poll_s,
 )
-from ir.manifest import ModelManifest
 
 Array = np.ndarray[Any, Any]
 
 
-class FinetuneMethods:
-    """Part of `AsyncClient` (its other parts provide what is declared below)."""
-
-    if TYPE_CHECKING:
-        timeout: float
-        cache_dir: Path
-
-        async def _request(
-            self,
-            method: str,
-            path: str,
-            body: Any = None,
-            *,
-            timeout: float | None = None,
-            raw: bool = False,
-        ) -> Any: ...
-        async def _default_model(self, decoder: bool) -> str: ...
-        async def submit(self, job: Mapping[str, Any]) -> Job: ...
-        async def job(self, job_id: str, *, wait: float = 0.0) -> Job: ...
-        async def wait(
-            self,
-            job_id: str,
-            *,
-            timeout: float | None = None,
-            poll: float = 10.0,
-            progress: Callable[[Job], None] | None = None,
-        ) -> Job: ...
-        async def manifest(self, name: str) -> ModelManifest: ...
-        async def _fetch(self, path: Path, sha: str, url: str = "", what: str = "") -> None: ...
+class FinetuneMethods(ClientCore):
+    """Part of `AsyncClient` (what it uses of the other parts: `client/core.py`)."""
 
     # ---- fine-tuning -----------------------------------------------------------------------
 

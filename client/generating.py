@@ -7,17 +7,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 
+from client.core import ClientCore
 from client.errors import (
     FusionAIError,
 )
 from client.routing import HttpRouter
 from client.sampling import Sampler
 from client.session import GenerationSession, generate
-from client.stages import ClientStages
 from client.text import TextStream
 from client.types import (
     Failover,
@@ -28,20 +28,8 @@ from client.types import (
 Array = np.ndarray[Any, Any]
 
 
-class GenerationMethods:
-    """Part of `AsyncClient` (its other parts provide what is declared below)."""
-
-    if TYPE_CHECKING:
-        timeout: float
-
-        async def _default_model(self, decoder: bool) -> str: ...
-        async def stages(self, name: str) -> ClientStages: ...
-        async def model(self, name: str) -> dict[str, Any]: ...
-        async def _p2p(self) -> Any: ...
-        async def _request(
-            self, method: str, path: str, body: Any = None, *, timeout: float | None = None
-        ) -> Any: ...
-        async def _adapter_tensors(self, adapter: str | Path, model: str) -> dict[str, Array]: ...
+class GenerationMethods(ClientCore):
+    """Part of `AsyncClient` (what it uses of the other parts: `client/core.py`)."""
 
     # ---- generation ------------------------------------------------------------------------
 

@@ -1,0 +1,51 @@
+"""What the parts of `AsyncClient` (`client/generating.py`, `client/finetuning.py`) use of
+each other, declared once for the type checker; at run time this class is empty and
+`AsyncClient` (`client/api.py`) provides every member."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from client.stages import ClientStages
+from client.types import Job
+from ir.manifest import ModelManifest
+
+Array = np.ndarray[Any, Any]
+
+
+class ClientCore:
+    if TYPE_CHECKING:
+        timeout: float
+        cache_dir: Path
+
+        async def _request(
+            self,
+            method: str,
+            path: str,
+            body: Any = None,
+            *,
+            timeout: float | None = None,
+            raw: bool = False,
+            data: Any = None,
+        ) -> Any: ...
+        async def _p2p(self) -> Any: ...
+        async def _fetch(self, path: Path, sha: str, url: str = "", what: str = "") -> None: ...
+        async def _default_model(self, decoder: bool) -> str: ...
+        async def _adapter_tensors(self, adapter: str | Path, model: str) -> dict[str, Array]: ...
+        async def stages(self, name: str) -> ClientStages: ...
+        async def model(self, name: str) -> dict[str, Any]: ...
+        async def manifest(self, name: str) -> ModelManifest: ...
+        async def submit(self, job: Mapping[str, Any]) -> Job: ...
+        async def job(self, job_id: str, *, wait: float = 0.0) -> Job: ...
+        async def wait(
+            self,
+            job_id: str,
+            *,
+            timeout: float | None = None,
+            poll: float = 10.0,
+            progress: Callable[[Job], None] | None = None,
+        ) -> Job: ...
