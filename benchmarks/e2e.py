@@ -143,7 +143,7 @@ class Swarm:
         from client import Client
 
         with Client(self.http, timeout=120) as fa:
-            name = fa.add_model(package)["model"]
+            name = fa.add_model(package).model
         wait_until(f"{name} served", lambda: _ready(self.http, name), 180)
 
     def stop(self) -> None:

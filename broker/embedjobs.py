@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from dag.execute import Unit, execute
 from dag.tasks import TaskKind, task
 from dag.validate import DagError
 from dag.wire import from_json, to_json
+from proto.api.jobs import EmbedJobRequest, EmbedResults
 
 
 @dataclass(frozen=True)
@@ -68,49 +69,26 @@ class JobRequest:
         return out
 
 
-def parse_request(body: Any, config: BrokerConfig) -> JobRequest:
-    """Validate a job submission (JSON); raises `JobError` naming the field."""
-    if not isinstance(body, dict):
-        raise JobError("body", "a job is a JSON object")
-    unknown = sorted(set(body) - {"kind", "model", "texts", "token_ids", "microbatch"})
-    if unknown:
-        raise JobError(unknown[0], "unknown field")
-    kind = body.get("kind", "embed")
-    if kind != "embed":
-        raise JobError("kind", f"unknown job kind {kind!r}; this broker runs 'embed' batch jobs")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise JobError("model", "name the model (a string)")
-    texts, ids = body.get("texts"), body.get("token_ids")
+def parse_request(body: EmbedJobRequest, config: BrokerConfig) -> JobRequest:
+    """What the body's struct cannot say; raises `JobError` naming the field."""
+    texts, ids = body.texts, body.token_ids
     if (texts is None) == (ids is None):
         raise JobError("texts", "give either texts (strings) or token_ids (lists of ints)")
-    if texts is not None:
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise JobError("texts", "must be a list of strings")
-        items: Sequence[Any] = texts
-    else:
-        if not isinstance(ids, list) or not all(
-            isinstance(seq, list) and seq and all(type(t) is int for t in seq) for seq in ids
-        ):
-            raise JobError("token_ids", "must be a list of non-empty lists of integers")
-        items = ids
+    field, items = ("texts", texts) if texts is not None else ("token_ids", ids or [])
     if not items:
-        raise JobError("texts" if texts is not None else "token_ids", "is empty")
+        raise JobError(field, "is empty")
     if len(items) > config.max_job_texts:
-        raise JobError(
-            "texts" if texts is not None else "token_ids",
-            f"{len(items)} sequences; one job takes at most {config.max_job_texts}",
-        )
-    microbatch = body.get("microbatch", config.microbatch)
-    if type(microbatch) is not int or not 1 <= microbatch <= 1024:
-        raise JobError("microbatch", "must be an integer from 1 to 1024")
-    return JobRequest(kind, model, texts, ids, microbatch)
+        most = config.max_job_texts
+        raise JobError(field, f"{len(items)} sequences; one job takes at most {most}")
+    microbatch = body.microbatch if body.microbatch is not None else config.microbatch
+    return JobRequest("embed", body.model, texts, ids, microbatch)
 
 
 class EmbedJobs:
     """The "embed" job kind."""
 
     name = "embed"
+    request = EmbedJobRequest
 
     def __init__(
         self,
@@ -135,9 +113,9 @@ class EmbedJobs:
         self.using = using  # an interactive request holds the model while it runs
         self.clock = serving.clock
 
-    async def prepare(self, body: dict[str, Any]) -> Prepared:
+    async def prepare(self, body: EmbedJobRequest) -> Prepared:
         """Check a submission (the heavy checks run off the event loop)."""
-        request = await asyncio.to_thread(parse_request, body, self.config)
+        request = parse_request(body, self.config)
         model = self.models.models.get(request.model)
         if model is None:
             raise NotFound(f"no model named {request.model!r}; add it first")
@@ -414,7 +392,7 @@ class EmbedJobs:
                 run.append((pos, peer))
         return await flush(run, hidden)
 
-    def results(self, job: JobRow, offset: int, limit: int) -> dict[str, Any]:
+    def results(self, job: JobRow, offset: int, limit: int) -> EmbedResults:
         job_id = job.id
         if job.state != "succeeded":
             raise NotReady(f"job {job_id} is {job.state}; results come when it has succeeded")
@@ -427,4 +405,4 @@ class EmbedJobs:
             lo, hi = max(offset - first, 0), min(offset + limit - first, block.shape[0])
             if lo < hi:
                 rows.extend(block[lo:hi].tolist())
-        return {"job": job_id, "offset": offset, "total": total, "embeddings": rows}
+        return EmbedResults(job_id, offset, total, rows)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import random
 import time
@@ -28,22 +27,17 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp_sse import EventSourceResponse
 
 from broker.config import BrokerConfig
 from broker.embedjobs import EmbedJobs
 from broker.errors import NotFound, TooBusy, Unavailable
 from broker.events import EventLog
+from broker.httpkit import answer, event_stream, sse
 from broker.jobkinds import JobError
 from broker.metrics import Metrics
 from broker.models import ModelStore
-from broker.openai import (
-    EMBEDDING_FIELDS,
-    Completion,
-    model_of,
-    parse_completion,
-    parse_input,
-    refuse_unknown,
-)
+from broker.openai import Completion, parse_completion, parse_input
 from broker.registry import Registry
 from broker.serving import Serving
 from broker.verify import Verifier
@@ -53,6 +47,7 @@ from client.session import GenerationSession, generate
 from client.stages import ClientStageError, ClientStages
 from client.text import TextStream
 from p2p import Host
+from proto.api import openai as oa
 
 log = logging.getLogger("fusionai.broker")
 
@@ -123,16 +118,10 @@ class Gateway:
 
     # ---- embeddings ------------------------------------------------------------------------
 
-    async def embeddings(self, body: Any) -> web.Response:
-        model = model_of(body)
-        refuse_unknown(body, EMBEDDING_FIELDS)
-        texts, ids = parse_input(body.get("input"), "input")
-        fmt = body.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise JobError("encoding_format", "must be 'float' or 'base64'")
-        dims = body.get("dimensions")
-        if dims is not None and (type(dims) is not int or dims < 1):
-            raise JobError("dimensions", "must be a positive integer")
+    async def embeddings(self, body: oa.EmbeddingRequest) -> oa.EmbeddingList:
+        model = body.model
+        texts, ids = parse_input(body.input, "input")
+        fmt, dims = body.encoding_format or "float", body.dimensions
         self._admit()
         self.running += 1
         start = time.perf_counter()
@@ -150,19 +139,14 @@ class Gateway:
                 if fmt == "base64"
                 else row.tolist()
             )
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        return web.json_response(
-            {
-                "object": "list",
-                "data": data,
-                "model": model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
+            data.append(oa.Embedding(i, value))
+        return oa.EmbeddingList(data, model, oa.Usage(prompt_tokens=tokens, total_tokens=tokens))
 
     # ---- completions -----------------------------------------------------------------------
 
-    async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
+    async def completions(
+        self, request: web.Request, body: oa.CompletionRequest
+    ) -> web.StreamResponse:
         req = parse_completion(body)
         stored = self.parts.models.models.get(req.model)
         if stored is None:
@@ -191,29 +175,17 @@ class Gateway:
             created = int(time.time())
             if req.stream:
                 return await self._stream(request, req, client, prompts, cid, created)
-            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+            choices, generated = [], 0
             for index, prompt in enumerate(prompts):
                 text, reason, n = "", "length", 0
                 async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
                     async for piece, finish, count in pieces:
                         text += piece
                         reason, n = finish or reason, count
-                choices.append(
-                    {"text": text, "index": index, "logprobs": None, "finish_reason": reason}
-                )
-                usage["prompt_tokens"] += len(prompt)
-                usage["completion_tokens"] += n
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            return web.json_response(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": req.model,
-                    "choices": choices,
-                    "usage": usage,
-                }
-            )
+                choices.append(oa.Choice(text, index, reason))  # type: ignore[arg-type]
+                generated += n
+            usage = _usage(sum(len(p) for p in prompts), generated)
+            return answer(oa.Completion(cid, created, req.model, choices, usage))
         finally:
             self.running -= 1
             self.parts.metrics.interactive("completions", time.perf_counter() - start)
@@ -285,59 +257,33 @@ class Gateway:
         cid: str,
         created: int,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
+        async def body(resp: EventSourceResponse) -> None:
+            generated = 0
+            try:
+                for index, prompt in enumerate(prompts):
+                    count = 0
+                    async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
+                        async for piece, finish, count in pieces:  # noqa: B007 (count: after)
+                            if piece or finish:
+                                choice = oa.Choice(piece, index, finish)  # type: ignore[arg-type]
+                                chunk = oa.Completion(cid, created, req.model, [choice])
+                                await sse(resp, None, chunk)
+                    generated += count
+            except ConnectionResetError:  # the client went away; its sessions are closed
+                raise
+            except Exception as exc:  # headers are sent: report the error in the stream
+                kind = "unavailable" if isinstance(exc, Unavailable) else "internal_error"
+                if kind == "internal_error":
+                    log.exception("completion stream %s failed", cid)
+                await sse(resp, None, {"error": {"message": str(exc), "type": kind}})
+                return
+            if req.include_usage:
+                usage = _usage(sum(len(p) for p in prompts), generated)
+                await sse(resp, None, oa.Completion(cid, created, req.model, [], usage))
+            await sse(resp, None, "[DONE]")
 
-        async def send(payload: dict[str, Any] | str) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            await resp.write(f"data: {data}\n\n".encode())
+        return await event_stream(request, body)
 
-        def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": [
-                    {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
-                ],
-            }
 
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        try:
-            for index, prompt in enumerate(prompts):
-                n = 0
-                async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
-                    async for piece, finish, count in pieces:
-                        n = count
-                        if piece or finish:
-                            await send(chunk(index, piece, finish))
-                usage["prompt_tokens"] += len(prompt)
-                usage["completion_tokens"] += n
-        except ConnectionResetError:  # the client went away; its sessions are closed
-            return resp
-        except Exception as exc:  # headers are sent: report the error in the stream
-            kind = "unavailable" if isinstance(exc, Unavailable) else "internal_error"
-            if kind == "internal_error":
-                log.exception("completion stream %s failed", cid)
-            with contextlib.suppress(ConnectionResetError):
-                await send({"error": {"message": str(exc), "type": kind}})
-                await resp.write_eof()
-            return resp
-        if req.include_usage:
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            await send(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": req.model,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
-        await send("[DONE]")
-        await resp.write_eof()
-        return resp
+def _usage(prompt: int, completion: int) -> oa.Usage:
+    return oa.Usage(prompt, prompt + completion, completion)

@@ -39,7 +39,6 @@ in progress) or 503 (no provider serves the model in time).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp_sse import EventSourceResponse
 
 from broker.auth import ArtifactTokens, Keys
 from broker.config import BrokerConfig
@@ -57,34 +57,31 @@ from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
 from broker.httpkit import (
     DASHBOARD,
-    KEEPALIVE_S,
-    MAX_JOB_WAIT_S,
-    OPENAPI,
-    RESULT_ROWS,
     Handler,
+    answer,
+    body_as,
+    encode,
     error,
     errors,
     event_stream,
-    float_param,
-    int_param,
-    job_json,
-    json_body,
+    job_view,
     presented_key,
     public_path,
-    results_event,
+    query_as,
     sse,
-    sse_bytes,
 )
-from broker.jobkinds import TERMINAL
 from broker.jobs import JobRunner
+from broker.jobs_api import JobRoutes
 from broker.metrics import Metrics
 from broker.models import ModelStore, StoredModel
+from broker.openapi import OPS, SSE, document_bytes
 from broker.registry import Registry
-from broker.schema import JobRow
 from broker.serving import Serving
 from broker.sessions_api import SessionRoutes
 from broker.store import Store
 from broker.verify import Verifier
+from proto import api
+from proto.api import openai as oa
 
 log = logging.getLogger("fusionai.broker")
 
@@ -150,7 +147,7 @@ def make_app(parts: ApiParts) -> web.Application:
     app = web.Application(
         middlewares=[measure, errors, auth], client_max_size=parts.config.max_body_bytes
     )
-    store, jobs, serving = parts.store, parts.jobs, parts.serving
+    store, serving = parts.store, parts.serving
     sessions = SessionRoutes(
         serving,
         parts.registry,
@@ -159,220 +156,102 @@ def make_app(parts: ApiParts) -> web.Application:
         parts.rng,
         parts.config.request_timeout_s,
     )
+    job_routes = JobRoutes(store, parts.events, parts.jobs, parts.finetunes, parts.stopping)
     gateway = parts.gateway
+    broker_info = api.BrokerInfo(parts.peer_id, parts.addrs)
 
-    def job_or_404(job_id: str) -> JobRow:
-        job = store.job(job_id, full=False)
-        if job is None:
-            raise NotFound(f"no job {job_id}")
-        return job
+    def providers_now() -> list[api.Provider]:
+        return parts.registry.summary(parts.verifier.summary)
+
+    def model_or_404(name: str) -> StoredModel:
+        if name not in serving.plans:
+            raise NotFound(f"no model named {name!r}")
+        return serving.plans[name].model
 
     async def healthz(request: web.Request) -> web.Response:
-        providers = parts.registry.summary(parts.verifier.summary)
-        return web.json_response(
-            {
-                "ok": True,
-                "peer_id": parts.peer_id,
-                "addrs": parts.addrs,
-                "providers": sum(1 for p in providers if p["pool"] != "dead"),
-                "models": len(serving.plans),
-            }
-        )
+        alive = sum(1 for p in providers_now() if p.pool != "dead")
+        return answer(api.Health(True, parts.peer_id, parts.addrs, alive, len(serving.plans)))
 
     async def swarm(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "broker": {"peer_id": parts.peer_id, "addrs": parts.addrs},
-                "heartbeat_timeout_s": parts.config.heartbeat_timeout_s,
-                "providers": parts.registry.summary(parts.verifier.summary),
-                "models": [serving.describe(name) for name in sorted(serving.plans)],
-            }
+        models = [serving.describe(name) for name in sorted(serving.plans)]
+        return answer(
+            api.Swarm(broker_info, parts.config.heartbeat_timeout_s, providers_now(), models)
         )
 
     async def providers(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "providers": parts.registry.summary(parts.verifier.summary),
-                "quarantined": parts.verifier.quarantined_list(),
-            }
-        )
+        return answer(api.ProviderList(providers_now(), parts.verifier.quarantined_list()))
 
     async def list_models(request: web.Request) -> web.Response:
-        return web.json_response({"models": [serving.describe(n) for n in sorted(serving.plans)]})
+        return answer(api.ModelList([serving.card(n) for n in sorted(serving.plans)]))
 
     async def add_model(request: web.Request) -> web.Response:
-        body = await request.read()
-        stored = await parts.add_model(body)
-        return web.json_response(serving.describe(stored.name), status=201)
+        stored = await parts.add_model(await request.read())
+        return answer(serving.describe(stored.name), status=201)
 
     async def get_model(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        if name not in serving.plans:
-            raise NotFound(f"no model named {name!r}")
-        return web.json_response(serving.describe(name))
+        return answer(serving.describe(model_or_404(request.match_info["name"]).name))
 
     async def get_manifest(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        if name not in serving.plans:
-            raise NotFound(f"no model named {name!r}")
-        body = serving.plans[name].model.manifest_bytes
+        body = model_or_404(request.match_info["name"]).manifest_bytes
         return web.Response(body=body, content_type="application/json")
 
     async def put_artifact(request: web.Request) -> web.Response:
         sha = request.match_info["sha"]
         size = await parts.models.receive(sha, request.content.iter_chunked(1 << 20))
-        return web.json_response({"sha256": sha, "size": size}, status=201)
+        return answer(api.Stored(sha, size), status=201)
 
     async def get_artifact(request: web.Request) -> web.StreamResponse:
+        query_as(request, api.ArtifactQuery)  # (the token was checked by `auth`)
         path = parts.models.artifact_path(request.match_info["sha"])
         if path is None:
             raise NotFound("no such artifact")
         return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
-    async def submit(request: web.Request) -> web.Response:
-        job = await jobs.submit(await json_body(request))
-        return web.json_response(job_json(job, 0), status=201)
-
-    async def list_jobs(request: web.Request) -> web.Response:
-        limit = int_param(request, "limit", 100, 1, 1000)
-        rows = store.jobs(limit=limit)
-        return web.json_response({"jobs": [job_json(j, store.count_done(j.id)) for j in rows]})
-
-    async def get_job(request: web.Request) -> web.Response:
-        """A job's state; with `wait=S`, a job still going is answered once its state or
-        progress changes, or after S seconds (a long poll: no polling loop needed)."""
-        job = job_or_404(request.match_info["id"])
-        hold = float_param(request, "wait", 0.0, 0.0, MAX_JOB_WAIT_S)
-        done = store.count_done(job.id)
-        seen, loop = (job.state, done), asyncio.get_running_loop()
-        end = loop.time() + hold
-        while job.state not in TERMINAL and not parts.stopping():
-            left = end - loop.time()
-            if left <= 0:
-                break
-            await parts.events.wait(left)  # progress and state changes are events
-            job = store.job(job.id, full=False) or job
-            done = store.count_done(job.id)
-            if (job.state, done) != seen:
-                break
-        return web.json_response(job_json(job, done))
-
-    async def cancel(request: web.Request) -> web.Response:
-        job = jobs.cancel(request.match_info["id"])
-        return web.json_response(job_json(job, store.count_done(job.id)))
-
-    async def results(request: web.Request) -> web.Response:
-        offset = int_param(request, "offset", 0, 0, 10**9)
-        limit = int_param(request, "limit", 10_000, 1, 10_000)
-        return web.json_response(jobs.results(request.match_info["id"], offset, limit))
-
-    async def adapter(request: web.Request) -> web.StreamResponse:
-        path, row = parts.finetunes.adapter_path(request.match_info["id"])
-        return web.FileResponse(
-            path,
-            headers={
-                "Content-Type": "application/octet-stream",
-                "Content-Disposition": f'attachment; filename="{row["job"]}.safetensors"',
-                "X-Content-SHA256": row["sha256"],
-            },
-        )
-
-    async def delete_results(request: web.Request) -> web.Response:
-        job = job_or_404(request.match_info["id"])
-        removed = store.delete_results(job.id)
-        parts.events.emit("job_results_deleted", job=job.id, microbatches=removed)
-        return web.json_response({"job": job.id, "deleted": removed})
-
-    async def story(request: web.Request) -> web.Response:
-        job = job_or_404(request.match_info["id"])
-        events = [e.to_json() for e in store.story(job.id)]
-        return web.json_response({"job": job_json(job, store.count_done(job.id)), "events": events})
-
     async def events(request: web.Request) -> web.Response:
-        since = int_param(request, "since", 0, 0, 2**62)
-        limit = int_param(request, "limit", 1000, 1, 10_000)
-        rows = store.events(since=since, limit=limit)
-        return web.json_response({"events": [e.to_json() for e in rows]})
-
-    async def job_events(request: web.Request) -> web.StreamResponse:
-        """A job's events as they happen; once it has succeeded, its results in blocks of up
-        to 1000 rows (`results` events), then `end`."""
-        job = job_or_404(request.match_info["id"])
-        return await event_stream(request, lambda response: _job_events(response, job))
-
-    async def _job_events(response: web.StreamResponse, job: JobRow) -> None:
-        since = 0
-        current: JobRow | None = job
-        while not parts.stopping():
-            current = store.job(job.id, full=False)  # (read first: no event is missed)
-            while rows := store.events(since=since, limit=1000, job=job.id):
-                for row in rows:
-                    since = row.id
-                    await sse(response, row.kind, row.to_json())
-            if current is None or current.state in TERMINAL:
-                break
-            await parts.events.wait(KEEPALIVE_S)
-            await response.write(b": waiting\n\n")
-        if current is not None and current.state == "succeeded" and current.kind != "finetune":
-            offset, first = 0, 0
-            while True:  # a few microbatches at a time, encoded off the event loop
-                stored = store.results_from(job.id, first, RESULT_ROWS)
-                if not stored:
-                    break
-                block = await asyncio.to_thread(results_event, job.id, offset, stored)
-                await response.write(block)
-                first = stored[-1][0] + 1
-                offset += sum(shape[0] for _, shape, _ in stored)
-        final = job_json(current, store.count_done(job.id)) if current is not None else None
-        await sse(response, "end", final)
-        await response.write_eof()
+        query = query_as(request, api.EventsQuery)
+        rows = store.events(since=query.since, limit=query.limit)
+        return answer(api.EventList([e.to_json() for e in rows]))
 
     def snapshot() -> dict[str, Any]:
-        rows = store.jobs(limit=50)
         return {
-            "broker": {"peer_id": parts.peer_id, "addrs": parts.addrs},
-            "providers": parts.registry.summary(parts.verifier.summary),
+            "broker": broker_info,
+            "providers": providers_now(),
             "models": [serving.describe(n) for n in sorted(serving.plans)],
-            "jobs": [job_json(j, store.count_done(j.id)) for j in rows],
+            "jobs": [job_view(j, store.count_done(j.id)) for j in store.jobs(limit=50)],
         }
 
     async def stream(request: web.Request) -> web.StreamResponse:
         """The dashboard's feed: a `snapshot` whenever the swarm changes (at most one per
         `interval` seconds) and each new `event`."""
-        interval = int_param(request, "interval_ms", 500, 100, 60_000) / 1000
+        interval = query_as(request, api.StreamQuery).interval_ms / 1000
         return await event_stream(request, lambda response: _stream(response, interval))
 
-    async def _stream(response: web.StreamResponse, interval: float) -> None:
-        last: str | None = None
+    async def _stream(response: EventSourceResponse, interval: float) -> None:
+        last: bytes | None = None
         since = max(0, store.last_event_id() - 50)  # the page starts with recent history
-        quiet = 0.0
         while not parts.stopping():
             for row in store.events(since=since, limit=200):
                 since = row.id
                 await sse(response, "event", row.to_json())
-            current = json.dumps(snapshot(), default=str)
+            current = encode(snapshot())
             if current != last:
-                await response.write(sse_bytes("snapshot", current))
-                last, quiet = current, 0.0
-            elif quiet >= KEEPALIVE_S:
-                await response.write(b": idle\n\n")
-                quiet = 0.0
+                await sse(response, "snapshot", current.decode())
+                last = current
             await asyncio.sleep(interval)
-            quiet += interval
             await parts.events.wait(max(0.0, 2.0 - interval))  # load changes without events
 
     async def embeddings(request: web.Request) -> web.Response:
-        return await gateway.embeddings(await json_body(request))
+        return answer(await gateway.embeddings(await body_as(request, oa.EmbeddingRequest)))
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await gateway.completions(request, await json_body(request))
+        return await gateway.completions(request, await body_as(request, oa.CompletionRequest))
 
     async def prometheus(request: web.Request) -> web.Response:
         body = metrics.render()  # on the loop: it reads the registry and the store
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
-    async def openapi(request: web.Request) -> web.FileResponse:
-        return web.FileResponse(OPENAPI, headers={"Content-Type": "application/json"})
+    async def openapi(request: web.Request) -> web.Response:
+        return web.Response(body=document_bytes(), content_type="application/json")
 
     async def dashboard(request: web.Request) -> web.FileResponse:
         return web.FileResponse(DASHBOARD / "index.html")
@@ -385,33 +264,44 @@ def make_app(parts: ApiParts) -> web.Application:
             raise NotFound(f"no dashboard file {name!r}")
         return web.FileResponse(DASHBOARD / name)
 
-    app.router.add_get("/", dashboard)
-    app.router.add_get("/dashboard/{path}", dashboard_file)
-    app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/metrics", prometheus)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/stream", stream, allow_head=False)
-    app.router.add_get("/v1/jobs/{id}/events", job_events, allow_head=False)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/v1/swarm", swarm)
-    app.router.add_get("/v1/providers", providers)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_post("/v1/models", add_model)
-    app.router.add_get("/v1/models/{name}", get_model)
-    app.router.add_get("/v1/models/{name}/route", get_model)
-    app.router.add_get("/v1/models/{name}/manifest", get_manifest)
-    app.router.add_post("/v1/models/{name}/pick", sessions.pick)
-    app.router.add_post("/v1/providers/{peer}/report", sessions.report)
-    app.router.add_put("/v1/artifacts/{sha}", put_artifact)
-    app.router.add_get("/v1/artifacts/{sha}", get_artifact)
-    app.router.add_post("/v1/jobs", submit)
-    app.router.add_get("/v1/jobs", list_jobs)
-    app.router.add_get("/v1/jobs/{id}", get_job)
-    app.router.add_post("/v1/jobs/{id}/cancel", cancel)
-    app.router.add_get("/v1/jobs/{id}/results", results)
-    app.router.add_delete("/v1/jobs/{id}/results", delete_results)
-    app.router.add_get("/v1/jobs/{id}/adapter", adapter)
-    app.router.add_get("/v1/jobs/{id}/story", story)
-    app.router.add_get("/v1/events", events)
+    handlers: dict[tuple[str, str], Handler] = {
+        ("GET", "/"): dashboard,
+        ("GET", "/dashboard/{path}"): dashboard_file,
+        ("GET", "/openapi.json"): openapi,
+        ("GET", "/metrics"): prometheus,
+        ("GET", "/healthz"): healthz,
+        ("GET", "/v1/swarm"): swarm,
+        ("GET", "/v1/providers"): providers,
+        ("POST", "/v1/providers/{peer}/report"): sessions.report,
+        ("GET", "/v1/stream"): stream,
+        ("GET", "/v1/events"): events,
+        ("GET", "/v1/models"): list_models,
+        ("POST", "/v1/models"): add_model,
+        ("GET", "/v1/models/{name}"): get_model,
+        ("GET", "/v1/models/{name}/route"): get_model,
+        ("GET", "/v1/models/{name}/manifest"): get_manifest,
+        ("POST", "/v1/models/{name}/pick"): sessions.pick,
+        ("PUT", "/v1/artifacts/{sha}"): put_artifact,
+        ("GET", "/v1/artifacts/{sha}"): get_artifact,
+        ("GET", "/v1/jobs"): job_routes.list,
+        ("POST", "/v1/jobs"): job_routes.submit,
+        ("GET", "/v1/jobs/{id}"): job_routes.get,
+        ("POST", "/v1/jobs/{id}/cancel"): job_routes.cancel,
+        ("GET", "/v1/jobs/{id}/results"): job_routes.results,
+        ("DELETE", "/v1/jobs/{id}/results"): job_routes.delete_results,
+        ("GET", "/v1/jobs/{id}/adapter"): job_routes.adapter,
+        ("GET", "/v1/jobs/{id}/story"): job_routes.story,
+        ("GET", "/v1/jobs/{id}/events"): job_routes.events_of,
+        ("POST", "/v1/embeddings"): embeddings,
+        ("POST", "/v1/completions"): completions,
+    }
+    documented = {(op.method, op.path) for op in OPS}
+    if set(handlers) != documented:  # the router is the documented operations, no more
+        raise RuntimeError(f"undocumented or unrouted: {set(handlers) ^ documented}")
+    for op in OPS:
+        streams = op.media == SSE  # (no HEAD for event streams)
+        if op.method == "GET":
+            app.router.add_get(op.path, handlers["GET", op.path], allow_head=not streams)
+        else:
+            app.router.add_route(op.method, op.path, handlers[op.method, op.path])
     return app

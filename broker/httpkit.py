@@ -1,34 +1,35 @@
 """What the HTTP API's handlers share: JSON errors (the one shape every failure takes), the
-error middleware, server-sent events, the JSON body and query parameters checked, a job's
-JSON view."""
+error middleware, server-sent events, request bodies and query parameters decoded into their
+`proto.api` structs (a `JobError` naming the field at fault), typed answers, a job's view."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 from aiohttp import web
+from aiohttp_sse import EventSourceResponse, sse_response
 
 from broker.errors import Conflict, NotFound, TooBusy, Unavailable
-from broker.jobkinds import JobError
+from broker.jobkinds import JobError, refusal
 from broker.models import ModelStoreError
 from broker.schema import JobRow
+from proto.api import jobs as api_jobs
+from proto.api.common import Error, ErrorDetail
 
 log = logging.getLogger("fusionai.broker")
 
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error(status: int, message: str, field: str | None = None) -> web.Response:
-    body: dict[str, Any] = {"message": message}
-    if field is not None:
-        body["field"] = field
-    return web.json_response({"error": body}, status=status)
+    return answer(Error(ErrorDetail(message, field)), status)
 
 
 @web.middleware
@@ -60,23 +61,19 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 DASHBOARD = Path(__file__).parent / "dashboard"
-OPENAPI = Path(__file__).parent / "openapi.json"
 PUBLIC = frozenset({"/healthz", "/openapi.json", "/"})  # no key needed, nor below /dashboard/
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
-MAX_JOB_WAIT_S = 30.0  # longest `GET /v1/jobs/{id}?wait=S` holds a request for a change
 
 
 RESULT_ROWS = 8  # microbatches per `results` event of a job's stream
 
 
-def results_event(job: str, offset: int, rows: list[tuple[int, list[int], bytes]]) -> bytes:
+def results_event(job: str, offset: int, rows: list[tuple[int, list[int], bytes]]) -> str:
+    """A `results` event's JSON: a few microbatches' rows of an embed job from `offset`."""
     embeddings: list[Any] = []
     for _, shape, data in rows:
         embeddings.extend(np.frombuffer(data, dtype=np.float32).reshape(shape).tolist())
-    return sse_bytes(
-        "results", json.dumps({"job": job, "offset": offset, "embeddings": embeddings})
-    )
+    return _encoder.encode({"job": job, "offset": offset, "embeddings": embeddings}).decode()
 
 
 def public_path(path: str) -> bool:
@@ -91,78 +88,85 @@ def presented_key(request: web.Request) -> str | None:
     return request.headers.get("X-API-Key")
 
 
-def sse_bytes(event: str, data: str) -> bytes:
-    """One server-sent event; `data` is JSON text (one line)."""
-    return f"event: {event}\ndata: {data}\n\n".encode()
-
-
 async def event_stream(
-    request: web.Request, body: Callable[[web.StreamResponse], Awaitable[None]]
+    request: web.Request, body: Callable[[EventSourceResponse], Awaitable[None]]
 ) -> web.StreamResponse:
-    """A server-sent event stream written by `body` until it returns or the client leaves."""
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    try:
-        await body(response)
-    except ConnectionResetError:  # the client went away
-        pass
+    """A server-sent event stream (aiohttp-sse: it pings idle streams, so proxies keep them
+    open, and drops a client that stops reading) written by `body` until it returns or the
+    client leaves."""
+    async with sse_response(
+        request,
+        sep="\n",
+        ping_interval=KEEPALIVE_S,
+        headers={"Cache-Control": "no-cache"},
+        allow_all_methods=True,
+    ) as response:
+        try:
+            await body(response)
+        except ConnectionResetError:  # the client went away
+            pass
     return response
 
 
-async def sse(response: web.StreamResponse, event: str, data: Any) -> None:
-    await response.write(sse_bytes(event, json.dumps(data, default=str)))
+async def sse(response: EventSourceResponse, event: str | None, data: Any) -> None:
+    """One event; `data` a `proto.api` struct, JSON-able data, or JSON text as it is."""
+    text = data if isinstance(data, str) else _encoder.encode(data).decode()
+    await response.send(text, event=event)
 
 
-async def json_body(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: 413, answered by the middleware
+BIG_BODY = 64 * 1024  # bodies larger than this are decoded off the event loop
+_encoder = msgspec.json.Encoder(enc_hook=str)  # (event fields of other types: as text)
+
+
+def _parse(raw: bytes, kind: Any) -> Any:
     try:
-        return await asyncio.to_thread(json.loads, raw)  # up to max_body_bytes: off the loop
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise refusal(exc) from None
+    except msgspec.DecodeError as exc:
         raise JobError("body", f"not valid JSON: {exc}") from None
     except RecursionError:
         raise JobError("body", "JSON nested too deeply") from None
 
 
-def _number_param(
-    request: web.Request, name: str, default: float, low: float, high: float, kind: type
-) -> Any:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
+async def body_as(request: web.Request, kind: type[T]) -> T:
+    """The request's JSON body as `kind` (a `proto.api` struct); `JobError` naming the field
+    at fault. Over the size limit: 413, answered by the middleware."""
+    raw = await request.read()
+    if len(raw) > BIG_BODY:
+        value: T = await asyncio.to_thread(_parse, raw, kind)
+    else:
+        value = _parse(raw, kind)
+    return value
+
+
+def query_as(request: web.Request, kind: type[T]) -> T:
+    """The query parameters as `kind` (numbers from their text); `JobError` naming one."""
     try:
-        value = kind(raw)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise JobError(name, f"must be {what}, got {raw!r}") from None
-    if not low <= value <= high:  # (NaN fails this too)
-        raise JobError(name, f"must be from {_plain(low)} to {_plain(high)}")
-    return value
+        return msgspec.convert(dict(request.query), kind, strict=False)
+    except msgspec.ValidationError as exc:
+        raise refusal(exc) from None
 
 
-def _plain(v: float) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
+def encode(value: Any) -> bytes:
+    return _encoder.encode(value)
 
 
-def int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-    value: int = _number_param(request, name, default, low, high, int)
-    return value
+def answer(value: Any, status: int = 200) -> web.Response:
+    """A JSON answer: a `proto.api` struct (or JSON-able data)."""
+    return web.Response(body=_encoder.encode(value), status=status, content_type="application/json")
 
 
-def float_param(request: web.Request, name: str, default: float, low: float, high: float) -> float:
-    value: float = _number_param(request, name, default, low, high, float)
-    return value
-
-
-def job_json(job: JobRow, done: int) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "model": job.model,
-        "state": job.state,
-        "microbatches": job.microbatches,
-        "done": done,
-        "progress": round(done / job.microbatches, 4) if job.microbatches else 1.0,
-        "created": job.created,
-        "updated": job.updated,
-        "error": job.error or None,
-    }
+def job_view(job: JobRow, done: int) -> api_jobs.Job:
+    return api_jobs.Job(
+        id=job.id,
+        kind=job.kind,
+        model=job.model,
+        state=job.state,  # type: ignore[arg-type]  # (the store keeps only these)
+        microbatches=job.microbatches,
+        done=done,
+        progress=round(done / job.microbatches, 4) if job.microbatches else 1.0,
+        created=job.created,
+        updated=job.updated,
+        error=job.error or None,
+    )

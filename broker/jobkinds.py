@@ -8,12 +8,16 @@ and builds its graph, runs a job to its end, and presents its results. The compo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import msgspec
 
 from broker.errors import Conflict
 from broker.schema import JobRow
 
+T = TypeVar("T")
 TERMINAL = ("succeeded", "failed", "cancelled")
 ACTIVE = ("placed", "running")
 NOMINAL_FLOPS = 1e11  # FLOP/s used only to rank jobs by size (SJF); not a prediction
@@ -25,6 +29,30 @@ class JobError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+_PATH = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.S)
+_NAMED = re.compile(r"field `([^`]+)`")
+
+
+def refusal(exc: msgspec.ValidationError) -> JobError:
+    """A decoding error as a `JobError` naming the top-level field at fault."""
+    match = _PATH.match(str(exc))
+    message, path = (match.group(1), match.group(2) or "") if match else (str(exc), "")
+    named = _NAMED.search(message)  # "Object contains unknown field `x`", "... missing ..."
+    if named and not path:
+        path = "." + named.group(1)
+    field = re.split(r"[.\[]", path.lstrip("."), maxsplit=1)[0] if path else ""
+    where = path.lstrip(".") or "body"
+    return JobError(field or "body", message if where == field else f"{where}: {message}")
+
+
+def convert(value: Any, kind: type[T]) -> T:
+    """Parsed JSON as `kind` (a `proto.api` struct); `JobError` naming the field at fault."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        raise refusal(exc) from None
 
 
 class JobFailed(Exception):
@@ -59,9 +87,11 @@ class JobKind(Protocol):
     """One kind of job."""
 
     name: str  # the submission's "kind"
+    request: type[Any]  # its body's struct (`proto.api.jobs`): the shape and limits of fields
 
-    async def prepare(self, body: dict[str, Any]) -> Prepared:
-        """Check a submission (`JobError` naming the field; `NotFound` for its model)."""
+    async def prepare(self, request: Any) -> Prepared:
+        """Check a submission, already decoded as `request` (`JobError` naming the field;
+        `NotFound` for its model)."""
         ...
 
     async def run(self, job: JobRow) -> None:
@@ -69,6 +99,7 @@ class JobKind(Protocol):
         they come, so a job run again after a restart redoes only what was missing."""
         ...
 
-    def results(self, job: JobRow, offset: int, limit: int) -> dict[str, Any]:
-        """The job's results from `offset` (`NotReady` when it has none yet)."""
+    def results(self, job: JobRow, offset: int, limit: int) -> Any:
+        """The job's results from `offset`, a `proto.api.jobs` struct (`NotReady` when it has
+        none yet)."""
         ...

@@ -25,7 +25,7 @@ from broker.core.events import JobEnded, JobQueued, ModelUsed
 from broker.driver import CoreDriver
 from broker.errors import NotFound
 from broker.events import EventLog
-from broker.jobkinds import ACTIVE, NOMINAL_FLOPS, TERMINAL, JobError, JobFailed, JobKind
+from broker.jobkinds import ACTIVE, NOMINAL_FLOPS, TERMINAL, JobError, JobFailed, JobKind, convert
 from broker.schema import JobRow
 from broker.store import Store
 
@@ -62,7 +62,7 @@ class JobRunner:
     # ---- requests --------------------------------------------------------------------------
 
     async def submit(self, body: Any) -> JobRow:
-        """Check a submission by its kind, store it and queue it."""
+        """Check a submission (parsed JSON) by its kind, store it and queue it."""
         if not isinstance(body, dict):
             raise JobError("body", "a job is a JSON object")
         name = body.get("kind", "embed")
@@ -71,7 +71,7 @@ class JobRunner:
             raise JobError(
                 "kind", f"unknown job kind {name!r}; this broker runs {', '.join(self.kinds)}"
             )
-        prepared = await kind.prepare(body)
+        prepared = await kind.prepare(convert(body, kind.request))
         job_id = uuid.uuid4().hex[:16]
         job = self.store.add_job(
             job_id,
@@ -108,7 +108,7 @@ class JobRunner:
         assert found is not None
         return found
 
-    def results(self, job_id: str, offset: int, limit: int) -> dict[str, Any]:
+    def results(self, job_id: str, offset: int, limit: int) -> Any:
         job = self.store.job(job_id, full=False)
         if job is None:
             raise NotFound(f"no job {job_id}")

@@ -39,6 +39,7 @@ class StoredModel:
     manifest: ModelManifest
     manifest_bytes: bytes
     directory: Path  # a package directory: manifest.json plus links to the artifacts
+    created: float  # Unix time it was added (its manifest.json written)
 
     @property
     def name(self) -> str:
@@ -153,7 +154,10 @@ class ModelStore:
             shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        stored = StoredModel(manifest, manifest_bytes, self.packages / manifest.name)
+        target = self.packages / manifest.name
+        stored = StoredModel(
+            manifest, manifest_bytes, target, (target / "manifest.json").stat().st_mtime
+        )
         self.models[manifest.name] = stored
         self._clients.pop(manifest.name, None)
         return stored
@@ -164,6 +168,7 @@ class ModelStore:
         if not (directory / "manifest.json").is_file():
             return None
         manifest = ModelManifest.from_json(manifest_bytes)
-        stored = StoredModel(manifest, manifest_bytes, directory)
+        created = (directory / "manifest.json").stat().st_mtime
+        stored = StoredModel(manifest, manifest_bytes, directory, created)
         self.models[name] = stored
         return stored

@@ -1,6 +1,7 @@
-"""OpenAI's request shapes for `/v1/embeddings` and `/v1/completions`, checked: what the
-`openai` Python package sends. Fields the swarm does not implement (`logprobs`, `echo`,
-penalties, `n` > 1, ...) are refused naming the field, rather than silently ignored."""
+"""OpenAI's requests for `/v1/embeddings` and `/v1/completions`, checked beyond their shape
+(`proto.api.openai`): the input forms do not mix, and fields the swarm does not implement
+(`logprobs`, `echo`, penalties, `n` > 1, ...) are refused naming the field unless they have
+their neutral value, rather than silently ignored."""
 
 from __future__ import annotations
 
@@ -8,21 +9,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.jobkinds import JobError
-
-MAX_INPUTS = 2048  # texts in one embeddings request, as OpenAI allows
-MAX_PROMPTS = 16  # prompts in one completions request
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+from proto.api.openai import (
+    DEFAULT_MAX_TOKENS,
+    MAX_INPUTS,
+    MAX_PROMPTS,
+    CompletionRequest,
+)
 
 
 def parse_input(value: Any, field: str) -> tuple[list[str] | None, list[list[int]] | None]:
     """OpenAI's input forms: a string, strings, token ids, or lists of token ids."""
-    if isinstance(value, str) or _is_ids(value):
+    if isinstance(value, str) or (value and all(type(t) is int for t in value)):
         value = [value]
-    if not isinstance(value, list) or not value:
+    if not value:
         raise JobError(field, "give a string, a list of strings, or token ids")
     if len(value) > MAX_INPUTS:
         raise JobError(field, f"{len(value)} inputs; at most {MAX_INPUTS} per request")
@@ -30,62 +29,9 @@ def parse_input(value: Any, field: str) -> tuple[list[str] | None, list[list[int
         if any(not v for v in value):
             raise JobError(field, "an input is the empty string")
         return value, None
-    if all(_is_ids(v) for v in value):
+    if all(isinstance(v, list) and v for v in value):
         return None, value
     raise JobError(field, "mixes strings and token ids, or holds an empty list")
-
-
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise JobError(name, f"must be a number from {low:g} to {high:g}")
-    return float(value)
-
-
-def _require(body: dict[str, Any], name: str, ok: Any, why: str) -> None:
-    """Refuse a field the swarm does not implement unless it has its neutral value."""
-    if name in body and body[name] is not None and body[name] != ok:
-        raise JobError(name, why)
-
-
-def model_of(body: Any) -> str:
-    if not isinstance(body, dict):
-        raise JobError("body", "the request is a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise JobError("model", "name the model (a string)")
-    return model
-
-
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
-COMPLETION_FIELDS = {
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stream",
-    "stream_options",
-    "stop",
-    "seed",
-    "echo",
-    "logprobs",
-    "best_of",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "suffix",
-    "user",
-}
-
-
-def refuse_unknown(body: dict[str, Any], known: set[str]) -> None:
-    extra = sorted(set(body) - known)
-    if extra:
-        raise JobError(extra[0], "unrecognized request argument")
 
 
 @dataclass(frozen=True)
@@ -102,53 +48,39 @@ class Completion:
     seed: int | None
 
 
-def parse_completion(body: Any) -> Completion:
-    model = model_of(body)
-    refuse_unknown(body, COMPLETION_FIELDS)
-    prompts, ids = parse_input(body.get("prompt"), "prompt")
+NEUTRAL = {  # fields accepted only with their neutral value, and why
+    "n": (1, "only n=1 is supported"),
+    "best_of": (1, "only best_of=1 is supported"),
+    "echo": (False, "echo is not supported"),
+    "presence_penalty": (0, "penalties are not supported"),
+    "frequency_penalty": (0, "penalties are not supported"),
+}
+
+
+def parse_completion(body: CompletionRequest) -> Completion:
+    prompts, ids = parse_input(body.prompt, "prompt")
     if len(prompts or ids or []) > MAX_PROMPTS:
         raise JobError("prompt", f"at most {MAX_PROMPTS} prompts per request")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if type(max_tokens) is not int or not 1 <= max_tokens <= 4096:
-        raise JobError("max_tokens", "must be an integer from 1 to 4096")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise JobError("stream", "must be true or false")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
-        raise JobError("stream_options", 'only {"include_usage": bool} is supported')
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop):
-        raise JobError("stop", "a string or a list of up to 4 strings")
-    seed = body.get("seed")
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
-        raise JobError("seed", "must be a non-negative integer")
-    _require(body, "n", 1, "only n=1 is supported")
-    _require(body, "best_of", 1, "only best_of=1 is supported")
-    _require(body, "echo", False, "echo is not supported")
-    _require(body, "logprobs", None, "logprobs are not supported")
-    _require(body, "suffix", None, "suffix is not supported")
-    _require(body, "presence_penalty", 0, "penalties are not supported")
-    _require(body, "frequency_penalty", 0, "penalties are not supported")
-    if body.get("logit_bias"):
+    for name, (neutral, why) in NEUTRAL.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            raise JobError(name, why)
+    if body.logprobs is not None:
+        raise JobError("logprobs", "logprobs are not supported")
+    if body.suffix is not None:
+        raise JobError("suffix", "suffix is not supported")
+    if body.logit_bias:
         raise JobError("logit_bias", "logit_bias is not supported")
-    if "user" in body and not isinstance(body["user"], str | type(None)):
-        raise JobError("user", "must be a string")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     return Completion(
-        model=model,
+        model=body.model,
         prompts=prompts,
         prompt_ids=ids,
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        stream=bool(stream),
-        include_usage=bool(options.get("include_usage", False)),
+        max_tokens=body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
         stop=stop,
-        seed=seed,
+        seed=body.seed,
     )

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -34,6 +33,7 @@ from broker.driver import CoreDriver
 from broker.events import EventLog
 from dag.cost import HardwareProfile
 from p2p import verify
+from proto.api.swarm import Provider, Reputation
 from proto.heartbeat import Heartbeat, HeartbeatAck
 from proto.join import (
     JOIN_DOMAIN,
@@ -223,8 +223,8 @@ class Registry:
                 pass
 
     def summary(
-        self, reputation_of: Callable[[str], dict[str, Any]] = lambda peer: {}
-    ) -> list[dict[str, Any]]:
+        self, reputation_of: Callable[[str], Reputation] = lambda peer: Reputation()
+    ) -> list[Provider]:
         """Every provider known, as the API shows it (`reputation_of(peer)`: the verifier's
         account of it)."""
         out = []
@@ -234,24 +234,24 @@ class Registry:
             profile = self.profiles.get(peer)
             queued, kv = self.load.get(peer, (0, 0))
             out.append(
-                {
-                    "peer_id": peer,
-                    "pool": p.status.value,
-                    "stage": p.stage,
-                    "hardware": p.profile.name,
-                    "executor": profile.executor if profile else None,
-                    "flops": dict(p.profile.flops),
-                    "memory_bytes": int(p.profile.memory_bytes),
-                    "net_up_bytes_s": p.profile.net_bandwidth,
-                    "rtt_s": p.profile.rtt,
-                    "correction": round(p.correction.factor, 3),
-                    "last_seen_s": round(now - p.last_seen, 3),
-                    "queued": queued,
-                    "kv_bytes": kv,
-                    "loaded": sorted(self.core.loaded.get(peer, ())),
-                    "addrs": list(profile.addrs) if profile else [],
-                    "flapping": p.flapping(state.now, state.config),
-                    "reputation": reputation_of(peer),
-                }
+                Provider(
+                    peer_id=peer,
+                    pool=p.status.value,
+                    stage=p.stage,
+                    hardware=p.profile.name,
+                    executor=profile.executor if profile else None,
+                    flops=dict(p.profile.flops),
+                    memory_bytes=int(p.profile.memory_bytes),
+                    net_up_bytes_s=float(p.profile.net_bandwidth),
+                    rtt_s=float(p.profile.rtt),
+                    correction=round(p.correction.factor, 3),
+                    last_seen_s=round(now - p.last_seen, 3),
+                    queued=queued,
+                    kv_bytes=kv,
+                    loaded=sorted(self.core.loaded.get(peer, ())),
+                    addrs=list(profile.addrs) if profile else [],
+                    flapping=p.flapping(state.now, state.config),
+                    reputation=reputation_of(peer),
+                )
             )
         return out

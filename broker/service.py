@@ -334,7 +334,7 @@ def status_line(broker: Broker) -> str:
     providers = broker.registry.summary(broker.verifier.summary)
     pools: dict[str, int] = {}
     for p in providers:
-        pools[p["pool"]] = pools.get(p["pool"], 0) + 1
+        pools[p.pool] = pools.get(p.pool, 0) + 1
     jobs = broker.store.jobs(("queued", "placed", "running"))
     parts = [f"{n} {pool}" for pool, n in sorted(pools.items())] or ["no providers"]
     return f"providers: {', '.join(parts)} | jobs running or queued: {len(jobs)}"

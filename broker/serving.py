@@ -37,6 +37,7 @@ from broker.store import Store
 from dag.cost import Workload
 from dag.model import ModelSpec
 from p2p import Host, P2PError
+from proto.api import swarm as api
 from proto.assign import ASSIGN, Assign, AssignAck, Promote, StageStatus, StatusAck, Unassign
 from proto.ping import PING, Ping
 
@@ -243,7 +244,7 @@ class Serving:
         model is unknown or not placed."""
         return self.core.route(model)
 
-    def describe(self, model: str) -> dict[str, Any]:
+    def describe(self, model: str) -> api.Model:
         served = self.plans[model]
         plan = self.core.plans[model]
         route = self.route(model) or [[] for _ in served.keys]
@@ -252,27 +253,39 @@ class Serving:
         for pos, key in enumerate(served.keys):
             info = served.model.manifest.stages[served.model.units[pos]]
             stages.append(
-                {
-                    "key": key,
-                    "index": info.index,
-                    "name": info.name,
-                    "providers": [self.peer_info(p) for p in route[pos]],
-                    "backups": backups.get(pos, []),
-                }
+                api.StageRoute(
+                    key=key,
+                    index=info.index,
+                    name=info.name,
+                    providers=[self.peer_info(p) for p in route[pos]],
+                    backups=list(backups.get(pos, [])),
+                )
             )
         placement = plan.placement
-        return {
-            "model": model,
-            "placed": placement is not None,
-            "ready": all(route) and bool(route),
-            "waiting": plan.waiting_reason,
-            "throughput_tokens_s": round(placement.throughput, 1) if placement else 0,
-            "stages": stages,
-        }
+        return api.Model(
+            model=model,
+            placed=placement is not None,
+            ready=all(route) and bool(route),
+            waiting=plan.waiting_reason,
+            throughput_tokens_s=round(placement.throughput, 1) if placement else 0.0,
+            stages=stages,
+        )
 
-    def peer_info(self, peer: str) -> dict[str, Any]:
+    def card(self, model: str) -> api.ModelCard:
+        """The model as `GET /v1/models` lists it (OpenAI's shape)."""
+        detail = self.describe(model)
+        return api.ModelCard(
+            id=model,
+            created=int(self.plans[model].model.created),
+            ready=detail.ready,
+            placed=detail.placed,
+            stages=len(detail.stages),
+            throughput_tokens_s=detail.throughput_tokens_s,
+        )
+
+    def peer_info(self, peer: str) -> api.Peer:
         profile = self.registry.profiles.get(peer)
-        return {"peer_id": peer, "addrs": list(profile.addrs) if profile else []}
+        return api.Peer(peer, list(profile.addrs) if profile else [])
 
     async def close(self) -> None:
         tasks = [*self._senders.values(), *self._suspecting.values()]

@@ -42,6 +42,7 @@ from ir.executors.ort import OrtExecutor
 from ir.pipeline import zero_adapters
 from p2p import P2PError, RemoteError, RequestTimeout, Tensor
 from p2p.codec import Message, ProtocolSpec
+from proto.api import swarm as api
 from proto.forward import FORWARD, Forward, ForwardResult
 from proto.session import SESSION, SessionClose, SessionOpen, SessionStep
 
@@ -61,15 +62,15 @@ class Reputation:
     quarantined: float | None = None  # Unix time it was quarantined
     reason: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "checks": self.checks,
-            "agreed": self.agreed,
-            "disagreed": self.disagreed,
-            "quarantined": self.quarantined is not None,
-            "quarantined_at": self.quarantined,
-            "reason": self.reason,
-        }
+    def view(self) -> api.Reputation:
+        return api.Reputation(
+            checks=self.checks,
+            agreed=self.agreed,
+            disagreed=self.disagreed,
+            quarantined=self.quarantined is not None,
+            quarantined_at=self.quarantined,
+            reason=self.reason,
+        )
 
 
 class Verifier:
@@ -325,12 +326,12 @@ class Verifier:
         self.registry.quarantine(peer, reason)
         self.on_quarantine(peer, redo)
 
-    def summary(self, peer: str) -> dict[str, Any]:
-        return self.reputation.get(peer, Reputation()).to_json()
+    def summary(self, peer: str) -> api.Reputation:
+        return self.reputation.get(peer, Reputation()).view()
 
-    def quarantined_list(self) -> list[dict[str, Any]]:
+    def quarantined_list(self) -> list[api.Quarantined]:
         return [
-            {"peer_id": p, **r.to_json()}
+            api.Quarantined(peer_id=p, **msgspec.structs.asdict(r.view()))
             for p, r in sorted(self.reputation.items())
             if r.quarantined is not None
         ]

@@ -6,9 +6,7 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import signal
-import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,19 +122,9 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.group == "broker":
         return start(args)
-    try:
-        if args.group == "model":
-            return model_add(args) if args.cmd == "add" else model_list(args)
-        return {
-            "submit": job_submit,
-            "status": job_status,
-            "cancel": job_cancel,
-            "story": job_story,
-            "results": job_results,
-        }[args.cmd](args)
-    except ApiError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    from cli import api_cmd  # model and job commands: the SDK
+
+    return api_cmd.run(args)
 
 
 # ---- broker start ------------------------------------------------------------------------
@@ -264,159 +252,3 @@ def start(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
-
-
-# ---- HTTP client for the other commands --------------------------------------------------
-
-
-class ApiError(Exception):
-    pass
-
-
-def _url(args: argparse.Namespace) -> str:
-    return (args.broker or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL).rstrip("/")
-
-
-def _request(
-    args: argparse.Namespace,
-    method: str,
-    path: str,
-    data: Any = None,
-    headers: dict[str, str] | None = None,
-    timeout: float = 60,
-) -> Any:
-    """One call to the broker's HTTP API; its JSON answer, or `ApiError` saying why not."""
-    import urllib.error
-    import urllib.request
-
-    headers = dict(headers or {})
-    key = getattr(args, "api_key", None) or os.environ.get("FUSIONAI_API_KEY")
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    cacert = getattr(args, "cacert", None) or os.environ.get("FUSIONAI_CACERT")
-    context = ssl.create_default_context(cafile=cacert) if cacert else None
-    req = urllib.request.Request(_url(args) + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except Exception:
-            message = exc.reason
-        raise ApiError(f"{exc.code}: {message}") from None
-    except urllib.error.URLError as exc:
-        raise ApiError(f"cannot reach the broker at {_url(args)}: {exc.reason}") from None
-
-
-def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    return _request(args, method, path, data, {"Content-Type": "application/json"})
-
-
-def _print(args: argparse.Namespace, value: Any, text: str) -> None:
-    print(json.dumps(value, indent=2) if args.json else text)
-
-
-def model_add(args: argparse.Namespace) -> int:
-    from ir.manifest import ModelManifest
-
-    directory = Path(args.directory)
-    try:
-        manifest_bytes = (directory / "manifest.json").read_bytes()
-        manifest = ModelManifest.from_json(manifest_bytes)
-    except (OSError, ValueError) as exc:
-        print(f"error: {directory} is not a model package: {exc}", file=sys.stderr)
-        return 2
-    files = [(s.file, s.sha256, s.size_bytes) for s in manifest.stages]
-    if manifest.tokenizer and manifest.tokenizer_sha256:
-        path = directory / manifest.tokenizer
-        files.append((manifest.tokenizer, manifest.tokenizer_sha256, path.stat().st_size))
-    for i, (file, sha, size) in enumerate(files, 1):
-        path = directory / file
-        if not args.json:
-            print(f"[{i}/{len(files)}] uploading {file} ({size / 1e6:.1f} MB)", file=sys.stderr)
-        with path.open("rb") as body:
-            headers = {"Content-Length": str(path.stat().st_size)}
-            try:
-                _request(args, "PUT", f"/v1/artifacts/{sha}", body, headers, timeout=600)
-            except ApiError as exc:
-                raise ApiError(f"uploading {file}: {exc}") from None
-    model = _request(args, "POST", "/v1/models", manifest_bytes, timeout=300)
-    state = "served" if model["ready"] else (model["waiting"] or "placing")
-    _print(args, model, f"added {model['model']}: {state}")
-    return 0
-
-
-def model_list(args: argparse.Namespace) -> int:
-    out = _call(args, "GET", "/v1/models")
-    lines = []
-    for m in out["models"]:
-        lines.append(f"{m['model']}: {'ready' if m['ready'] else m['waiting'] or 'placing'}")
-        for s in m["stages"]:
-            serving = ", ".join(p["peer_id"][-8:] for p in s["providers"]) or "-"
-            backups = ", ".join(p[-8:] for p in s["backups"]) or "-"
-            lines.append(f"  {s['key']:<24} serving: {serving:<20} backups: {backups}")
-    _print(args, out, "\n".join(lines) or "no models")
-    return 0
-
-
-def job_submit(args: argparse.Namespace) -> int:
-    try:
-        texts = [line for line in Path(args.texts).read_text().splitlines() if line.strip()]
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    body: dict[str, Any] = {"model": args.model, "texts": texts}
-    if args.microbatch:
-        body["microbatch"] = args.microbatch
-    job = _call(args, "POST", "/v1/jobs", body)
-    if not args.wait:
-        _print(args, job, job["id"])
-        return 0
-    while job["state"] not in ("succeeded", "failed", "cancelled"):
-        if not args.json:
-            print(f"\r{job['id']}: {job['state']} {job['progress']:.0%}", end="", file=sys.stderr)
-        job = _call(args, "GET", f"/v1/jobs/{job['id']}?wait=10")  # answered on a change
-    if not args.json:
-        print(file=sys.stderr)
-    _print(
-        args, job, f"{job['id']}: {job['state']}" + (f" ({job['error']})" if job["error"] else "")
-    )
-    return 0 if job["state"] == "succeeded" else 1
-
-
-def job_status(args: argparse.Namespace) -> int:
-    job = _call(args, "GET", f"/v1/jobs/{args.id}")
-    text = f"{job['id']}: {job['state']}, {job['done']}/{job['microbatches']} microbatches"
-    _print(args, job, text + (f" ({job['error']})" if job["error"] else ""))
-    return 0
-
-
-def job_cancel(args: argparse.Namespace) -> int:
-    job = _call(args, "POST", f"/v1/jobs/{args.id}/cancel")
-    _print(args, job, f"{job['id']}: {job['state']}")
-    return 0
-
-
-def job_story(args: argparse.Namespace) -> int:
-    out = _call(args, "GET", f"/v1/jobs/{args.id}/story")
-    start = out["events"][0]["at"] if out["events"] else 0.0
-    lines = [f"job {out['job']['id']} ({out['job']['state']})"]
-    for e in out["events"]:
-        fields = {k: v for k, v in e.items() if k not in ("id", "at", "kind", "job")}
-        detail = " ".join(f"{k}={v}" for k, v in fields.items())
-        lines.append(f"  +{e['at'] - start:8.3f}s #{e['id']:<6} {e['kind']:<18} {detail}")
-    _print(args, out, "\n".join(lines))
-    return 0
-
-
-def job_results(args: argparse.Namespace) -> int:
-    out = _call(args, "GET", f"/v1/jobs/{args.id}/results")
-    text = json.dumps(out)
-    if args.out:
-        Path(args.out).write_text(text)
-        print(f"wrote {out['total']} rows to {args.out}", file=sys.stderr)
-    else:
-        print(text)
-    return 0

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from cli.broker_cmd import _client_options
 
 
@@ -271,19 +273,19 @@ def swarm_cmd(args: argparse.Namespace) -> int:
     except (FusionAIError, ValueError, OSError) as exc:
         return _fail(exc)
     if args.json:
-        print(json.dumps(swarm, indent=2))
+        print(json.dumps(msgspec.to_builtins(swarm), indent=2))
         return 0
-    lines = [f"broker {swarm['broker']['peer_id']}", "providers:"]
-    for p in swarm["providers"]:
+    lines = [f"broker {swarm.broker.peer_id}", "providers:"]
+    for p in swarm.providers:
         lines.append(
-            f"  {p['peer_id'][-12:]}  {p['pool']:<8} {p['hardware'] or '?':<24} "
-            f"{p['executor'] or '?':<6} queued {p['queued']}"
+            f"  {p.peer_id[-12:]}  {p.pool:<8} {p.hardware or '?':<24} "
+            f"{p.executor or '?':<6} queued {p.queued}"
         )
     lines.append("models:")
-    for m in swarm["models"]:
-        lines.append(f"  {m['model']}: {'ready' if m['ready'] else m['waiting'] or 'placing'}")
-        for s in m["stages"]:
-            serving = ", ".join(p["peer_id"][-8:] for p in s["providers"]) or "-"
-            lines.append(f"    {s['key']:<24} on {serving:<20} backups {len(s['backups'])}")
+    for m in swarm.models:
+        lines.append(f"  {m.model}: {'ready' if m.ready else m.waiting or 'placing'}")
+        for s in m.stages:
+            serving = ", ".join(p.peer_id[-8:] for p in s.providers) or "-"
+            lines.append(f"    {s.key:<24} on {serving:<20} backups {len(s.backups)}")
     print("\n".join(lines))
     return 0

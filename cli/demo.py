@@ -35,6 +35,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from proto.api import Model
+
 STARTUP_TIMEOUT = 120.0  # seconds a process may take to start (a first provider profiles)
 READY_TIMEOUT = 180.0  # seconds for both models to be served
 PROMPT = "When a provider dies"
@@ -316,7 +318,7 @@ async def _drive(
             code = None
         if child.proc.poll() is not None:
             died.append({"peer_id": peer, "pid": child.proc.pid, "exit_code": code})
-    pools = {p["peer_id"]: p["pool"] for p in swarm["providers"]}
+    pools = {p.peer_id: p.pool for p in swarm.providers}
     return {
         "providers": [
             {
@@ -361,7 +363,7 @@ async def _wait_joined(fa: Any, peers: set[str]) -> None:
     would be left out of its placement, as a spare)."""
     end = time.monotonic() + STARTUP_TIMEOUT
     while True:
-        joined = {p["peer_id"] for p in (await fa.swarm())["providers"]}
+        joined = {p.peer_id for p in (await fa.swarm()).providers}
         if peers <= joined:
             return
         if time.monotonic() > end:
@@ -375,22 +377,18 @@ async def _wait_ready(fa: Any, names: list[str]) -> dict[str, Any]:
     end = time.monotonic() + READY_TIMEOUT
     while True:
         described = {name: await fa.model(name) for name in names}
-        if all(d["ready"] for d in described.values()):
+        if all(d.ready for d in described.values()):
             return {name: _route(d) for name, d in described.items()}
         if time.monotonic() > end:
-            waiting = {n: d["waiting"] for n, d in described.items() if not d["ready"]}
+            waiting = {n: d.waiting for n, d in described.items() if not d.ready}
             raise DemoError(f"the models were not served within {READY_TIMEOUT:g} s: {waiting}")
         await asyncio.sleep(0.3)
 
 
-def _route(described: dict[str, Any]) -> list[dict[str, Any]]:
+def _route(described: Model) -> list[dict[str, Any]]:
     return [
-        {
-            "stage": s["key"],
-            "providers": [p["peer_id"] for p in s["providers"]],
-            "backups": s["backups"],
-        }
-        for s in described["stages"]
+        {"stage": s.key, "providers": [p.peer_id for p in s.providers], "backups": s.backups}
+        for s in described.stages
     ]
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from client.errors import (
@@ -49,6 +50,8 @@ from client.types import Job, long_poll_s
 from files.atomic import link_atomic, write_atomic
 from files.cache import ArtifactCache, ArtifactError
 from ir.manifest import ModelManifest
+from proto import api
+from proto.api.openai import EmbeddingList, EmbeddingRequest
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
@@ -146,13 +149,18 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         data: Any = None,
     ) -> Any:
         """The JSON answer to one call (or its bytes with `raw`); typed errors otherwise.
-        `body` is sent as JSON, `data` (bytes or a binary file) as it is."""
+        `body` is sent as JSON (a `proto.api` struct, or JSON-able data), `data` (bytes or a
+        binary file) as it is."""
         import aiohttp
 
         wait = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
+        headers = None
+        if isinstance(body, msgspec.Struct):
+            body, data = None, msgspec.json.encode(body)
+            headers = {"Content-Type": "application/json"}
         try:
             async with self._session().request(
-                method, self.url + path, json=body, data=data, timeout=wait
+                method, self.url + path, json=body, data=data, timeout=wait, headers=headers
             ) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
@@ -162,25 +170,36 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
             why = str(exc) or type(exc).__name__
             raise BrokerUnreachable(f"cannot reach the broker at {self.url}: {why}") from None
 
+    async def _call(
+        self, method: str, path: str, answer: type[T], body: Any = None, **options: Any
+    ) -> T:
+        """One call whose answer is decoded as `answer` (a `proto.api` struct)."""
+        data = await self._request(method, path, body, raw=True, **options)
+        try:
+            return msgspec.json.decode(data, type=answer)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise FusionAIError(
+                f"the broker's answer to {method} {path} is not what this SDK reads: {exc} "
+                f"(are the broker and the SDK of compatible versions?)"
+            ) from None
+
     # ---- the swarm and models ------------------------------------------------------------
 
-    async def swarm(self) -> dict[str, Any]:
+    async def swarm(self) -> api.Swarm:
         """Providers (pool, hardware, load) and models (routes, backups)."""
-        result: dict[str, Any] = await self._request("GET", "/v1/swarm")
-        return result
+        return await self._call("GET", "/v1/swarm", api.Swarm)
 
-    async def models(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = (await self._request("GET", "/v1/models"))["models"]
-        return result
+    async def models(self) -> list[api.ModelCard]:
+        """The broker's models, and whether the swarm serves each."""
+        return (await self._call("GET", "/v1/models", api.ModelList)).data
 
-    async def model(self, name: str) -> dict[str, Any]:
+    async def model(self, name: str) -> api.Model:
         """A model's stages, who serves each (peer ids, addresses) and their backups."""
-        result: dict[str, Any] = await self._request("GET", f"/v1/models/{quote_part(name)}")
-        return result
+        return await self._call("GET", f"/v1/models/{quote_part(name)}", api.Model)
 
     async def add_model(
         self, directory: Path | str, *, progress: Callable[[str, int, int], None] | None = None
-    ) -> dict[str, Any]:
+    ) -> api.Model:
         """Upload a model package (a directory from `fusionai ir split`): its artifacts, then
         its manifest; the broker places it. `progress(file, index, count)` is called before
         each upload. Returns the model as `model()` does."""
@@ -195,8 +214,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
                 progress(file, i, len(files))
             with (directory / file).open("rb") as f:  # aiohttp reads it in chunks
                 await self._request("PUT", f"/v1/artifacts/{sha}", data=f, timeout=3600)
-        result: dict[str, Any] = await self._request("POST", "/v1/models", data=data, timeout=300)
-        return result
+        return await self._call("POST", "/v1/models", api.Model, data=data, timeout=300)
 
     async def manifest(self, name: str) -> ModelManifest:
         return (await self._manifest(name))[0]
@@ -209,7 +227,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
 
     async def _default_model(self, decoder: bool) -> str:
         """The broker's only model of the kind asked for (a decoder or an encoder)."""
-        names = [m["model"] for m in await self.models()]
+        names = [m.id for m in await self.models()]
         fit = []
         for name in names:
             manifest = await self.manifest(name)
@@ -277,14 +295,13 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         name = model or await self._default_model(decoder=False)
         rows: list[Array] = []
         for start in range(0, len(items), EMBED_CHUNK):
-            body = {
-                "model": name,
-                "input": items[start : start + EMBED_CHUNK],
-                "encoding_format": "base64",
-            }
-            out = await self._request("POST", "/v1/embeddings", body)
-            for d in sorted(out["data"], key=lambda d: d["index"]):
-                rows.append(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4"))
+            chunk: list[Any] = items[start : start + EMBED_CHUNK]
+            body = EmbeddingRequest(name, chunk, encoding_format="base64")
+            out = await self._call("POST", "/v1/embeddings", EmbeddingList, body)
+            for d in sorted(out.data, key=lambda d: d.index):
+                if not isinstance(d.embedding, str):
+                    raise FusionAIError("the broker sent floats where base64 was asked for")
+                rows.append(np.frombuffer(base64.b64decode(d.embedding), dtype="<f4"))
         return np.stack(rows).astype(np.float32)
 
     async def _p2p(self) -> Any:
@@ -302,9 +319,11 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
 
     # ---- batch jobs ------------------------------------------------------------------------
 
-    async def submit(self, job: Mapping[str, Any]) -> Job:
-        """Submit a batch job: `{"model", "texts" | "token_ids", "microbatch"?, ...}`."""
-        return Job.from_json(await self._request("POST", "/v1/jobs", dict(job)))
+    async def submit(self, job: Mapping[str, Any] | api.JobRequest) -> Job:
+        """Submit a batch job: `{"model", "texts" | "token_ids", "microbatch"?, ...}` (or
+        `proto.api.EmbedJobRequest`, `FinetuneJobRequest`)."""
+        body = job if isinstance(job, msgspec.Struct) else dict(job)
+        return await self._call("POST", "/v1/jobs", Job, body)
 
     async def job(self, job_id: str, *, wait: float = 0.0) -> Job:
         """A job's state and progress. With `wait` (at most 30 s), a job still going is
@@ -312,10 +331,14 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         path = f"/v1/jobs/{quote_part(job_id)}"
         if wait > 0:
             path += f"?wait={wait:.3f}"
-        return Job.from_json(await self._request("GET", path, timeout=self.timeout + wait))
+        return await self._call("GET", path, Job, timeout=self.timeout + wait)
+
+    async def story(self, job_id: str) -> api.Story:
+        """The job and the events that tell what happened to it."""
+        return await self._call("GET", f"/v1/jobs/{quote_part(job_id)}/story", api.Story)
 
     async def cancel(self, job_id: str) -> Job:
-        return Job.from_json(await self._request("POST", f"/v1/jobs/{quote_part(job_id)}/cancel"))
+        return await self._call("POST", f"/v1/jobs/{quote_part(job_id)}/cancel", Job)
 
     async def wait(
         self,
@@ -351,9 +374,9 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         rows: list[list[float]] = []
         while True:
             path = f"/v1/jobs/{quote_part(job_id)}/results?offset={len(rows)}&limit={page}"
-            out = await self._request("GET", path)
-            rows.extend(out["embeddings"])
-            if not out["embeddings"] or len(rows) >= out["total"]:
+            out = await self._call("GET", path, api.EmbedResults)
+            rows.extend(out.embeddings)
+            if not out.embeddings or len(rows) >= out.total:
                 break
         return np.asarray(rows, dtype=np.float32)
 

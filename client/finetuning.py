@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from client.core import ClientCore
@@ -24,8 +25,15 @@ from client.types import (
     FinetuneStep,
     long_poll_s,
 )
+from proto.api import Adapter, FinetuneResults
 
 Array = np.ndarray[Any, Any]
+
+
+class _AdapterOf(msgspec.Struct, frozen=True):
+    """The adapter of a job's results, if it has one (any kind of job)."""
+
+    adapter: Adapter | None = None
 
 
 class FinetuneMethods(ClientCore):
@@ -88,13 +96,12 @@ class FinetuneMethods(ClientCore):
         return await self._steps(job_id, offset, (await self.job(job_id)).microbatches)
 
     async def _steps(self, job_id: str, offset: int, total: int) -> list[FinetuneStep]:
-        out = await self._request(
-            "GET", f"/v1/jobs/{quote_part(job_id)}/results?offset={offset}&limit=10000"
+        out = await self._call(
+            "GET",
+            f"/v1/jobs/{quote_part(job_id)}/results?offset={offset}&limit=10000",
+            FinetuneResults,
         )
-        return [
-            FinetuneStep(s["step"], total, s["loss"], s["tokens"], s["seconds"])
-            for s in out.get("steps", [])
-        ]
+        return [FinetuneStep(s.step, total, s.loss, s.tokens, s.seconds) for s in out.steps]
 
     async def adapter(self, job_id: str) -> Path:
         """A fine-tune job's trained adapter (safetensors), downloaded once into the cache."""
@@ -102,11 +109,11 @@ class FinetuneMethods(ClientCore):
         return path
 
     async def _download_adapter(self, job_id: str) -> tuple[Path, str]:
-        info = await self._request("GET", f"/v1/jobs/{quote_part(job_id)}/results?limit=1")
-        adapter = info.get("adapter")
-        if not adapter:
+        results = f"/v1/jobs/{quote_part(job_id)}/results?limit=1"
+        adapter = (await self._call("GET", results, _AdapterOf)).adapter
+        if adapter is None:
             raise FusionAIError(f"job {job_id} has no adapter (is it a finished fine-tune job?)")
-        sha = str(adapter["sha256"])
+        sha = adapter.sha256
         path = self.cache_dir / "adapters" / f"{sha}.safetensors"
         url = f"/v1/jobs/{quote_part(job_id)}/adapter"
         await self._fetch(path, sha, url, f"job {job_id}'s adapter")

@@ -133,7 +133,7 @@ class GenerationMethods(ClientCore):
             raise ValueError("the prompt has no tokens")
         client.pad([ids])  # token ids outside the vocabulary or too many: a clear ValueError
         route = await self.model(name)
-        keys = [s["key"] for s in route["stages"]]
+        keys = [s.key for s in route.stages]
         host = await self._p2p()
 
         def failed(pos: int, peer: str, reason: str) -> None:

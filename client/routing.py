@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -14,6 +14,9 @@ from client.errors import (
     GenerationError,
     UnavailableError,
 )
+from proto.api import Picked, PickRequest, Report, ReportRequest
+
+T = TypeVar("T")
 
 Array = np.ndarray[Any, Any]
 AVOID_PATIENCE_S = 5.0  # how long a failed peer is not taken back while others may come
@@ -24,9 +27,9 @@ class RouterClient(Protocol):
 
     timeout: float
 
-    async def _request(
-        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
-    ) -> Any: ...
+    async def _call(
+        self, method: str, path: str, answer: type[T], body: Any = None, **options: Any
+    ) -> T: ...
 
     async def _p2p(self) -> Any: ...
 
@@ -50,18 +53,19 @@ class HttpRouter:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GenerationError(f"no reachable provider serves stage {pos} of {self.model}")
-            body = {"stage": pos, "avoid": sorted(tried), "timeout": round(left, 3)}
+            body = PickRequest(pos, sorted(tried), round(left, 3))
             try:
-                out = await self.client._request(
-                    "POST", f"/v1/models/{quote_part(self.model)}/pick", body, timeout=left + 5
-                )
+                out = await self.client._call(
+                    "POST", f"/v1/models/{quote_part(self.model)}/pick", Picked, body,
+                    timeout=left + 5,
+                )  # fmt: skip
             except FusionAIError as exc:
                 raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
-            peer: str = out["peer_id"]
+            peer = out.peer_id
             if peer in tried and time.monotonic() < patience:
                 await asyncio.sleep(0.2)
                 continue
-            reason = await _dial(host, peer, list(out["addrs"]), deadline)
+            reason = await _dial(host, peer, out.addrs, deadline)
             if reason is None:
                 return peer
             await self.failed(pos, peer, f"cannot connect: {reason}")
@@ -71,9 +75,10 @@ class HttpRouter:
 
     async def failed(self, pos: int, peer: str, reason: str) -> None:
         try:
-            await self.client._request(
-                "POST", f"/v1/providers/{quote_part(peer)}/report", {"reason": reason[:1000]}
-            )
+            await self.client._call(
+                "POST", f"/v1/providers/{quote_part(peer)}/report", Report,
+                ReportRequest(reason[:1000] or "failed"),
+            )  # fmt: skip
         except FusionAIError:
             pass  # best effort: the broker's heartbeats notice a dead provider anyway
 
@@ -82,29 +87,29 @@ class HttpRouter:
 
     async def checker(self, pos: int, avoid: set[str]) -> str | None:
         host = await self.client._p2p()
-        body = {"stage": pos, "avoid": sorted(avoid), "check": True}
+        body = PickRequest(pos, sorted(avoid), check=True)
         try:
-            out = await self.client._request(
-                "POST", f"/v1/models/{quote_part(self.model)}/pick", body
+            out = await self.client._call(
+                "POST", f"/v1/models/{quote_part(self.model)}/pick", Picked, body
             )
         except UnavailableError:
             return None  # no one else holds the stage
         except FusionAIError as exc:
             raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
-        peer: str = out["peer_id"]
         deadline = time.monotonic() + self.client.timeout
-        return peer if await _dial(host, peer, list(out["addrs"]), deadline) is None else None
+        return out.peer_id if await _dial(host, out.peer_id, out.addrs, deadline) is None else None
 
     async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
         try:
-            out = await self.client._request(
+            out = await self.client._call(
                 "POST",
                 f"/v1/providers/{quote_part(peer)}/report",
-                {"reason": reason[:1000], "wrong_output": key},
+                Report,
+                ReportRequest(reason[:1000] or "disagreed", wrong_output=key),
             )
         except FusionAIError:
             return False  # unresolved: the session raises VerificationError
-        return bool(out.get("quarantined"))
+        return out.quarantined
 
 
 async def _dial(host: Any, peer: str, addrs: list[str], deadline: float) -> str | None:

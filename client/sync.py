@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
+import anyio
 import numpy as np
+from anyio.from_thread import start_blocking_portal
 
 from client.api import AsyncClient
 from client.errors import (
     FusionAIError,
 )
 from client.types import FineTune, FinetuneStep, Generation, GenerationStream, Job
+from proto import api
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
@@ -22,15 +27,19 @@ T = TypeVar("T")
 
 class Client:
     """The blocking form of `AsyncClient`, with the same methods and arguments. It runs an
-    event loop in a background thread; use it as a context manager or call `close()`."""
+    event loop in a background thread (an anyio blocking portal); use it as a context
+    manager or call `close()`."""
 
     def __init__(self, broker_url: str | None = None, api_key: str | None = None, **options: Any):
         self._async = AsyncClient(broker_url, api_key, **options)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="fusionai-client", daemon=True
+        stack = contextlib.ExitStack()
+        self._portal = stack.enter_context(
+            start_blocking_portal(backend="asyncio", name="fusionai-client")
         )
-        self._thread.start()
+        # Exits the portal at close(), or at interpreter exit for a client never closed:
+        # exited later, while Python finalizes, it would wait forever for its frozen thread.
+        self._stop = weakref.finalize(self, stack.close)
+        self._loop_thread = self._portal.call(threading.get_ident)
         self._closed = False
 
     @property
@@ -38,18 +47,14 @@ class Client:
         return self._async.url
 
     def _run(self, coro: Awaitable[T]) -> T:
-        if self._closed or threading.current_thread() is self._thread:
+        if self._closed or threading.get_ident() == self._loop_thread:
             close = getattr(coro, "close", None)
             if close is not None:
                 close()  # never started: no "never awaited" warning
             if self._closed:
                 raise FusionAIError("the client is closed")
             raise FusionAIError("a blocking Client method was called from its own callback")
-
-        async def call() -> T:
-            return await coro
-
-        future = asyncio.run_coroutine_threadsafe(call(), self._loop)
+        future = self._portal.start_task_soon(_cancelled_once, coro)
         try:
             return future.result()
         except BaseException:
@@ -67,25 +72,22 @@ class Client:
             return
         try:
             self._run(self._async.aclose())
-            future = asyncio.run_coroutine_threadsafe(self._loop.shutdown_asyncgens(), self._loop)
-            future.result(timeout=10)  # open generation streams close their sessions
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._loop.close()
+            # Stops the portal's loop; asyncio's runner then closes the generation streams
+            # still open (they end their sessions) before closing the loop.
+            self._stop()
 
-    def swarm(self) -> dict[str, Any]:
+    def swarm(self) -> api.Swarm:
         return self._run(self._async.swarm())
 
-    def models(self) -> list[dict[str, Any]]:
+    def models(self) -> list[api.ModelCard]:
         return self._run(self._async.models())
 
-    def model(self, name: str) -> dict[str, Any]:
+    def model(self, name: str) -> api.Model:
         return self._run(self._async.model(name))
 
-    def add_model(self, directory: Path | str, **options: Any) -> dict[str, Any]:
+    def add_model(self, directory: Path | str, **options: Any) -> api.Model:
         return self._run(self._async.add_model(directory, **options))
 
     def embed(self, texts: str | Sequence[str], *, model: str | None = None) -> Array:
@@ -137,11 +139,14 @@ class Client:
         )
         return SyncGenerationStream(self, pieces)
 
-    def submit(self, job: Mapping[str, Any]) -> Job:
+    def submit(self, job: Mapping[str, Any] | api.JobRequest) -> Job:
         return self._run(self._async.submit(job))
 
-    def job(self, job_id: str) -> Job:
-        return self._run(self._async.job(job_id))
+    def job(self, job_id: str, *, wait: float = 0.0) -> Job:
+        return self._run(self._async.job(job_id, wait=wait))
+
+    def story(self, job_id: str) -> api.Story:
+        return self._run(self._async.story(job_id))
 
     def cancel(self, job_id: str) -> Job:
         return self._run(self._async.cancel(job_id))
@@ -177,9 +182,30 @@ class SyncGenerationStream:
 
     def __next__(self) -> str:
         try:
-            return self._client._run(self._iter.__anext__())
+            return self._client._run(_anext(self._iter))
         except StopAsyncIteration:
             raise StopIteration from None
 
     def close(self) -> None:
         self._client._run(self._stream.aclose())
+
+
+async def _anext(pieces: AsyncIterator[str]) -> str:
+    """The next piece. `__anext__` is called here, on the loop's thread, so that the loop
+    knows the generator and closes it (ending its sessions) when the client closes."""
+    return await pieces.__anext__()
+
+
+async def _cancelled_once(coro: Awaitable[T]) -> T:
+    """Await `coro` in a task of its own, which a cancellation of this call (Ctrl-C in the
+    calling thread) cancels once, as asyncio does: its cleanup (closing generation
+    sessions) then runs to the end, where the portal's cancel scope would cancel each of
+    its awaits again."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait([task])
+        raise

@@ -1,4 +1,6 @@
-"""What the SDK returns: a batch job's state, fine-tune steps, a generation and its stream."""
+"""What the SDK returns: a batch job's state (`Job`, the broker's own struct), fine-tune steps,
+a generation and its stream. The swarm, models and results are the `proto.api` structs the
+broker answers with."""
 
 from __future__ import annotations
 
@@ -9,34 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from proto.api import Job
+
+__all__ = ["Failover", "FineTune", "FinetuneStep", "Generation", "GenerationStream", "Job"]
+
 Array = np.ndarray[Any, Any]
 TERMINAL = ("succeeded", "failed", "cancelled")
 MAX_HOLD_S = 30.0  # the broker holds a status request at most this long (`?wait=`)
-
-
-@dataclass(frozen=True)
-class Job:
-    """A batch job's state as the broker reported it."""
-
-    id: str
-    model: str
-    state: str  # queued, running, succeeded, failed, cancelled
-    done: int  # microbatches finished
-    microbatches: int
-    progress: float  # 0..1
-    error: str | None
-    raw: dict[str, Any] = field(repr=False, compare=False)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Job:
-        return cls(
-            d["id"], d["model"], d["state"], d["done"], d["microbatches"], d["progress"],
-            d.get("error"), d,
-        )  # fmt: skip
-
-    @property
-    def finished(self) -> bool:
-        return self.state in TERMINAL
 
 
 @dataclass(frozen=True)

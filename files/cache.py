@@ -266,44 +266,67 @@ class ArtifactCache:
         pin: str = "",
     ) -> None:
         import aiohttp
+        import tenacity
 
         part = self.partial / sha
-        last: BaseException | None = None
-        for attempt in range(self.attempts):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            have = part.stat().st_size if part.exists() else 0
-            if have > size:
-                _remove(part)  # longer than the artifact: not ours
-                have = 0
-            try:
-                if have < size:
-                    await self._get(session, url, part, have, size, progress, pin)
-            except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-                last = exc
-                got = part.stat().st_size if part.exists() else 0
-                log.info(
-                    "download of %s interrupted at %d of %d bytes (%s); resuming",
-                    sha[:12],
-                    got,
-                    size,
-                    exc,
-                )
-                continue
-            digest = await asyncio.to_thread(sha256_file, part)
-            if digest != sha:
-                _remove(part)
-                raise ArtifactError(
-                    f"artifact from {url} has SHA-256 {digest}, not {sha}: the server sent a "
-                    f"different or corrupt file; it was deleted"
-                )
-            # fsyncing gigabytes takes a while: not on the event loop
-            await asyncio.to_thread(move_atomic, part, self.objects / sha)
-            return
-        raise ArtifactError(
-            f"could not download {sha[:12]} from {url} after {self.attempts} attempts: {last}; "
-            f"the partial file is kept and the next attempt resumes it"
+        transient = (aiohttp.ClientError, TimeoutError, ConnectionError)
+        retrying = tenacity.AsyncRetrying(  # waits backoff_s, 2 * backoff_s, 4 * backoff_s, ...
+            stop=tenacity.stop_after_attempt(self.attempts),
+            wait=tenacity.wait_exponential(multiplier=self.backoff_s),
+            retry=tenacity.retry_if_exception_type(transient),
+            reraise=True,  # the last transient error itself, not a RetryError
         )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self._resume(session, sha, url, size, progress, pin)
+        except transient as exc:
+            raise ArtifactError(
+                f"could not download {sha[:12]} from {url} after {self.attempts} attempts: "
+                f"{exc}; the partial file is kept and the next attempt resumes it"
+            ) from None
+        digest = await asyncio.to_thread(sha256_file, part)
+        if digest != sha:
+            _remove(part)
+            raise ArtifactError(
+                f"artifact from {url} has SHA-256 {digest}, not {sha}: the server sent a "
+                f"different or corrupt file; it was deleted"
+            )
+        # fsyncing gigabytes takes a while: not on the event loop
+        await asyncio.to_thread(move_atomic, part, self.objects / sha)
+
+    async def _resume(
+        self,
+        session: aiohttp.ClientSession,
+        sha: str,
+        url: str,
+        size: int,
+        progress: Progress | None,
+        pin: str,
+    ) -> None:
+        """One attempt: fetch what `partial/<sha>` still lacks. A transient error (logged)
+        leaves what arrived in place for the next attempt."""
+        import aiohttp
+
+        part = self.partial / sha
+        have = part.stat().st_size if part.exists() else 0
+        if have > size:
+            _remove(part)  # longer than the artifact: not ours
+            have = 0
+        if have == size:
+            return
+        try:
+            await self._get(session, url, part, have, size, progress, pin)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            got = part.stat().st_size if part.exists() else 0
+            log.info(
+                "download of %s interrupted at %d of %d bytes (%s); resuming",
+                sha[:12],
+                got,
+                size,
+                exc,
+            )
+            raise
 
     async def _get(
         self,

@@ -30,12 +30,14 @@ from broker.serving import Serving
 from broker.store import Store
 from dag.wire import to_json
 from files.atomic import write_atomic
+from proto.api.jobs import Adapter, FinetuneJobRequest, FinetuneResults, Step
 
 
 class FinetuneJobs:
     """The "finetune" job kind."""
 
     name = "finetune"
+    request = FinetuneJobRequest
 
     def __init__(
         self,
@@ -53,9 +55,9 @@ class FinetuneJobs:
         self.models = models
         self.calls = calls
 
-    async def prepare(self, body: dict[str, Any]) -> Prepared:
+    async def prepare(self, body: FinetuneJobRequest) -> Prepared:
         """Check a submission (the tokenizing runs off the event loop)."""
-        request = await asyncio.to_thread(parse_finetune, body, self.config.max_job_texts)
+        request = parse_finetune(body, self.config.max_job_texts)
         model = self.models.models.get(request.model)
         if model is None:
             raise NotFound(f"no model named {request.model!r}; add it first")
@@ -82,23 +84,19 @@ class FinetuneJobs:
     async def run(self, job: JobRow) -> None:
         await SwarmFinetune(self, job).run()
 
-    def results(self, job: JobRow, offset: int, limit: int) -> dict[str, Any]:
+    def results(self, job: JobRow, offset: int, limit: int) -> FinetuneResults:
         """The steps so far, in any state, and the adapter once saved."""
         job_id = job.id
         steps = self.store.finetune_steps(job_id)[offset : offset + limit]
-        adapter = self.store.adapter(job_id)
-        if adapter is not None:
-            adapter["url"] = f"/v1/jobs/{job_id}/adapter"
-        return {
-            "job": job_id,
-            "offset": offset,
-            "total": self.store.count_done(job_id),
-            "steps": [
-                {"step": n, "loss": v[0], "tokens": int(v[1]), "seconds": round(v[2], 4)}
-                for n, v in steps
-            ],
-            "adapter": adapter,
-        }
+        row = self.store.adapter(job_id)
+        adapter = None if row is None else Adapter(**row, url=f"/v1/jobs/{job_id}/adapter")
+        return FinetuneResults(
+            job=job_id,
+            offset=offset,
+            total=self.store.count_done(job_id),
+            steps=[Step(n, v[0], int(v[1]), round(v[2], 4)) for n, v in steps],
+            adapter=adapter,
+        )
 
     def save_adapter(self, job_id: str, model: str, data: bytes) -> None:
         """Keep a finished fine-tune job's adapter (safetensors), named by its SHA-256."""

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
 import networkx as nx
 import numpy as np
 
@@ -21,9 +22,9 @@ from ir.training import (
     pack,
     step_rows,
 )
+from proto.api.jobs import FinetuneJobRequest
 
 Array = np.ndarray[Any, Any]
-MAX_STEPS = 100_000
 
 
 @dataclass(frozen=True)
@@ -59,71 +60,20 @@ class FinetuneRequest:
         return cls(**values)
 
 
-FIELDS = set(FinetuneRequest.__dataclass_fields__)
-
-
-def parse_finetune(body: Mapping[str, Any], max_texts: int) -> FinetuneRequest:
-    """Validate a fine-tune submission (JSON); raises `JobError` naming the field."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise JobError(unknown[0], "unknown field")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise JobError("model", "name the model (a string)")
-    texts = body.get("texts")
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise JobError("texts", "the training data: a non-empty list of strings")
-    if len(texts) > max_texts:
-        raise JobError("texts", f"{len(texts)} texts; one job takes at most {max_texts}")
-    d = FinetuneRequest(model=model, texts=texts)
-
-    def integer(name: str, low: int, high: int) -> int:
-        value = body.get(name, getattr(d, name))
-        if type(value) is not int or not low <= value <= high:
-            raise JobError(name, f"must be an integer from {low} to {high}")
-        return value
-
-    def number(name: str, low: float, high: float) -> float:
-        value = body.get(name, getattr(d, name))
-        if type(value) not in (int, float) or not low <= value < high:
-            raise JobError(name, f"must be a number in [{low}, {high})")
-        return float(value)
-
-    steps = integer("steps", 1, MAX_STEPS)
-    batch = integer("batch", 1, 4096)
-    microbatches = integer("microbatches", 1, batch)
-    if batch % microbatches:
-        raise JobError("microbatches", f"must divide the batch ({batch})")
-    seq_len = integer("seq_len", 2, 4096)
-    method = body.get("method", d.method)
-    if method not in METHODS:
-        raise JobError("method", f"must be one of {list(METHODS)}")
-    lr = number("lr", 0.0, 10.0)
-    if lr <= 0:
-        raise JobError("lr", "must be positive")
-    shards = body.get("shards", list(d.shards))
-    if (
-        not isinstance(shards, list | tuple)
-        or len(shards) != 2
-        or not all(type(v) is int for v in shards)
-        or not 1 <= shards[0] <= shards[1] <= 64
-    ):
+def parse_finetune(body: FinetuneJobRequest, max_texts: int) -> FinetuneRequest:
+    """What the body's struct cannot say; raises `JobError` naming the field."""
+    if len(body.texts) > max_texts:
+        raise JobError("texts", f"{len(body.texts)} texts; one job takes at most {max_texts}")
+    if body.microbatches > body.batch or body.batch % body.microbatches:
+        raise JobError("microbatches", f"must divide the batch ({body.batch})")
+    k, n = body.shards
+    if k > n:
         raise JobError("shards", "[k, n]: n shards, any k of which rebuild; 1 <= k <= n <= 64")
-    return FinetuneRequest(
-        model=model,
-        texts=texts,
-        steps=steps,
-        batch=batch,
-        microbatches=microbatches,
-        seq_len=seq_len,
-        method=method,
-        rank=integer("rank", 1, 1024),
-        lr=lr,
-        weight_decay=number("weight_decay", 0.0, 1.0),
-        seed=integer("seed", 0, 2**63 - 1),
-        snapshot_every=integer("snapshot_every", 0, MAX_STEPS),
-        shards=(shards[0], shards[1]),
-    )
+    if body.method not in METHODS:
+        raise JobError("method", f"must be one of {list(METHODS)}")
+    fields = msgspec.structs.asdict(body)
+    fields["shards"] = (k, n)
+    return FinetuneRequest(**fields)
 
 
 def trainable_stages(manifest: ModelManifest) -> list[StageInfo]:

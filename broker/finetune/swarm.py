@@ -153,7 +153,7 @@ class SwarmFinetune(SwarmStages):
             return []
         shift = pos % len(live)  # spread the stages' shards over different providers
         chosen = (live[shift:] + live[:shift])[:n]
-        return [Holder(peer=p, addrs=self.serving.peer_info(p)["addrs"]) for p in chosen]
+        return [Holder(peer=p, addrs=self.serving.peer_info(p).addrs) for p in chosen]
 
     async def _snapshot(self, step: int) -> None:
         k, n = self.request.shards

@@ -1,4 +1,5 @@
-"""The API's contract: the OpenAPI file matches the router, and no input crashes the broker."""
+"""The API's contract: the OpenAPI document (generated from the operations table and the typed
+bodies of `proto.api`) matches the router, and no input crashes the broker."""
 
 from __future__ import annotations
 
@@ -12,18 +13,18 @@ from typing import Any
 
 import pytest
 
-from broker.httpkit import OPENAPI
-from tests.test_broker.conftest import BrokerProc
+from broker.httpkit import PUBLIC
+from broker.openapi import OPS, document
+from tests.test_broker.conftest import BrokerProc, api
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def spec() -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads(OPENAPI.read_text())
-    return loaded
+    return document()
 
 
-async def test_openapi_file_matches_the_router(tmp_path: Path) -> None:
+async def test_openapi_document_matches_the_router(tmp_path: Path) -> None:
     from broker.config import BrokerConfig
     from broker.service import Broker
 
@@ -39,11 +40,31 @@ async def test_openapi_file_matches_the_router(tmp_path: Path) -> None:
             routes.add((path, route.method.lower()))
     documented = {(path, method) for path, ops in spec()["paths"].items() for method in ops}
     assert routes == documented, (routes - documented, documented - routes)
+    # what needs no API key is what the document says needs none
+    public = {op.path for op in OPS if op.public}
+    assert public == PUBLIC | {"/dashboard/{path}"}
+    for path, ops in spec()["paths"].items():
+        for op in ops.values():
+            assert (op.get("security") == []) == (path in public), path
 
 
-def test_openapi_file_is_well_formed() -> None:
+def test_openapi_document_is_well_formed_and_every_body_is_typed() -> None:
     doc = spec()
     assert doc["openapi"].startswith("3.")
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            ok = next(c for c in op["responses"] if c.startswith("2"))
+            content = op["responses"][ok]["content"]
+            if "application/json" in content and path not in ("/openapi.json",):
+                schema = content["application/json"]["schema"]  # a named struct, not "object"
+                assert "$ref" in schema or "oneOf" in schema, (method, path, schema)
+            body = op.get("requestBody", {}).get("content", {}).get("application/json")
+            if body is not None:
+                assert "$ref" in body["schema"] or "oneOf" in body["schema"], (method, path)
+    schemas = doc["components"]["schemas"]
+    limits = schemas["FinetuneJobRequest"]["properties"]["steps"]
+    assert limits["minimum"] == 1 and limits["maximum"] == 100_000
+    assert schemas["EmbedJobRequest"]["additionalProperties"] is False
 
     def refs(node: Any) -> list[str]:
         if isinstance(node, dict):
@@ -139,4 +160,6 @@ def test_nothing_a_client_sends_crashes_the_broker(broker: Callable[..., BrokerP
     assert statuses.get(400, 0) > 50
     with urllib.request.urlopen(b.http + "/healthz", timeout=10) as resp:
         assert json.loads(resp.read())["ok"] is True
+    status, served = api(b.http, "GET", "/openapi.json")  # the document the broker serves
+    assert status == 200 and served == json.loads(json.dumps(document()))
     assert b.proc.proc.poll() is None

@@ -1,4 +1,4 @@
-"""The HTTP API fuzzed from its own OpenAPI file (schemathesis): requests generated from every
+"""The HTTP API fuzzed from its own OpenAPI document (schemathesis): requests generated from every
 operation's schema, and malformed ones, against a live broker process. No answer is a 500,
 every error is JSON that says what is wrong, and the broker stays up throughout."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import ROOT
+from broker.openapi import document
 from tests.test_broker.conftest import BrokerProc, api
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -18,7 +18,7 @@ import requests  # noqa: E402  (a dependency of schemathesis)
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 SCHEMA = (
-    schemathesis.openapi.from_path(ROOT / "broker" / "openapi.json")
+    schemathesis.openapi.from_dict(document())
     # server-sent event streams never end; the dashboard and metrics are not JSON
     .exclude(path_regex=r"^/v1/stream$|/events$|^/$|^/metrics$")
 )

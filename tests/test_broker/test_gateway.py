@@ -120,6 +120,11 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
     client = openai.OpenAI(base_url=b.http + "/v1", api_key="unused", max_retries=0)
     sample = texts(5)
 
+    # The models, as the openai package lists them (OpenAI's list shape).
+    listed = client.models.list()
+    assert sorted(m.id for m in listed.data) == ["minilm", "tiny-llama"]
+    assert all(m.object == "model" and m.created > 1.7e9 for m in listed.data)
+
     # Embeddings: the package's default request (base64), and floats; both equal local MiniLM.
     expected = local_embeddings(minilm_package, sample)
     got = client.embeddings.create(model="minilm", input=sample)

@@ -85,7 +85,7 @@ async def test_a_job_runs_through_in_memory_providers_and_survives_a_stage_provi
         assert done.state == "succeeded", done.error
         assert any(e["peer"] == victim for e in s.events("provider_lost"))
         assert s.events("stage_promoted")[0]["peer"] == backup  # its warm backup took over
-        rows = np.array(s.broker.jobs.results(job.id, 0, 100)["embeddings"])
+        rows = np.array(s.broker.jobs.results(job.id, 0, 100).embeddings)
         assert np.abs(rows - local_embeddings(minilm_package, TEXTS)).max() <= 1e-4
     finally:
         await s.close()
@@ -128,7 +128,7 @@ async def test_the_queue_policy_orders_jobs_waiting_for_a_route(
     s = await swarm(tmp_path, queue_policy=policy)
     try:
         model = await s.add_model(minilm_package)  # no providers yet: placed later
-        assert "no providers" in s.broker.serving.describe(model)["waiting"]
+        assert "no providers" in s.broker.serving.describe(model).waiting or ""
         long = await s.broker.jobs.submit({"model": model, "texts": TEXTS * 3})  # 3 microbatches
         short = await s.broker.jobs.submit({"model": model, "texts": TEXTS[:4]})
         for _ in range(2):

@@ -47,7 +47,7 @@ async def test_a_data_folder_from_the_previous_release_opens_with_everything_in_
         for job, state in expected["jobs"].items():
             row = b.store.job(job)
             assert row is not None and (job == unfinished or row.state == state), (job, row)
-        got = b.jobs.results(expected["embedding_job"], 0, 100)["embeddings"]
+        got = b.jobs.results(expected["embedding_job"], 0, 100).embeddings
         assert np.array_equal(np.array(got), np.array(expected["embeddings"]))
         steps = b.store.finetune_steps(expected["finetune_job"])
         assert [loss for _, losses in steps for loss in losses] == expected["finetune_losses"]
@@ -65,7 +65,7 @@ async def test_a_data_folder_from_the_previous_release_opens_with_everything_in_
             lambda: (r := b.store.job(unfinished)) and r.state == "succeeded" and r,
             timeout=60,
         )
-        rows = b.jobs.results(row.id, 0, 100)["embeddings"]
+        rows = b.jobs.results(row.id, 0, 100).embeddings
         first = np.array(expected["embeddings"][:2])
         assert model == "tiny-bert" and np.allclose(np.array(rows), first, atol=1e-4)
     finally:

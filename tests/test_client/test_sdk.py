@@ -74,9 +74,13 @@ def test_embeddings_jobs_and_typed_errors(
         assert np.abs(np.array(json.loads(out)["embeddings"]) - expected[:3]).max() <= 1e-4
         assert run_cli("embed", sample[0], "--broker", b.http).startswith("384 dims")
 
-        swarm = fa.swarm()
-        assert len(swarm["providers"]) == 2
-        assert [m["model"] for m in swarm["models"]] == ["minilm"]
+        swarm = fa.swarm()  # typed: the broker's own structs
+        assert len(swarm.providers) == 2 and {p.pool for p in swarm.providers} <= {
+            "active",
+            "backup",
+        }
+        assert [m.model for m in swarm.models] == ["minilm"]
+        assert [m.id for m in fa.models()] == ["minilm"] and fa.model("minilm").ready
 
         with pytest.raises(NotFoundError, match="no model named 'nope'"):
             fa.embed(["x"], model="nope")

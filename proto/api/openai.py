@@ -1,0 +1,121 @@
+"""OpenAI's shapes for `/v1/embeddings` and `/v1/completions`: what the `openai` Python
+package sends and reads. Fields the swarm does not implement (`logprobs`, `echo`, penalties,
+`n` > 1, ...) are accepted only with their neutral value (the broker refuses others, naming
+the field), rather than silently ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from proto.api.common import ModelName
+
+MAX_INPUTS = 2048  # texts in one embeddings request, as OpenAI allows
+MAX_PROMPTS = 16  # prompts in one completions request
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+_Id = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Input = Annotated[
+    str | Annotated[list[str | _Id | list[_Id]], msgspec.Meta(max_length=1_000_000)],
+    msgspec.Meta(
+        title="Input",
+        description="a string, strings, token ids, or lists of token ids (not mixed)",
+        extra_json_schema={
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}},
+                {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                },
+            ]
+        },
+    ),
+]  # (msgspec allows one list type per union: the broker checks the forms do not mix)
+Stop = Annotated[
+    str | Annotated[list[str], msgspec.Meta(max_length=4)] | None,
+    msgspec.Meta(description="a string or up to 4 strings that end the text"),
+]
+
+
+class EmbeddingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelName
+    input: Input
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: (
+        Annotated[int, msgspec.Meta(ge=1, description="must equal the model's size")] | None
+    ) = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int | None = None
+
+
+class Embedding(msgspec.Struct, frozen=True):
+    index: int
+    embedding: Annotated[
+        list[float] | str,
+        msgspec.Meta(description="floats, or base64 of little-endian float32"),
+    ]
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingList(msgspec.Struct, frozen=True):
+    data: list[Embedding]
+    model: str
+    usage: Usage
+    object: Literal["list"] = "list"
+
+
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelName
+    prompt: Input
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None  # 16 when absent
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # 1
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # 1
+    n: Annotated[int, msgspec.Meta(description="only 1")] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    echo: Annotated[bool, msgspec.Meta(description="only false")] | None = None
+    logprobs: Annotated[int, msgspec.Meta(description="not supported: null only")] | None = None
+    best_of: Annotated[int, msgspec.Meta(description="only 1")] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(description="only 0")] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(description="only 0")] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, float], msgspec.Meta(max_length=0, description="not supported: empty only")
+        ]
+        | None
+    ) = None
+    suffix: Annotated[str, msgspec.Meta(description="not supported: null only")] | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+class Choice(msgspec.Struct, frozen=True):
+    text: str
+    index: int
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A completion; each chunk of a stream has this shape too (one choice, or none and the
+    usage when `stream_options.include_usage` asked for it)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"

@@ -1,0 +1,168 @@
+"""Providers, models and their routes, and what a client's generation session asks of the
+broker (a provider for a stage; a report on one that failed or disagreed)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from proto.api.common import BrokerInfo, PeerId
+
+Pool = Literal["active", "backup", "draining", "dead"]
+
+
+class Reputation(msgspec.Struct, frozen=True):
+    """Spot checks of a provider's answers: how many were checked, agreed and disagreed, and
+    whether it is quarantined (and why)."""
+
+    checks: int = 0
+    agreed: int = 0
+    disagreed: int = 0
+    quarantined: bool = False
+    quarantined_at: Annotated[float | None, msgspec.Meta(description="Unix time")] = None
+    reason: str = ""
+
+
+class Quarantined(msgspec.Struct, frozen=True):
+    peer_id: str
+    checks: int
+    agreed: int
+    disagreed: int
+    quarantined: bool
+    quarantined_at: float | None
+    reason: str
+
+
+class Provider(msgspec.Struct, frozen=True):
+    peer_id: str
+    pool: Pool
+    stage: str | None  # the stage key it serves or stands by for
+    hardware: str
+    executor: str | None
+    flops: dict[str, float]  # dense matmul FLOP/s per dtype
+    memory_bytes: int
+    net_up_bytes_s: float
+    rtt_s: float
+    correction: float  # measured / predicted speed
+    last_seen_s: float
+    queued: int
+    kv_bytes: int
+    loaded: list[str]
+    addrs: list[str]
+    flapping: bool
+    reputation: Reputation
+
+
+class ProviderList(msgspec.Struct, frozen=True):
+    providers: list[Provider]
+    quarantined: list[Quarantined]
+
+
+class Peer(msgspec.Struct, frozen=True):
+    peer_id: str
+    addrs: list[str]
+
+
+class StageRoute(msgspec.Struct, frozen=True):
+    key: str  # MODEL/INDEX: what sessions and providers call the stage
+    index: int  # in the manifest
+    name: str
+    providers: list[Peer]  # serving it now
+    backups: list[str]  # peer ids standing by
+
+
+class Model(msgspec.Struct, frozen=True):
+    """A model, its stages and who serves each."""
+
+    model: str
+    placed: bool
+    ready: bool  # every stage has a provider
+    waiting: str | None  # why it is not placed yet
+    throughput_tokens_s: float
+    stages: list[StageRoute]
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    """A model as OpenAI lists them, with whether the swarm serves it."""
+
+    id: str
+    created: int  # Unix time it was added
+    ready: bool
+    placed: bool
+    stages: int  # provider stages
+    throughput_tokens_s: float
+    object: Literal["model"] = "model"
+    owned_by: str = "fusionai"
+
+
+class ModelList(msgspec.Struct, frozen=True):
+    """`GET /v1/models`: OpenAI's list shape; the detail is on `/v1/models/{name}`."""
+
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class Swarm(msgspec.Struct, frozen=True):
+    broker: BrokerInfo
+    heartbeat_timeout_s: float
+    providers: list[Provider]
+    models: list[Model]
+
+
+class PickRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    stage: Annotated[
+        int, msgspec.Meta(ge=0, le=10_000, description="provider stage position, in order")
+    ]
+    avoid: Annotated[
+        list[PeerId],
+        msgspec.Meta(max_length=1024, description="peer ids this session found failing"),
+    ] = []
+    timeout: (
+        Annotated[
+            float,
+            msgspec.Meta(
+                ge=0,
+                lt=1e9,
+                description="seconds to wait for a provider (cut to the broker's request timeout)",
+            ),
+        ]
+        | None
+    ) = None
+    check: Annotated[
+        bool,
+        msgspec.Meta(
+            description="a provider to check another's answers: any live holder of the stage "
+            "not in avoid; 503 at once when there is none"
+        ),
+    ] = False
+
+
+class Picked(msgspec.Struct, frozen=True):
+    key: str  # the stage key sessions name
+    peer_id: str
+    addrs: list[str]
+
+
+class ReportRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=1000)]
+    wrong_output: (
+        Annotated[
+            str,
+            msgspec.Meta(max_length=300, description="the stage key (MODEL/INDEX) that disagreed"),
+        ]
+        | None
+    ) = None
+
+
+class Report(msgspec.Struct, frozen=True):
+    peer_id: str
+    alive: bool
+    probe_agreed: Annotated[
+        bool | None,
+        msgspec.Meta(
+            description="with wrong_output: whether its answer to the broker's probe "
+            "agreed (null: it could not be asked)"
+        ),
+    ] = None
+    quarantined: bool = False
