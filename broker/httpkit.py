@@ -105,6 +105,8 @@ async def event_stream(
             await body(response)
         except ConnectionResetError:  # the client went away
             pass
+        except TimeoutError:  # it stopped reading (aiohttp-sse's send timeout): dropped
+            log.info("%s %s: the client stopped reading; dropped", request.method, request.path)
     return response
 
 

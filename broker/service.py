@@ -53,6 +53,26 @@ from proto.ping import PING, Ping, Pong
 log = logging.getLogger("fusionai.broker")
 
 
+class HttpArtifacts:
+    """Where providers download artifacts (`serving.ArtifactLinks`): this broker's HTTP
+    server, known once it listens (`serve`); assignments are sent only after that."""
+
+    def __init__(self) -> None:
+        self._base = ""
+        self._tls = ""
+        self._token: Callable[[str], str] | None = None
+
+    def serve(self, base: str, tls_sha256: str, token: Callable[[str], str] | None) -> None:
+        self._base, self._tls, self._token = base, tls_sha256, token
+
+    def url(self, sha: str) -> str:
+        token = self._token(sha) if self._token is not None else ""
+        return f"{self._base}/v1/artifacts/{sha}" + (f"?token={token}" if token else "")
+
+    def tls_sha256(self) -> str:
+        return self._tls
+
+
 class Broker:
     """`host` (default: a libp2p host on `config.listen`; an in-memory one in tests), `clock`
     (monotonic seconds: deadlines, heartbeats, the decision core's time; a test's own clock
@@ -82,6 +102,7 @@ class Broker:
         self.metrics = Metrics()
         self.events.sinks.append(self.metrics.event)
         self.tls_sha256 = ""  # the certificate's fingerprint when serving HTTPS
+        self.links = HttpArtifacts()  # settled once the HTTP server listens
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()  # set when closing: loops and open streams end
@@ -108,14 +129,14 @@ class Broker:
         self.registry = Registry(
             self.config, self.host.peer_id, self.events, self.driver, clock=self.clock
         )
-        # HTTP first: assignments name artifact URLs on it.
+        # Assignments name artifact URLs on the HTTP server (`self.links`, once it listens).
         self.serving = Serving(
             self.config,
             self.registry,
             self.store,
             self.events,
             self.host,
-            artifact_base="",
+            self.links,
             clock=self.clock,
         )
         self.calls = StageCalls(
@@ -218,11 +239,13 @@ class Broker:
         host = self.config.http_host
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.http_url = f"{'https' if context else 'http'}://{shown}:{port}"
-        self.serving.artifact_base = (self.config.public_url or self.http_url).rstrip("/")
-        if self.config.public_url is None:  # providers download from this server: pin it
-            self.serving.tls_sha256 = self.tls_sha256
-        if self.keys.required:  # providers have no API key: their URLs carry a token
-            self.serving.artifact_token = self.tokens.token
+        self.links.serve(
+            (self.config.public_url or self.http_url).rstrip("/"),
+            # providers download from this server: pin its certificate
+            self.tls_sha256 if self.config.public_url is None else "",
+            # providers have no API key: their URLs carry a token
+            self.tokens.token if self.keys.required else None,
+        )
         self.host.add_control_handler(JOIN, self.registry.on_join)
         self.host.add_control_handler(HEARTBEAT, self.registry.on_heartbeat)
         self.host.add_control_handler(STAGE_STATUS, self.serving.on_status)

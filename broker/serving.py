@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from broker.config import BrokerConfig
 from broker.core import Core, least_loaded
@@ -55,6 +55,18 @@ class Served:
     keys: list[str]  # unit keys of its provider stages, in pipeline order
 
 
+class ArtifactLinks(Protocol):
+    """Where providers download artifacts: the broker's HTTP server (`broker/service.py`)."""
+
+    def url(self, sha: str) -> str:
+        """The artifact's URL (with a download token when the API needs keys)."""
+        ...
+
+    def tls_sha256(self) -> str:
+        """The server certificate's fingerprint to pin ("" when none is pinned)."""
+        ...
+
+
 class Serving:
     def __init__(
         self,
@@ -63,7 +75,7 @@ class Serving:
         store: Store,
         events: EventLog,
         host: Host,
-        artifact_base: str,
+        artifacts: ArtifactLinks,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -72,10 +84,8 @@ class Serving:
         self.store = store
         self.events = events
         self.host = host
-        self.artifact_base = artifact_base
+        self.artifacts = artifacts  # where providers download a stage's file
         self.clock = clock
-        self.artifact_token: Callable[[str], str] = lambda sha: ""  # set when keys are needed
-        self.tls_sha256 = ""  # the HTTP server's certificate, when it serves TLS
         self.plans: dict[str, Served] = {}
         self._outbox: dict[str, asyncio.Queue[Message]] = {}
         self._senders: dict[str, asyncio.Task[None]] = {}
@@ -116,9 +126,9 @@ class Serving:
             key=action.key,
             manifest=model.manifest_bytes,
             stage=index,
-            url=self.artifact_url(sha),
+            url=self.artifacts.url(sha),
             role=action.role,
-            tls_sha256=self.tls_sha256,
+            tls_sha256=self.artifacts.tls_sha256(),
         )
         self._send(action.peer_id, msg)
 
@@ -127,10 +137,6 @@ class Serving:
             self.store.delete_placement(action.model)
         else:
             self.store.put_placement(action.model, action.placement)
-
-    def artifact_url(self, sha: str) -> str:
-        token = self.artifact_token(sha)
-        return f"{self.artifact_base}/v1/artifacts/{sha}" + (f"?token={token}" if token else "")
 
     def _send(self, peer: str, msg: Message) -> None:
         """Queue `msg` for `peer`; one sender per provider keeps the order."""

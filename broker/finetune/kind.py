@@ -1,5 +1,6 @@
 """The "finetune" job kind: checks a submission, runs the job through the swarm
-(`swarm.py`), presents its steps and keeps its adapter (data_dir/adapters/<sha256>.safetensors).
+(`swarm.py`), presents its steps and keeps its adapter in the broker's artifact cache (named by
+its SHA-256, like the models' files; an earlier release kept them in data_dir/adapters/).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from broker.schema import JobRow
 from broker.serving import Serving
 from broker.store import Store
 from dag.wire import to_json
-from files.atomic import write_atomic
 from proto.api.jobs import Adapter, FinetuneJobRequest, FinetuneResults, Step
 
 
@@ -99,13 +99,10 @@ class FinetuneJobs:
         )
 
     def save_adapter(self, job_id: str, model: str, data: bytes) -> None:
-        """Keep a finished fine-tune job's adapter (safetensors), named by its SHA-256."""
+        """Keep a finished fine-tune job's adapter (safetensors) in the artifact cache, named
+        by its SHA-256 like every artifact."""
         digest = hashlib.sha256(data).hexdigest()
-        folder = self.config.data_dir / "adapters"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{digest}.safetensors"
-        if not path.is_file():
-            write_atomic(path, data)
+        self.models.cache.put(digest, data)
         self.store.put_adapter(job_id, model, digest, len(data))
         self.events.emit("adapter_saved", job=job_id, model=model, sha256=digest, bytes=len(data))
 
@@ -118,4 +115,11 @@ class FinetuneJobs:
             if job.kind != "finetune":
                 raise NotFound(f"job {job_id} is a {job.kind} job; adapters come from fine-tuning")
             raise NotReady(f"job {job_id} is {job.state}; its adapter comes when it has succeeded")
-        return self.config.data_dir / "adapters" / f"{row['sha256']}.safetensors", row
+        sha, cache = row["sha256"], self.models.cache
+        if not cache.has(sha):
+            old = self.config.data_dir / "adapters" / f"{sha}.safetensors"  # an earlier release's
+            if not old.is_file():
+                raise NotFound(f"job {job_id}'s adapter {sha[:12]} is missing from the store")
+            cache.put(sha, old.read_bytes())  # verified as it is kept
+            old.unlink()
+        return cache.path(sha), row

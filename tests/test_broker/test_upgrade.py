@@ -51,8 +51,10 @@ async def test_a_data_folder_from_the_previous_release_opens_with_everything_in_
         assert np.array_equal(np.array(got), np.array(expected["embeddings"]))
         steps = b.store.finetune_steps(expected["finetune_job"])
         assert [loss for _, losses in steps for loss in losses] == expected["finetune_losses"]
-        adapter, _ = b.finetunes.adapter_path(expected["finetune_job"])
-        assert adapter.is_file()
+        adapter, row = b.finetunes.adapter_path(expected["finetune_job"])
+        assert hashlib.sha256(adapter.read_bytes()).hexdigest() == row["sha256"]
+        assert adapter == b.models.cache.path(row["sha256"])  # moved into the shared cache
+        assert not list((tmp_path / "broker" / "adapters").glob("*.safetensors"))
         assert b.store.story(expected["embedding_job"])  # the event log is kept
 
         # The job the broker stopped runs once providers come back: its stored graph still runs.
