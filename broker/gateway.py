@@ -269,9 +269,9 @@ class Gateway:
                                 chunk = oa.Completion(cid, created, req.model, [choice])
                                 await sse(resp, None, chunk)
                     generated += count
-            except ConnectionResetError:  # the client went away; its sessions are closed
-                raise
             except Exception as exc:  # headers are sent: report the error in the stream
+                if isinstance(exc, ConnectionResetError) or request.transport is None:
+                    raise  # the client left or stopped reading: `event_stream` drops it
                 kind = "unavailable" if isinstance(exc, Unavailable) else "internal_error"
                 if kind == "internal_error":
                     log.exception("completion stream %s failed", cid)

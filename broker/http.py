@@ -182,7 +182,10 @@ def make_app(parts: ApiParts) -> web.Application:
         return answer(api.ProviderList(providers_now(), parts.verifier.quarantined_list()))
 
     async def list_models(request: web.Request) -> web.Response:
-        return answer(api.ModelList([serving.card(n) for n in sorted(serving.plans)]))
+        names = sorted(serving.plans)
+        return answer(  # (`models`: what SDKs of the previous release read, for one release)
+            api.ModelList([serving.card(n) for n in names], [serving.describe(n) for n in names])
+        )
 
     async def add_model(request: web.Request) -> web.Response:
         stored = await parts.add_model(await request.read())
@@ -229,7 +232,7 @@ def make_app(parts: ApiParts) -> web.Application:
     async def _stream(response: EventSourceResponse, interval: float) -> None:
         last: bytes | None = None
         since = max(0, store.last_event_id() - 50)  # the page starts with recent history
-        while not parts.stopping():
+        while not parts.stopping() and response.is_connected():  # (pings notice a leaver)
             for row in store.events(since=since, limit=200):
                 since = row.id
                 await sse(response, "event", row.to_json())

@@ -18,6 +18,7 @@ from aiohttp_sse import EventSourceResponse, sse_response
 from broker.errors import Conflict, NotFound, TooBusy, Unavailable
 from broker.jobkinds import JobError, refusal
 from broker.models import ModelStoreError
+from broker.openapi import OPS
 from broker.schema import JobRow
 from proto.api import jobs as api_jobs
 from proto.api.common import Error, ErrorDetail
@@ -61,7 +62,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 DASHBOARD = Path(__file__).parent / "dashboard"
-PUBLIC = frozenset({"/healthz", "/openapi.json", "/"})  # no key needed, nor below /dashboard/
+# no key needed: the operations marked public (and what is below /dashboard/)
+PUBLIC = frozenset(op.path for op in OPS if op.public and "{" not in op.path)
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
 
 
@@ -105,7 +107,10 @@ async def event_stream(
             await body(response)
         except ConnectionResetError:  # the client went away
             pass
-        except TimeoutError:  # it stopped reading (aiohttp-sse's send timeout): dropped
+        except TimeoutError:
+            if request.transport is not None:
+                raise
+            # it stopped reading: aiohttp-sse's send timed out and dropped the connection
             log.info("%s %s: the client stopped reading; dropped", request.method, request.path)
     return response
 

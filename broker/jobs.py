@@ -71,7 +71,8 @@ class JobRunner:
             raise JobError(
                 "kind", f"unknown job kind {name!r}; this broker runs {', '.join(self.kinds)}"
             )
-        prepared = await kind.prepare(convert(body, kind.request))
+        request = await asyncio.to_thread(convert, body, kind.request)  # (up to 64 MiB of texts)
+        prepared = await kind.prepare(request)
         job_id = uuid.uuid4().hex[:16]
         job = self.store.add_job(
             job_id,

@@ -122,7 +122,7 @@ class JobRoutes:
         store = self.store
         since = 0
         current: JobRow | None = job
-        while not self.stopping():
+        while not self.stopping() and response.is_connected():  # (its pings notice a leaver)
             current = store.job(job.id, full=False)  # (read first: no event is missed)
             while rows := store.events(since=since, limit=1000, job=job.id):
                 for row in rows:

@@ -78,8 +78,11 @@ def model_spec(manifest: ModelManifest) -> ModelSpec:
 
 class ModelStore:
     def __init__(self, root: Path, max_artifact_bytes: int) -> None:
-        self.cache = ArtifactCache(root / "artifacts")  # no limit: these are the models served
+        self.cache = ArtifactCache(
+            root / "artifacts"
+        )  # no limit: the models served, the adapters trained
         self.cache.adopt(self.cache.root)  # an earlier release kept them flat
+        self.cache.adopt(root / "adapters", ".safetensors")  # and fine-tunes' adapters apart
         self.cache.check(verify=False)  # every file was verified before it was kept
         self.packages = root / "models"
         self.incoming = root / "incoming"

@@ -36,6 +36,7 @@ class Op:
     body_media: str = JSON
     media: str = JSON  # of the answer
     query: Any = None
+    streams: bool = False  # it may answer with server-sent events instead (`stream: true`)
     public: bool = False  # no API key needed
     errors: tuple[int, ...] = (400, 401, 404)
 
@@ -99,7 +100,8 @@ OPS: tuple[Op, ...] = (
        body=openai.EmbeddingRequest, errors=(400, 401, 404, 429, 503)),
     Op("POST", "/v1/completions", "openai", "OpenAI-style completions; `stream: true` answers "
        "with server-sent events of the same shape, ending in `data: [DONE]`",
-       openai.Completion, body=openai.CompletionRequest, errors=(400, 401, 404, 429, 503)),
+       openai.Completion, body=openai.CompletionRequest, streams=True,
+       errors=(400, 401, 404, 429, 503)),
 )  # fmt: skip
 
 PARAMS = {"name": "the model's name", "id": "the job's id", "sha": "SHA-256 (hex)",
@@ -132,11 +134,30 @@ def _query(kind: Any) -> list[dict[str, Any]]:
     for name, schema in props.items():
         schema = dict(schema)
         description = schema.pop("description", None)
+        if "anyOf" in schema:  # `T | None`: the parameter is optional; its schema is T's
+            (schema,) = [dict(s) for s in schema.pop("anyOf") if s.get("type") != "null"]
+            description = schema.pop("description", description)
         param = {"name": name, "in": "query", "required": False, "schema": schema}
         if description:
             param["description"] = description
         out.append(param)
     return out
+
+
+def _tidy(schema: Any) -> None:
+    """Where a type spells its schema out (`oneOf`), drop the one msgspec derived (`anyOf`);
+    a constant field (OpenAI's `object`) is always present."""
+    if isinstance(schema, dict):
+        if "oneOf" in schema and "anyOf" in schema:
+            del schema["anyOf"]
+        props = schema.get("properties", {})
+        if "object" in props and len(props["object"].get("enum", ())) == 1:
+            schema["required"] = sorted({*schema.get("required", ()), "object"})
+        for value in schema.values():
+            _tidy(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _tidy(value)
 
 
 @cache
@@ -156,9 +177,10 @@ def document() -> dict[str, Any]:
              "schema": {"type": "string"}}
             for p in (s[1:-1] for s in op.path.split("/") if s.startswith("{"))
         ]  # fmt: skip
-        responses: dict[str, Any] = {
-            str(op.status): {"description": "OK", "content": _media(op.answer, op.media, refs)}
-        }
+        content = _media(op.answer, op.media, refs)
+        if op.streams:
+            content |= _media(bytes, SSE, refs)
+        responses: dict[str, Any] = {str(op.status): {"description": "OK", "content": content}}
         for code in op.errors:
             responses[str(code)] = {"$ref": f"#/components/responses/E{code}"}
         entry: dict[str, Any] = {
@@ -176,6 +198,8 @@ def document() -> dict[str, Any]:
         if op.public:
             entry["security"] = []
         paths.setdefault(op.path, {})[op.method.lower()] = entry
+    for schema in components.values():
+        _tidy(schema)
     error = {"application/json": {"schema": refs[common.Error]}}
     return {
         "openapi": "3.1.0",

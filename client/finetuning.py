@@ -4,6 +4,7 @@ its adapter (kept once in the artifact cache) and check one against a model."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,7 +102,10 @@ class FinetuneMethods(ClientCore):
             f"/v1/jobs/{quote_part(job_id)}/results?offset={offset}&limit=10000",
             FinetuneResults,
         )
-        return [FinetuneStep(s.step, total, s.loss, s.tokens, s.seconds) for s in out.steps]
+        return [
+            FinetuneStep(s.step, total, math.nan if s.loss is None else s.loss, s.tokens, s.seconds)
+            for s in out.steps
+        ]
 
     async def adapter(self, job_id: str) -> Path:
         """A fine-tune job's trained adapter (safetensors), downloaded once into the cache."""

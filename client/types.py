@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from proto.api import Job
+from proto.api.jobs import MAX_JOB_WAIT_S
 
 __all__ = ["Failover", "FineTune", "FinetuneStep", "Generation", "GenerationStream", "Job"]
 
 Array = np.ndarray[Any, Any]
-TERMINAL = ("succeeded", "failed", "cancelled")
-MAX_HOLD_S = 30.0  # the broker holds a status request at most this long (`?wait=`)
+MAX_HOLD_S = MAX_JOB_WAIT_S  # the broker holds a status request at most this long (`?wait=`)
 
 
 @dataclass(frozen=True)

@@ -157,13 +157,15 @@ class ArtifactCache:
         self._write_index()
         return dropped
 
-    def adopt(self, folder: Path) -> int:
-        """Move files named by their SHA-256 from `folder` (a flat store an earlier release
-        kept) into the cache; returns how many. Renames only: nothing is copied."""
+    def adopt(self, folder: Path, suffix: str = "") -> int:
+        """Move files named by their SHA-256 (and `suffix`) from `folder` (a flat store an
+        earlier release kept) into the cache; returns how many. Renames only: nothing is
+        copied. A missing folder has nothing to adopt."""
         moved = 0
-        for p in folder.iterdir():
-            if p.is_file() and SHA256_RE.match(p.name) and not (self.objects / p.name).exists():
-                os.replace(p, self.objects / p.name)
+        for p in folder.iterdir() if folder.is_dir() else ():
+            sha = p.name.removesuffix(suffix) if p.name.endswith(suffix) else ""
+            if p.is_file() and SHA256_RE.match(sha) and not (self.objects / sha).exists():
+                os.replace(p, self.objects / sha)
                 moved += 1
         return moved
 

@@ -1,6 +1,7 @@
 """The "finetune" job kind: checks a submission, runs the job through the swarm
 (`swarm.py`), presents its steps and keeps its adapter in the broker's artifact cache (named by
-its SHA-256, like the models' files; an earlier release kept them in data_dir/adapters/).
+its SHA-256, like the models' files; those an earlier release kept in data_dir/adapters/ move
+in when the broker starts, `broker/models.py`).
 """
 
 from __future__ import annotations
@@ -117,9 +118,5 @@ class FinetuneJobs:
             raise NotReady(f"job {job_id} is {job.state}; its adapter comes when it has succeeded")
         sha, cache = row["sha256"], self.models.cache
         if not cache.has(sha):
-            old = self.config.data_dir / "adapters" / f"{sha}.safetensors"  # an earlier release's
-            if not old.is_file():
-                raise NotFound(f"job {job_id}'s adapter {sha[:12]} is missing from the store")
-            cache.put(sha, old.read_bytes())  # verified as it is kept
-            old.unlink()
+            raise NotFound(f"job {job_id}'s adapter {sha[:12]} is missing from the store")
         return cache.path(sha), row

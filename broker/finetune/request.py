@@ -17,7 +17,6 @@ from dag.builders import finetune
 from dag.tasks import task
 from ir.manifest import ModelManifest, StageInfo
 from ir.training import (
-    METHODS,
     TrainingError,
     pack,
     step_rows,
@@ -69,8 +68,6 @@ def parse_finetune(body: FinetuneJobRequest, max_texts: int) -> FinetuneRequest:
     k, n = body.shards
     if k > n:
         raise JobError("shards", "[k, n]: n shards, any k of which rebuild; 1 <= k <= n <= 64")
-    if body.method not in METHODS:
-        raise JobError("method", f"must be one of {list(METHODS)}")
     fields = msgspec.structs.asdict(body)
     fields["shards"] = (k, n)
     return FinetuneRequest(**fields)

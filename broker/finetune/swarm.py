@@ -23,6 +23,7 @@ swarm training must match, step by step.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -291,6 +292,11 @@ class SwarmFinetune(SwarmStages):
                 else:
                     raise
                 continue
+            if not math.isfinite(loss):
+                raise JobFailed(
+                    f"the training loss diverged ({loss}) at step {step}; try a lower lr "
+                    f"(it was {r.lr:g})"
+                )
             seconds = time.perf_counter() - started
             tokens = r.batch * r.seq_len
             record = np.array([loss, tokens, seconds], dtype=np.float64)

@@ -11,7 +11,8 @@ from proto.api.common import Event, ModelName
 
 MAX_SEQUENCES = 1_000_000  # the broker's own limit (`max_job_texts`) is usually lower
 Text = Annotated[str, msgspec.Meta(max_length=1_000_000)]
-TokenIds = Annotated[list[int], msgspec.Meta(min_length=1, max_length=1_000_000)]
+TokenId = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=1_000_000)]
 JobState = Literal["queued", "placed", "running", "succeeded", "failed", "cancelled"]
 
 
@@ -116,7 +117,7 @@ class Deleted(msgspec.Struct, frozen=True):
 
 class Step(msgspec.Struct, frozen=True):
     step: int
-    loss: float  # mean next-token loss of the step's batch
+    loss: float | None  # mean next-token loss of the step's batch (null: not a finite number)
     tokens: int
     seconds: float
 

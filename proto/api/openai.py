@@ -109,13 +109,13 @@ class Choice(msgspec.Struct, frozen=True):
     logprobs: None = None
 
 
-class Completion(msgspec.Struct, frozen=True, omit_defaults=True):
+class Completion(msgspec.Struct, frozen=True):
     """A completion; each chunk of a stream has this shape too (one choice, or none and the
-    usage when `stream_options.include_usage` asked for it)."""
+    usage when `stream_options.include_usage` asked for it; other chunks have no usage)."""
 
     id: str
     created: int
     model: str
     choices: list[Choice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: Literal["text_completion"] = "text_completion"

@@ -100,6 +100,13 @@ class ModelList(msgspec.Struct, frozen=True):
     """`GET /v1/models`: OpenAI's list shape; the detail is on `/v1/models/{name}`."""
 
     data: list[ModelCard]
+    models: Annotated[
+        list[Model],
+        msgspec.Meta(
+            description="deprecated: the previous answer's detail, kept for SDKs of "
+            "the previous release for one release; read `data`, or `/v1/models/{name}`"
+        ),
+    ] = []
     object: Literal["list"] = "list"
 
 

@@ -146,3 +146,21 @@ def provider(spawn: Callable[..., Proc], tmp_path: Path) -> Callable[..., Proc]:
         return spawn(provider_command(addr, data, "--max-memory", "2", "--drain", "5", *extra))
 
     return _provider
+
+
+def documented(http: str, method: str, path: str, template: str, body: Any = None) -> Any:
+    """One call's JSON answer, checked against the schema `/openapi.json` documents for its
+    operation (`template`: the path as documented, e.g. /v1/models/{name})."""
+    import jsonschema_rs
+
+    from broker.openapi import document
+
+    status, out = api(http, method, path, body)
+    doc = document()
+    responses = doc["paths"][template][method.lower()]["responses"]
+    assert str(status) in responses and status < 300, (method, path, status, out)
+    schema = responses[str(status)]["content"]["application/json"]["schema"]
+    errors = list(jsonschema_rs.validator_for({**schema, "components": doc["components"]})
+                  .iter_errors(out))  # fmt: skip
+    assert not errors, (method, path, [str(e)[:300] for e in errors[:3]])
+    return out

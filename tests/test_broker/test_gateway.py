@@ -23,6 +23,7 @@ from tests.test_broker.conftest import (
     BrokerProc,
     add_model,
     api,
+    documented,
     local_embeddings,
     wait_joined,
     wait_ready,
@@ -124,6 +125,23 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
     listed = client.models.list()
     assert sorted(m.id for m in listed.data) == ["minilm", "tiny-llama"]
     assert all(m.object == "model" and m.created > 1.7e9 for m in listed.data)
+    # Answers are what the document says, field by field (the schemas of `proto/api/`).
+    for path, template in [
+        ("/v1/models", "/v1/models"),
+        ("/v1/models/tiny-llama", "/v1/models/{name}"),
+        ("/v1/swarm", "/v1/swarm"),
+        ("/v1/providers", "/v1/providers"),
+        ("/healthz", "/healthz"),
+        ("/v1/jobs", "/v1/jobs"),
+        ("/v1/events?limit=5", "/v1/events"),
+    ]:
+        documented(b.http, "GET", path, template)
+    one = {"model": "minilm", "input": "x"}
+    documented(b.http, "POST", "/v1/embeddings", "/v1/embeddings", one)
+    once = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    assert documented(b.http, "POST", "/v1/completions", "/v1/completions", once)["object"] == (
+        "text_completion"
+    )
 
     # Embeddings: the package's default request (base64), and floats; both equal local MiniLM.
     expected = local_embeddings(minilm_package, sample)
@@ -149,6 +167,7 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
     )
     assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+    assert all(c.object == "text_completion" for c in chunks) and done.object == chunks[0].object
     # Token-id prompts, seeded sampling (repeatable), and a stop string.
     ids = [5, 17, 3, 9]
     by_ids = client.completions.create(

@@ -128,7 +128,7 @@ async def test_the_queue_policy_orders_jobs_waiting_for_a_route(
     s = await swarm(tmp_path, queue_policy=policy)
     try:
         model = await s.add_model(minilm_package)  # no providers yet: placed later
-        assert "no providers" in s.broker.serving.describe(model).waiting or ""
+        assert "no providers" in (s.broker.serving.describe(model).waiting or "")
         long = await s.broker.jobs.submit({"model": model, "texts": TEXTS * 3})  # 3 microbatches
         short = await s.broker.jobs.submit({"model": model, "texts": TEXTS[:4]})
         for _ in range(2):
