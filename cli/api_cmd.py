@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from client import AsyncClient, FusionAIError
+from ir.errors import IRError
 
 T = TypeVar("T")
 
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
     }[args.group, args.cmd]
     try:
         return command(args)
+    except IRError as exc:  # a package whose manifest is not readable
+        print(f"error: {getattr(args, 'directory', '')}: {exc}", file=sys.stderr)
+        return 2
     except (FusionAIError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
