@@ -52,8 +52,8 @@ class FinetuneJobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         msgspec.Meta(
             min_length=1,
             max_length=MAX_SEQUENCES,
-            description="training texts (each "
-            "ends in end-of-sequence; packed into rows of seq_len + 1 tokens)",
+            description="training texts (each ends in end-of-sequence; packed into rows of "
+            "seq_len + 1 tokens)",
         ),
     ]
     steps: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 20
