@@ -182,10 +182,9 @@ def make_app(parts: ApiParts) -> web.Application:
         return answer(api.ProviderList(providers_now(), parts.verifier.quarantined_list()))
 
     async def list_models(request: web.Request) -> web.Response:
-        names = sorted(serving.plans)
-        return answer(  # (`models`: what SDKs of the previous release read, for one release)
-            api.ModelList([serving.card(n) for n in names], [serving.describe(n) for n in names])
-        )
+        details = [serving.describe(n) for n in sorted(serving.plans)]
+        # (`models`: the detail SDKs of the previous release read, for one release)
+        return answer(api.ModelList([serving.card(d) for d in details], details))
 
     async def add_model(request: web.Request) -> web.Response:
         stored = await parts.add_model(await request.read())

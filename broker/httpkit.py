@@ -64,6 +64,8 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 DASHBOARD = Path(__file__).parent / "dashboard"
 # no key needed: the operations marked public (and what is below /dashboard/)
 PUBLIC = frozenset(op.path for op in OPS if op.public and "{" not in op.path)
+BIG_BODY = 64 * 1024  # bodies larger than this are decoded off the event loop
+_encoder = msgspec.json.Encoder(enc_hook=str)  # (event fields of other types: as text)
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
 
 
@@ -119,10 +121,6 @@ async def sse(response: EventSourceResponse, event: str | None, data: Any) -> No
     """One event; `data` a `proto.api` struct, JSON-able data, or JSON text as it is."""
     text = data if isinstance(data, str) else _encoder.encode(data).decode()
     await response.send(text, event=event)
-
-
-BIG_BODY = 64 * 1024  # bodies larger than this are decoded off the event loop
-_encoder = msgspec.json.Encoder(enc_hook=str)  # (event fields of other types: as text)
 
 
 def _parse(raw: bytes, kind: Any) -> Any:

@@ -277,12 +277,11 @@ class Serving:
             stages=stages,
         )
 
-    def card(self, model: str) -> api.ModelCard:
-        """The model as `GET /v1/models` lists it (OpenAI's shape)."""
-        detail = self.describe(model)
+    def card(self, detail: api.Model) -> api.ModelCard:
+        """The model `describe` gave, as `GET /v1/models` lists it (OpenAI's shape)."""
         return api.ModelCard(
-            id=model,
-            created=int(self.plans[model].model.created),
+            id=detail.model,
+            created=int(self.plans[detail.model].model.created),
             ready=detail.ready,
             placed=detail.placed,
             stages=len(detail.stages),
