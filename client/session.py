@@ -113,6 +113,8 @@ class GenerationSession:
         self.stages = [_Stage(k, s) for k, s in zip(keys, provider, strict=True)]
         self.adapters = dict(adapters or {})  # a LoRA adapter: graph input name -> tensor
         self.past = 0  # tokens fed so far
+        self.fed: list[int] = []  # and which
+        self.valid_until = stages.manifest.cache_valid_until()
         self.failovers = 0
         self.abandoned: list[tuple[str, str, str]] = []  # (peer, stage key, session id)
         # Shadow steps: each stage's step also runs on a second provider and the answers are
@@ -124,7 +126,17 @@ class GenerationSession:
 
     async def feed(self, tokens: Sequence[int]) -> Array:
         """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
-        ids = np.array([list(tokens)], dtype=np.int64)
+        tokens = list(tokens)
+        if self.valid_until is not None and 0 < self.past <= self.valid_until < self.past + len(
+            tokens
+        ):  # the providers' caches no longer hold what the longer context computes: again
+            tokens = self.fed + tokens
+            for stage in self.stages:
+                self._abandon(stage)
+                self._drop_shadow(stage)
+                stage.history.clear()
+            self.past, self.fed = 0, []
+        ids = np.array([tokens], dtype=np.int64)
         positions = np.arange(self.past, self.past + ids.shape[1], dtype=np.int64)[None, :]
         hidden = await asyncio.to_thread(self.client.embed, ids, positions)
         for pos, stage in enumerate(self.stages):
@@ -139,6 +151,7 @@ class GenerationSession:
                 hidden = await self._step(pos, stage, feeds, expect)
             stage.history.append(feeds)
         self.past += ids.shape[1]
+        self.fed += tokens
         logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
         return np.asarray(logits[0, -1], dtype=np.float32)
 

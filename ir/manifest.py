@@ -56,13 +56,17 @@ class StageInfo(msgspec.Struct, frozen=True):
     weight_dtype: str = "float32"
 
 
+LONGROPE_KEY = "longrope_original_max_positions"
+
+
 class ModelManifest(msgspec.Struct, frozen=True):
     name: str
-    family: str  # "bert", "gpt2", "llama", "onnx"
+    family: str  # "bert", "gpt2", "llama", "mistral", "qwen2", ..., "onnx"
     config: dict[str, int | float | str]
     stages: list[StageInfo]
     tokenizer: str | None = None  # "<sha256>.json" (a tokenizers JSON file), if shipped
     tokenizer_sha256: str | None = None
+    chat_template: str | None = None  # the model's own (Jinja), from its tokenizer files
     format: str = FORMAT
     version: int = VERSION
 
@@ -87,6 +91,13 @@ class ModelManifest(msgspec.Struct, frozen=True):
         if [s.index for s in manifest.stages] != list(range(len(manifest.stages))):
             raise ManifestError("stage indices must be 0, 1, 2, ... in order")
         return manifest
+
+    def cache_valid_until(self) -> int | None:
+        """The context length past which a decoder's KV cache, computed before, is no longer
+        right (longrope switches every layer's rotation there): a generation that crosses it
+        runs the whole text again once, as transformers does. None: the cache stays valid."""
+        value = self.config.get(LONGROPE_KEY)
+        return int(value) if isinstance(value, int | float) else None
 
     def provider_stages(self) -> list[StageInfo]:
         return [s for s in self.stages if s.placement == "provider"]

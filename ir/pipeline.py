@@ -122,7 +122,10 @@ class LocalPipeline:
         tokens = list(prompt)
         cache = self.new_cache()
         fed = 0
+        restart = self.manifest.cache_valid_until()
         for _ in range(max_new_tokens):
+            if restart is not None and 0 < fed <= restart < len(tokens):
+                cache, fed = self.new_cache(), 0  # the cache so far is computed the old way
             if use_cache:
                 ids = np.array([tokens[fed:]], dtype=np.int64)
                 logits = self.step(ids, fed, cache)

@@ -40,3 +40,134 @@ def tiny_tokenizer(path: Any, vocab_size: int = 512) -> None:
     from cli.demo_models import bpe_tokenizer
 
     bpe_tokenizer(CORPUS, path, vocab_size)
+
+
+# Small random models of each rotary decoder family, configured so that each family's own
+# features take effect on a 6-token prompt plus 24 new tokens: `feature -> config change` that
+# switches one off (the tests show each changes the logits).
+COMMON = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, dict[str, Any]]]] = {
+    "llama": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+        {"llama3 rope": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    "mistral": (
+        "MistralConfig",
+        {"sliding_window": 4},
+        {"sliding window": {"sliding_window": None}},
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "max_window_layers": 1, "sliding_window": 4},
+        {"sliding window": {"use_sliding_window": False}, "qkv bias": {}},
+    ),
+    "qwen3": ("Qwen3Config", {}, {"q/k norms": {}}),
+    "phi3": (
+        "Phi3Config",
+        {
+            "sliding_window": 5,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.0, 1.0, 1.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+                "original_max_position_embeddings": 16,
+            },
+            "original_max_position_embeddings": 16,
+            "initializer_range": 0.1,
+        },
+        {
+            "sliding window": {"sliding_window": None},
+            "partial rotary, longrope": {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}
+            },
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 1.0,
+            "initializer_range": 0.05,
+        },
+        {
+            "sliding window": {"sliding_window": 4096},
+            "attention soft-cap": {"attn_logit_softcapping": None},
+            "final soft-cap": {"final_logit_softcapping": None},
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": 4,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16,
+            "final_logit_softcapping": 1.0,
+            "initializer_range": 0.03,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            },
+        },
+        {
+            "sliding window": {"sliding_window": 4096},
+            "local rope base": {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                }
+            },
+            "final soft-cap": {"final_logit_softcapping": None},
+            "q/k norms": {},
+        },
+    ),
+}
+
+
+SEEDS = {"gemma2": 4, "gemma3": 4}  # seeds whose greedy answers have no near ties
+
+
+def family_model(family: str, seed: int | None = None, **change: Any) -> Any:
+    """A random model of `family` (`change` overrides its config), with biases and norm
+    weights random too: transformers starts them at 0 or 1, where they would change nothing."""
+    import torch
+    import transformers
+
+    cls, extra, _ = FAMILIES[family]
+    config = getattr(transformers, cls)(**{**COMMON, **extra, **change})
+    torch.manual_seed(SEEDS.get(family, 3) if seed is None else seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(
+                    torch.randn_like(p) * 0.2
+                    + (0.0 if "gemma" in family else 1.0) * ("norm" in name)
+                )
+    return model.eval()

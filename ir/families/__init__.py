@@ -15,6 +15,13 @@ from ir.errors import UnsupportedModel
 from ir.families.base import AdapterConfig, StageModule, split_layers
 
 
+def supported() -> list[str]:
+    """The transformers classes `plan_stages` splits."""
+    from ir.families.decoders import DECODERS
+
+    return sorted(["BertModel", "GPT2LMHeadModel", *DECODERS])
+
+
 def plan_stages(
     model: Any, n_stages: int, adapters: AdapterConfig | None = None
 ) -> tuple[str, dict[str, int | float | str], list[StageModule]]:
@@ -28,14 +35,16 @@ def plan_stages(
         from ir.families import gpt2
 
         return "gpt2", gpt2.config_of(model), gpt2.plan(model, n_stages, adapters)
-    if kind == "LlamaForCausalLM":
-        from ir.families import llama
+    from ir.families import decoders
 
-        return "llama", llama.config_of(model), llama.plan(model, n_stages, adapters)
+    spec = decoders.DECODERS.get(kind)
+    if spec is not None:
+        stages = decoders.plan(model, spec, n_stages, adapters)
+        return spec.family, decoders.config_of(model, spec), stages
     raise UnsupportedModel(
-        f"{kind} is not supported; supported: BertModel, GPT2LMHeadModel, LlamaForCausalLM "
+        f"{kind} is not supported; supported: {', '.join(supported())} "
         f"(or export it to ONNX yourself and split it with --cut)"
     )
 
 
-__all__ = ["AdapterConfig", "StageModule", "plan_stages", "split_layers"]
+__all__ = ["AdapterConfig", "StageModule", "plan_stages", "split_layers", "supported"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,11 @@ class StageModule:
     kv_bytes_per_token: int = 0
     attention_flops_per_token_per_context: int = 0
     activation_bytes_per_token: int = 0
+    # the source model's submodules this stage computes with (e.g. "model.layers.3"), and
+    # hooks a builder runs around the export: load their weights, then free them
+    owns: list[str] = field(default_factory=list)
+    prepare: Callable[[], None] | None = None
+    release: Callable[[], None] | None = None
 
 
 class NormHead(nn.Module):
@@ -143,7 +148,18 @@ class LoraSlots:
         tensors: Sequence[torch.Tensor],
     ) -> torch.Tensor:
         """`base(x)`, plus `(x A^T) B^T` if this (layer, target) has an adapter."""
-        y: torch.Tensor = base(x)
+        return self.add(base(x), x, layer, target, tensors)
+
+    def add(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        layer: int,
+        target: str,
+        tensors: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """`y`, plus `(x A^T) B^T` if this (layer, target) has an adapter: also for a slice of
+        a fused projection's output."""
         i = self._index.get((layer, target))
         if i is None:
             return y
