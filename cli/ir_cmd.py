@@ -37,6 +37,21 @@ def _load_transformers_model(spec: str) -> tuple[Any, Path | None]:
     return model.eval(), tokenizer if tokenizer.is_file() else None
 
 
+def _is_gguf(path: Path) -> bool:
+    """A .gguf file, or a folder of them (and no transformers config)."""
+    if path.suffix == ".gguf":
+        return True
+    return path.is_dir() and not (path / "config.json").exists() and any(path.glob("*.gguf"))
+
+
+def _adapters(args: argparse.Namespace) -> Any:
+    from ir.families import AdapterConfig
+
+    if not args.adapters:
+        return None
+    return AdapterConfig(targets=tuple(args.adapters.split(",")), rank=args.rank)
+
+
 def split(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
@@ -53,16 +68,25 @@ def split(args: argparse.Namespace) -> int:
             manifest = split_onnx(
                 Path(args.model), cuts, out, name=args.name or Path(args.model).stem
             )
+        elif _is_gguf(Path(args.model)):
+            from ir.gguf.split import build_gguf
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                manifest = build_gguf(
+                    Path(args.model),
+                    args.stages,
+                    out,
+                    name=args.name,
+                    adapters=_adapters(args),
+                    fp16=args.fp16,
+                    progress=None if args.json else (lambda line: print(line, flush=True)),
+                )
         else:
             from ir.export import build_package
-            from ir.families import AdapterConfig
 
             model, tokenizer = _load_transformers_model(args.model)
-            adapters = (
-                AdapterConfig(targets=tuple(args.adapters.split(",")), rank=args.rank)
-                if args.adapters
-                else None
-            )
+            adapters = _adapters(args)
             progress = None if args.json else (lambda line: print(line, flush=True))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -130,7 +154,9 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     ir_sub = ir.add_subparsers(dest="ir_command", required=True, metavar="SUBCOMMAND")
     sp = ir_sub.add_parser("split", help="cut a model into stages and write a package")
     sp.add_argument(
-        "model", help="`minilm`, a local transformers model directory, or an .onnx file"
+        "model",
+        help="`minilm`, a local transformers model directory, a GGUF file (or its first "
+        "shard, or a folder holding it), or an .onnx file",
     )
     sp.add_argument("--stages", type=int, default=2, help="provider stages (default 2)")
     sp.add_argument("--out", required=True, help="package directory to write")

@@ -5,6 +5,7 @@ manifest = build_package(model, n_stages=3, out_dir=Path("pkg"), name="minilm")
 
 from __future__ import annotations
 
+import gc
 import shutil
 import tempfile
 import time
@@ -69,22 +70,80 @@ def build_package(
     name: str,
     adapters: AdapterConfig | None = None,
     tokenizer_file: Path | None = None,
+    chat_template: str | None = None,
     fp16: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
-    """Split `model` into `n_stages` provider stages (plus client stages) and write a package.
+    """Split `model` into `n_stages` provider stages (plus client stages) and write a package."""
+    family, config, stages = plan_stages(model, n_stages, adapters)
+    return write_package(
+        family,
+        config,
+        stages,
+        out_dir,
+        name=name,
+        tokenizer_file=tokenizer_file,
+        chat_template=chat_template,
+        fp16=fp16,
+        progress=progress,
+    )
+
+
+def write_package(
+    family: str,
+    config: dict[str, int | float | str],
+    stages: list[StageModule],
+    out_dir: Path,
+    *,
+    name: str,
+    tokenizer_file: Path | None = None,
+    chat_template: str | None = None,
+    fp16: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ModelManifest:
+    """Export planned stages and write the package.
 
     Files are written under a temporary name and moved into place, and the manifest is written
-    last, so an interrupted build never leaves a package that looks complete.
+    last, so an interrupted build never leaves a package that looks complete; a folder this
+    call created is removed again if the build fails. A stage with `prepare`/`release` hooks
+    has its weights loaded just for its export.
     """
-    family, config, stages = plan_stages(model, n_stages, adapters)
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write(
+            family, config, stages, out_dir, name, tokenizer_file, chat_template, fp16, progress
+        )
+    except BaseException:
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _write(
+    family: str,
+    config: dict[str, int | float | str],
+    stages: list[StageModule],
+    out_dir: Path,
+    name: str,
+    tokenizer_file: Path | None,
+    chat_template: str | None,
+    fp16: bool,
+    progress: Callable[[str], None] | None,
+) -> ModelManifest:
     infos: list[StageInfo] = []
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         for index, stage in enumerate(stages):
             started = time.perf_counter()
             path = Path(tmp) / f"stage{index}.onnx"
-            export_stage(stage, path)
+            if stage.prepare:
+                stage.prepare()
+            try:
+                export_stage(stage, path)
+            finally:
+                if stage.release:
+                    stage.release()
+            gc.collect()  # the stage's torch weights go before its graph is read back
             graph = onnx.load(str(path))
             if fp16:
                 from ir.fp16 import convert_to_fp16
@@ -92,6 +151,7 @@ def build_package(
                 graph = convert_to_fp16(graph)
                 onnx.save(graph, str(path))
             info = stage_info(index, stage, path, graph, "float16" if fp16 else "float32")
+            del graph
             move_atomic(path, out_dir / info.file)
             infos.append(info)
             if progress:
@@ -111,6 +171,7 @@ def build_package(
         stages=infos,
         tokenizer=tok_name,
         tokenizer_sha256=tok_sha,
+        chat_template=chat_template,
     )
     write_manifest(manifest, out_dir)
     return manifest

@@ -147,10 +147,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first `cos.shape[-1]` features of each head (Phi-3 rotates only part)."""
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, dim: int
+) -> torch.Tensor:
+    """RoPE on the first `rot` of a head's `dim` features (Phi-3 rotates only part)."""
+    if rot == dim:
         return x * cos + rotate_half(x) * sin
     head = x[..., :rot]
     return torch.cat([head * cos + rotate_half(head) * sin, x[..., rot:]], dim=-1)
@@ -260,7 +261,8 @@ class Blocks(nn.Module):
             sa = block.self_attn
             q, k, v = self._qkv(sa, block.input_layernorm(hidden), layer, adapters)
             cos, sin = ropes[self.kinds[i]]
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            rot = 2 * self.tables[self.kinds[i]].inv_freq.numel()
+            q, k = rotate(q, cos, sin, rot, self.head_dim), rotate(k, cos, sin, rot, self.head_dim)
             k = torch.cat([past[2 * i], k], dim=2)
             v = torch.cat([past[2 * i + 1], v], dim=2)
             presents += [k, v]

@@ -1,0 +1,140 @@
+"""Split a GGUF model into a package, one stage's weights in memory at a time.
+
+The transformers model is built on the `meta` device (shapes, no memory) from the file's
+metadata, and everything is checked before anything is written: the architecture, every
+parameter's tensor present with the shape the metadata implies and a type that can be read.
+Each stage's weights are then read and de-quantized just before its export and dropped after,
+so the split's memory follows the largest stage, not the model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ir.families import AdapterConfig, StageModule, plan_stages
+from ir.gguf.arch import ARCHES, fixer, gguf_name, hf_config, llama3_inv_freq
+from ir.gguf.reader import GGUFError, GGUFModel, readable
+from ir.gguf.tokenizer import tokenizer_json
+from ir.manifest import ModelManifest
+
+
+def meta_model(g: GGUFModel) -> Any:
+    """The transformers model the file describes, on the meta device, with its RoPE tables
+    (small buffers) computed on the CPU."""
+    import torch
+    import transformers
+
+    config = hf_config(g)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    rotary = type(model.model.rotary_emb)(config)
+    if g.arch == "llama":
+        rotary.original_inv_freq = llama3_inv_freq(g, rotary.original_inv_freq)
+    model.model.rotary_emb = rotary
+    return model.eval()
+
+
+def check_tensors(g: GGUFModel, model: Any) -> dict[str, str]:
+    """transformers parameter -> GGUF tensor, after checking each is there, has the shape the
+    metadata implies and a type this version reads."""
+    names = {}
+    tied = model.config.tie_word_embeddings
+    for hf, param in model.state_dict().items():
+        name = "token_embd.weight" if hf == "lm_head.weight" and tied else gguf_name(hf, g.arch)
+        ref = g.tensors.get(name)
+        if ref is None:
+            raise GGUFError(f"{g.files[0].name} lacks tensor {name} (for {hf})")
+        if ref.shape != tuple(param.shape):
+            raise GGUFError(
+                f"tensor {name} has shape {list(ref.shape)}, but the file's hyper-parameters "
+                f"make it {list(param.shape)}"
+            )
+        if not readable(ref.qtype):
+            raise GGUFError(f"tensor {name} is {ref.type_name}, which cannot be read yet")
+        names[hf] = name
+    return names
+
+
+def attach_loaders(g: GGUFModel, model: Any, stages: list[StageModule]) -> None:
+    """Give each stage hooks that load its weights from the file and drop them again."""
+    import torch
+
+    names = check_tensors(g, model)
+    fix = fixer(model.config, g.arch)
+
+    def prepare(owns: list[str]) -> None:
+        for prefix in owns:
+            sub = model.get_submodule(prefix)
+            state = {
+                key: torch.from_numpy(fix(f"{prefix}.{key}", g.read(names[f"{prefix}.{key}"])))
+                for key in sub.state_dict()
+            }
+            sub.load_state_dict(state, strict=True, assign=True)
+            if hasattr(sub, "scalar_embed_scale"):  # Gemma's embedding scale, not a weight
+                sub.register_buffer(
+                    "embed_scale", torch.tensor(sub.scalar_embed_scale), persistent=False
+                )
+            left = [n for n, t in [*sub.named_parameters(), *sub.named_buffers()] if t.is_meta]
+            if left:
+                raise GGUFError(f"no weights for {prefix}: {', '.join(left)}")
+
+    def release(owns: list[str]) -> None:
+        for prefix in owns:
+            model.get_submodule(prefix).to("meta")
+
+    for stage in stages:
+        owns = list(stage.owns)
+        stage.prepare = lambda owns=owns: prepare(owns)
+        stage.release = lambda owns=owns: release(owns)
+
+
+def build_gguf(
+    path: Path,
+    n_stages: int,
+    out_dir: Path,
+    *,
+    name: str | None = None,
+    adapters: AdapterConfig | None = None,
+    fp16: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ModelManifest:
+    """Split the GGUF model at `path` (a file, a first shard, or a folder) into a package."""
+    from ir.export import write_package
+
+    g = GGUFModel(path)
+    model = meta_model(g)
+    family, config, stages = plan_stages(model, n_stages, adapters)
+    attach_loaders(g, model, stages)
+    tokenizer = tokenizer_json(g)
+    template = g.meta.get("tokenizer.chat_template")
+    if progress:
+        types = sorted({t.type_name for t in g.tensors.values()})
+        progress(
+            f"{g.files[0].name}: {g.arch} ({family}), {model.config.num_hidden_layers} layers, "
+            f"{len(g.files)} file(s), tensor types {', '.join(types)}"
+        )
+    default = g.meta.get("general.name") or g.files[0].name.removesuffix(".gguf")
+    with tempfile.TemporaryDirectory(prefix="fusionai-tok-") as tmp:
+        tok_file = None
+        if tokenizer is not None:
+            tok_file = Path(tmp) / "tokenizer.json"
+            tok_file.write_text(tokenizer, encoding="utf-8")
+        return write_package(
+            family,
+            config,
+            stages,
+            out_dir,
+            name=name or str(default),
+            tokenizer_file=tok_file,
+            chat_template=str(template) if template else None,
+            fp16=fp16,
+            progress=progress,
+        )
+
+
+__all__ = ["ARCHES", "GGUFError", "build_gguf"]
