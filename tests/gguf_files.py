@@ -256,3 +256,67 @@ def write_gguf(
     w.close()
     reference.load_state_dict(held, strict=False)
     return reference.eval()
+
+
+def write_large(path: Path, layers: int, hidden: int, intermediate: int, vocab: int = 256) -> int:
+    """A Llama-architecture GGUF of random Q8_0 weights, streamed to disk: the blocks of each
+    shape are drawn once and each tensor gets its own block scale, so no two are equal (an
+    exporter would merge equal ones). Returns the model's float32 size in bytes."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    Q8 = gguf.GGMLQuantizationType.Q8_0
+    blocks: dict[tuple[int, int], np.ndarray] = {}
+
+    def shape(rows: int, cols: int) -> tuple[int, int]:
+        if (rows, cols) not in blocks:
+            values = rng.integers(-127, 128, size=(rows * cols // 32, 34), dtype=np.int16)
+            blocks[rows, cols] = values.astype(np.int8).view(np.uint8)
+        return rows, cols // 32 * 34
+
+    norm = np.ones(hidden, np.float32)
+    plan: list[tuple[str, tuple[int, int] | None]] = [("token_embd.weight", (vocab, hidden))]
+    for i in range(layers):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            plan.append((f"blk.{i}.{name}.weight", (hidden, hidden)))
+        plan += [
+            (f"blk.{i}.ffn_gate.weight", (intermediate, hidden)),
+            (f"blk.{i}.ffn_up.weight", (intermediate, hidden)),
+            (f"blk.{i}.ffn_down.weight", (hidden, intermediate)),
+            (f"blk.{i}.attn_norm.weight", None),
+            (f"blk.{i}.ffn_norm.weight", None),
+        ]
+    plan += [("output_norm.weight", None), ("output.weight", (vocab, hidden))]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("large")
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(hidden // 128)
+    w.add_head_count_kv(hidden // 128)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    for name, dims in plan:
+        if dims is None:
+            w.add_tensor_info(name, norm.shape, norm.dtype, norm.nbytes)
+        else:
+            byte_shape = shape(*dims)
+            w.add_tensor_info(
+                name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1], Q8
+            )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    scale = np.float16(0.002)
+    for name, dims in plan:
+        if dims is None:
+            w.write_tensor_data(norm)
+            continue
+        data = blocks[dims]
+        scale = np.nextafter(scale, np.float16(1))
+        data[:, :2] = np.full(1, scale, dtype=np.float16).view(np.uint8)
+        w.write_tensor_data(data.reshape(shape(*dims)))
+    w.close()
+    per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
+    return 4 * (layers * per_layer + 2 * vocab * hidden + hidden)

@@ -192,6 +192,7 @@ class Blocks(nn.Module):
         )
         self.kinds = list(kinds)
         self.tables = {k: tables[k] for k in set(self.kinds)}
+        self.rot = {k: 2 * int(t.inv_freq.numel()) for k, t in self.tables.items()}  # rotated dims
         for k, t in self.tables.items():  # buffers, so that export folds them as constants
             self.register_buffer(f"inv_{k}", t.inv_freq, persistent=False)
             if t.long is not None:
@@ -261,7 +262,7 @@ class Blocks(nn.Module):
             sa = block.self_attn
             q, k, v = self._qkv(sa, block.input_layernorm(hidden), layer, adapters)
             cos, sin = ropes[self.kinds[i]]
-            rot = 2 * self.tables[self.kinds[i]].inv_freq.numel()
+            rot = self.rot[self.kinds[i]]
             q, k = rotate(q, cos, sin, rot, self.head_dim), rotate(k, cos, sin, rot, self.head_dim)
             k = torch.cat([past[2 * i], k], dim=2)
             v = torch.cat([past[2 * i + 1], v], dim=2)

@@ -1,0 +1,78 @@
+"""`fusionai ir split` of a GGUF model stays within twice its largest stage's float32 size plus
+1 GB, on a model over four times that bound, under a memory limit where this machine allows
+one (a cgroup), and by its peak resident size in any case."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gguf_files import write_large
+
+pytest.importorskip("gguf")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+GB = 10**9
+# runs the split as its child, inside the cgroup if one is named, and reports its peak RSS
+WRAPPER = """
+import json, os, resource, subprocess, sys
+group = sys.argv[1]
+def enter():
+    if group:
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+done = subprocess.run(sys.argv[2:], preexec_fn=enter, capture_output=True, text=True)
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"rc": done.returncode, "peak": peak, "err": done.stderr[-2000:]}))
+"""
+
+
+def memory_cgroup(limit: int) -> Path | None:
+    """A cgroup (v1 memory controller) limited to `limit` bytes, if this machine lets us."""
+    group = Path("/sys/fs/cgroup/memory") / f"fusionai-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+    except OSError:
+        if group.exists():
+            group.rmdir()
+        return None
+    return group
+
+
+def test_a_gguf_split_holds_one_stage_s_weights_at_a_time(tmp_path: Path) -> None:
+    layers, stages = 80, 40
+    path = tmp_path / "large.gguf"
+    model_bytes = write_large(path, layers=layers, hidden=1024, intermediate=4096)
+    per_stage = 4 * (layers // stages) * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 2 * 1024)
+    bound = 2 * per_stage + GB
+    assert model_bytes >= 4 * bound, "the model must be over four times the bound"
+    group = memory_cgroup(bound)
+    out = tmp_path / "pkg"
+    split = [sys.executable, "-m", "cli.main", "ir", "split", str(path)]
+    split += ["--stages", str(stages), "--out", str(out), "--json"]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", WRAPPER, str(group or ""), *split],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
+    finally:
+        if group is not None:
+            group.rmdir()
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rc"] == 0, result["err"]
+    manifest = json.loads((out / "manifest.json").read_bytes())
+    largest = max(s["size_bytes"] for s in manifest["stages"])
+    assert per_stage <= largest < per_stage * 1.05
+    assert result["peak"] <= 2 * largest + GB, (
+        f"peak RSS {result['peak'] / 1e6:.0f} MB over {(2 * largest + GB) / 1e6:.0f} MB"
+    )
+    assert len(manifest["stages"]) == stages + 2
