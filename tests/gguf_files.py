@@ -309,7 +309,7 @@ def write_large(path: Path, layers: int, hidden: int, intermediate: int, vocab: 
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     scale = np.float16(0.002)
-    for name, dims in plan:
+    for _, dims in plan:
         if dims is None:
             w.write_tensor_data(norm)
             continue
