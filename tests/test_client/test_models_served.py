@@ -1,0 +1,79 @@
+"""Models from the new sources, served by real provider processes: a Q4_K_M GGUF file split
+by `fusionai ir split`, and a Phi-3 (longrope, sliding window, partial RoPE) whose generation
+crosses longrope's switch, where the client runs the whole text again on fresh provider
+sessions. Each answer is transformers' own greedy answer for the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.procs import ROOT
+from tests.test_broker.conftest import BrokerProc, add_model, wait_ready
+from tests.test_client.test_sdk import Spawner, start_providers
+
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.timeout(300)
+PROMPT = [5, 17, 42, 7, 99, 3]
+NEW = 24
+
+
+def hf_answer(model: Any) -> list[int]:
+    """transformers' greedy answer, stopping after end-of-sequence as the swarm does."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)
+    tokens = [int(t) for t in out[0, len(PROMPT) :]]
+    eos = model.config.eos_token_id
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def split_cli(source: Path, out: Path, name: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "ir", "split", str(source), "--stages", "2"]
+        + ["--out", str(out), "--name", name],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "wrote 4 stages" in done.stdout
+
+
+async def test_a_gguf_and_a_longrope_phi3_generate_transformers_tokens_through_providers(
+    broker: Spawner, provider: Spawner, tmp_path: Path
+) -> None:
+    from client import AsyncClient
+    from tests.gguf_files import q4_k_m, write_gguf
+    from tests.test_ir.test_gguf import gguf_llama
+    from tests.tiny_models import family_model, tiny_tokenizer
+
+    tiny_tokenizer(tmp_path / "tok.json", 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = write_gguf(
+            gguf_llama(), tmp_path / "tiny-q4km.gguf", q4_k_m, tokenizer=tmp_path / "tok.json"
+        )
+        split_cli(tmp_path / "tiny-q4km.gguf", tmp_path / "gguf-pkg", "tiny-q4km")
+        phi3 = family_model("phi3")
+        phi3.save_pretrained(tmp_path / "phi3-hf")
+        split_cli(tmp_path / "phi3-hf", tmp_path / "phi3-pkg", "tiny-phi3")
+    expected = {"tiny-q4km": hf_answer(reference), "tiny-phi3": hf_answer(phi3)}
+    assert all(len(set(t)) > 4 for t in expected.values()), expected
+
+    b: BrokerProc = broker()
+    start_providers(b, provider, (), (), ())
+    for name in expected:
+        add_model(b.http, tmp_path / ("gguf-pkg" if "q4km" in name else "phi3-pkg"))
+        wait_ready(b.http, name)
+    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=30) as fa:
+        for name, tokens in expected.items():
+            result = await fa.generate(PROMPT, NEW, temperature=0, model=name, stream=False)
+            assert result.tokens == tokens, name
+            assert not result.failovers, name
