@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/http_api.py
 	$(PY) benchmarks/e2e.py
 	$(PY) benchmarks/finetune.py
+	$(PY) benchmarks/models.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)
