@@ -34,9 +34,9 @@ def hf_answer(model: Any) -> list[int]:
 
 
 def split_cli(source: Path, out: Path, name: str) -> None:
+    command = [sys.executable, "-m", "cli.main", "ir", "split", str(source), "--stages", "2"]
     done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "ir", "split", str(source), "--stages", "2"]
-        + ["--out", str(out), "--name", name],
+        [*command, "--out", str(out), "--name", name],
         cwd=ROOT,
         capture_output=True,
         text=True,
