@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [5, 17, 42, 7, 99, 3]
 NEW = 24
-TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 
 
 def gguf_llama() -> Any:
