@@ -10,6 +10,7 @@ import torch
 
 from ir.errors import UnsupportedModel
 from tests.test_ir.test_split import _hf_greedy, ort_pipeline
+from tests.test_ir.test_torch_executor import torch_pipeline
 from tests.tiny_models import FAMILIES, family_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,6 +59,7 @@ def test_family_generates_transformers_tokens_with_its_features_in_effect(
     pipeline = ort_pipeline(directory)
     assert pipeline.generate_greedy(PROMPT, NEW) == reference
     assert pipeline.generate_greedy(PROMPT, NEW, use_cache=False) == reference
+    assert torch_pipeline(directory).generate_greedy(PROMPT, NEW) == reference  # torch executor
 
 
 def test_an_unsupported_architecture_names_the_supported_ones() -> None:
