@@ -155,8 +155,8 @@ def _write(
             finally:
                 if stage.release:
                     stage.release()
-            gc.collect()  # the stage's torch weights go before its graph is read back
-            _trim()
+                    gc.collect()  # the stage's torch weights go before its graph is read back
+                    _trim()
             graph = onnx.load(str(path))
             if fp16:
                 from ir.fp16 import convert_to_fp16

@@ -19,7 +19,7 @@ from tests.test_broker.conftest import BrokerProc, add_model, wait_ready
 from tests.test_client.test_sdk import Spawner, start_providers
 
 pytest.importorskip("gguf")
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # 30 s of real processes
 PROMPT = [5, 17, 42, 7, 99, 3]
 NEW = 24
 
