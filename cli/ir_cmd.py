@@ -52,6 +52,12 @@ def _adapters(args: argparse.Namespace) -> Any:
     return AdapterConfig(targets=tuple(args.adapters.split(",")), rank=args.rank)
 
 
+def _quantize(args: argparse.Namespace) -> tuple[int, int] | None:
+    if args.quantize is None:
+        return None
+    return (8 if args.quantize == "int8" else 4), args.group_size
+
+
 def split(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
@@ -80,6 +86,7 @@ def split(args: argparse.Namespace) -> int:
                     name=args.name,
                     adapters=_adapters(args),
                     fp16=args.fp16,
+                    quantize=_quantize(args),
                     progress=None if args.json else (lambda line: print(line, flush=True)),
                 )
         else:
@@ -98,6 +105,7 @@ def split(args: argparse.Namespace) -> int:
                     adapters=adapters,
                     tokenizer_file=tokenizer,
                     fp16=args.fp16,
+                    quantize=_quantize(args),
                     progress=progress,
                 )
     except (IRError, OSError) as exc:
@@ -168,6 +176,14 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     sp.add_argument("--rank", type=int, default=8, help="example LoRA rank for export (default 8)")
     sp.add_argument(
         "--fp16", action="store_true", help="store weights and send activations as fp16"
+    )
+    sp.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="store provider stages' matrix weights as int8 or int4 blocks (weight-only)",
+    )
+    sp.add_argument(
+        "--group-size", type=int, default=32, help="rows per quantization block (default 32)"
     )
     sp.add_argument("--json", action="store_true", help="print the manifest as JSON")
     sp.set_defaults(func=dispatch, ir_command="split")

@@ -19,6 +19,7 @@ from files.atomic import move_atomic
 from ir.errors import UnsupportedModel
 from ir.manifest import ModelManifest, StageInfo
 from ir.package import describe_stage, write_manifest
+from ir.quantize import weight_dtype_of
 from ir.validate import check_graph
 
 
@@ -75,7 +76,15 @@ def split_onnx(
             inputs = _needed_inputs(graph, outputs, set(previous) | set(graph_inputs))
             path = Path(tmp) / f"stage{index}.onnx"
             onnx.utils.extract_model(str(source), str(path), inputs, outputs, check_model=True)
-            info = describe_stage(index, f"part.{index}", "provider", path, onnx.load(str(path)))
+            part = onnx.load(str(path))
+            info = describe_stage(
+                index,
+                f"part.{index}",
+                "provider",
+                path,
+                part,
+                weight_dtype=weight_dtype_of(part) or "float32",
+            )
             stages.append(info)
             move_atomic(path, out_dir / info.file)
             previous = list(outputs)

@@ -7,13 +7,18 @@ import math
 import onnx
 from onnx import numpy_helper
 
+FOUR_BIT = (onnx.TensorProto.INT4, onnx.TensorProto.UINT4)
+
 
 def parameter_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the stored weights (4-bit ones packed two to a byte)."""
     total = 0
     for t in model.graph.initializer:
-        total += (
-            math.prod(t.dims) * numpy_helper.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        )
+        n = math.prod(t.dims)
+        if t.data_type in FOUR_BIT:
+            total += (n + 1) // 2
+        else:
+            total += n * numpy_helper.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
     return total
 
 
@@ -22,7 +27,11 @@ def weight_flops_per_token(model: onnx.ModelProto) -> int:
     weights = {t.name: list(t.dims) for t in model.graph.initializer}
     # Weights reached through a Transpose or Cast of an initializer count too.
     for node in model.graph.node:
-        if node.op_type in ("Transpose", "Cast") and node.input and node.input[0] in weights:
+        if (
+            node.op_type in ("Transpose", "Cast", "DequantizeLinear")
+            and node.input
+            and node.input[0] in weights
+        ):
             weights[node.output[0]] = weights[node.input[0]]
     flops = 0
     for node in model.graph.node:

@@ -19,6 +19,7 @@ import onnx
 
 from files.atomic import move_atomic
 from files.digest import sha256_file
+from ir.errors import UnsupportedModel
 from ir.families import AdapterConfig, StageModule, plan_stages
 from ir.manifest import ModelManifest, StageInfo
 from ir.package import describe_stage, write_manifest
@@ -84,6 +85,7 @@ def build_package(
     tokenizer_file: Path | None = None,
     chat_template: str | None = None,
     fp16: bool = False,
+    quantize: tuple[int, int] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
     """Split `model` into `n_stages` provider stages (plus client stages) and write a package."""
@@ -97,6 +99,7 @@ def build_package(
         tokenizer_file=tokenizer_file,
         chat_template=chat_template,
         fp16=fp16,
+        quantize=quantize,
         progress=progress,
     )
 
@@ -111,20 +114,33 @@ def write_package(
     tokenizer_file: Path | None = None,
     chat_template: str | None = None,
     fp16: bool = False,
+    quantize: tuple[int, int] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
-    """Export planned stages and write the package.
+    """Export planned stages and write the package. `quantize=(bits, group)` stores provider
+    stages' matrix weights as int8 or int4 blocks (`ir.quantize`).
 
     Files are written under a temporary name and moved into place, and the manifest is written
     last, so an interrupted build never leaves a package that looks complete; a folder this
     call created is removed again if the build fails. A stage with `prepare`/`release` hooks
     has its weights loaded just for its export.
     """
+    if fp16 and quantize:
+        raise UnsupportedModel("--fp16 and --quantize do not combine yet: choose one")
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         return _write(
-            family, config, stages, out_dir, name, tokenizer_file, chat_template, fp16, progress
+            family,
+            config,
+            stages,
+            out_dir,
+            name,
+            tokenizer_file,
+            chat_template,
+            fp16,
+            quantize,
+            progress,
         )
     except BaseException:
         if created:
@@ -141,6 +157,7 @@ def _write(
     tokenizer_file: Path | None,
     chat_template: str | None,
     fp16: bool,
+    quantize: tuple[int, int] | None,
     progress: Callable[[str], None] | None,
 ) -> ModelManifest:
     infos: list[StageInfo] = []
@@ -158,12 +175,19 @@ def _write(
                     gc.collect()  # the stage's torch weights go before its graph is read back
                     _trim()
             graph = onnx.load(str(path))
+            dtype = "float32"
             if fp16:
                 from ir.fp16 import convert_to_fp16
 
-                graph = convert_to_fp16(graph)
+                graph, dtype = convert_to_fp16(graph), "float16"
                 onnx.save(graph, str(path))
-            info = stage_info(index, stage, path, graph, "float16" if fp16 else "float32")
+            if quantize and stage.placement == "provider":
+                from ir.quantize import quantize_stage
+
+                graph = quantize_stage(graph, *quantize)
+                dtype = f"int{quantize[0]}"
+                onnx.save(graph, str(path))
+            info = stage_info(index, stage, path, graph, dtype)
             del graph
             move_atomic(path, out_dir / info.file)
             infos.append(info)

@@ -101,7 +101,11 @@ def load_package(
                 f"stage {info.index} names {info.file!r}, which is not a plain file name"
             )
         model = validate_onnx_file(
-            directory / info.file, sha256=info.sha256, package_dir=directory, limits=limits
+            directory / info.file,
+            sha256=info.sha256,
+            package_dir=directory,
+            limits=limits,
+            weight_dtype=info.weight_dtype,
         )
         names = [i.name for i in model.graph.input]
         if names != [i.name for i in info.inputs]:

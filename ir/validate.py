@@ -33,9 +33,15 @@ class Limits:
 
 
 def validate_onnx_file(
-    path: Path, *, sha256: str | None, package_dir: Path, limits: Limits | None = None
+    path: Path,
+    *,
+    sha256: str | None,
+    package_dir: Path,
+    limits: Limits | None = None,
+    weight_dtype: str | None = None,
 ) -> onnx.ModelProto:
-    """Check one stage file as described above; returns the parsed model (weights loaded)."""
+    """Check one stage file as described above; returns the parsed model (weights loaded).
+    `weight_dtype`: what the manifest says most of its weights are; the file must agree."""
     limits = limits or Limits()
     if not path.is_file():
         raise CorruptModel(f"{path.name} is missing from the package; fetch it again")
@@ -65,6 +71,15 @@ def validate_onnx_file(
             onnx.load_external_data_for_model(model, str(package_dir))
         except Exception as exc:
             raise CorruptModel(f"{path.name}: cannot read its external data: {exc}") from None
+    if weight_dtype is not None:
+        from ir.quantize import weight_dtype_of
+
+        held = weight_dtype_of(model)
+        if held is not None and held != weight_dtype:
+            raise CorruptModel(
+                f"{path.name}: the manifest says its weights are {weight_dtype}, but they are "
+                f"{held}; the package is inconsistent: build it again"
+            )
     return model
 
 

@@ -116,7 +116,11 @@ async def host(
     cache.pinned.add(info.sha256)
     try:
         model = await asyncio.to_thread(
-            validate_onnx_file, path, sha256=info.sha256, package_dir=path.parent
+            validate_onnx_file,
+            path,
+            sha256=info.sha256,
+            package_dir=path.parent,
+            weight_dtype=info.weight_dtype,
         )
         names = [i.name for i in model.graph.input]
         if names != [i.name for i in info.inputs]:

@@ -51,6 +51,9 @@ def choose_providers(requested: Sequence[str] | None = None) -> list[str]:
     return chosen
 
 
+QDQ_ACCURACY = "session.qdq_matmulnbits_accuracy_level"  # 0/1 float, 4 int8 compute
+
+
 class OrtExecutor:
     """Runs one ONNX stage with onnxruntime. `run` is thread-safe."""
 
@@ -67,6 +70,9 @@ class OrtExecutor:
 
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # quantized weights (DequantizeLinear + MatMul, fused into 4-/8-bit kernels) multiply
+        # float activations: the default (level 4) would quantize activations to int8 too
+        options.add_session_config_entry(QDQ_ACCURACY, os.environ.get("FUSIONAI_QDQ_ACCURACY", "1"))
         if threads is not None:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1

@@ -55,7 +55,32 @@ def _ints(t: Tensor | None) -> list[int]:
 
 
 def _tensor(value: onnx.TensorProto) -> Tensor:
-    return torch.from_numpy(np.array(numpy_helper.to_array(value)))
+    array = np.asarray(numpy_helper.to_array(value))
+    if value.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        array = array.astype(np.int8 if value.data_type == onnx.TensorProto.INT4 else np.uint8)
+    return torch.from_numpy(np.array(array))
+
+
+def _dequantize(node: onnx.NodeProto, x: list[Any]) -> Tensor:
+    """DequantizeLinear: per-tensor, per-axis or blocked (`block_size` along `axis`)."""
+    q, scale = x[0], x[1]
+    zero = x[2] if len(x) > 2 and x[2] is not None else None
+    a = _attrs(node)
+    axis, block = a.get("axis", 1) % max(q.dim(), 1), a.get("block_size", 0)
+
+    def spread(t: Tensor) -> Tensor:
+        if t.dim() == 0:
+            return t
+        if block:
+            return t.repeat_interleave(block, dim=axis)
+        shape = [1] * q.dim()
+        shape[axis] = -1
+        return t.reshape(shape)
+
+    values = q.to(torch.float32)
+    if zero is not None:
+        values = values - spread(zero.to(torch.float32))
+    return (values * spread(scale.to(torch.float32))).to(scale.dtype)
 
 
 def _binary(fn: Callable[[Tensor, Tensor], Tensor]) -> Op:
@@ -256,6 +281,7 @@ OPS: dict[str, Op] = {
     "Identity": _unary(lambda t: t),
     "Dropout": lambda node, x: x[0],
     "Cast": lambda node, x: x[0].to(_DTYPES[_attrs(node)["to"]]),
+    "DequantizeLinear": _dequantize,
     "Clip": _clip,
     "Concat": _concat,
     "Constant": _constant,
@@ -303,13 +329,30 @@ class OnnxModule(torch.nn.Module):
                 f"onnxruntime executor"
             )
         self._names: dict[str, str] = {}
+        stored = {init.name: init for init in graph.initializer}
+        # Quantized weights are de-quantized once, here: the buffers hold float weights.
+        ready = {
+            node.output[0]: node
+            for node in graph.node
+            if node.op_type == "DequantizeLinear" and all(n in stored for n in node.input if n)
+        }
+        needed = {n for node in graph.node if node.output[0] not in ready for n in node.input}
+        only_quantized = {n for node in ready.values() for n in node.input} - needed
         for i, init in enumerate(graph.initializer):
-            key = f"w{i}"
-            self._names[init.name] = key
-            self.register_buffer(key, _tensor(init), persistent=False)
+            if init.name not in only_quantized:
+                key = f"w{i}"
+                self._names[init.name] = key
+                self.register_buffer(key, _tensor(init), persistent=False)
+        for name, node in ready.items():
+            key = f"d{len(self._names)}"
+            self._names[name] = key
+            args = [_tensor(stored[n]) if n else None for n in node.input]
+            self.register_buffer(key, _dequantize(node, args), persistent=False)
         # Constants become buffers too, so they move to the module's device with it.
         self.nodes = []
         for node in graph.node:
+            if node.output[0] in ready:
+                continue
             if node.op_type == "Constant" and len(node.output) == 1:
                 key = f"c{len(self._names)}"
                 self._names[node.output[0]] = key

@@ -101,6 +101,7 @@ def build_gguf(
     name: str | None = None,
     adapters: AdapterConfig | None = None,
     fp16: bool = False,
+    quantize: tuple[int, int] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
     """Split the GGUF model at `path` (a file, a first shard, or a folder) into a package."""
@@ -133,6 +134,7 @@ def build_gguf(
             tokenizer_file=tok_file,
             chat_template=str(template) if template else None,
             fp16=fp16,
+            quantize=quantize,
             progress=progress,
         )
 

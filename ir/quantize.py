@@ -1,0 +1,107 @@
+"""Weight-only block quantization of a stage's matrix multiplications, in standard ONNX.
+
+Each `MatMul` whose weight is a stored (K, N) float matrix gets int8 or int4 weights in blocks
+of `group` rows along K, one float scale per block and column (symmetric, no zero point), read
+through `DequantizeLinear(axis=0, block_size=group)` (opset 21). The graph stays in the
+standard domain, so the validator's rule (no custom operators) holds, and onnxruntime fuses
+each DequantizeLinear + MatMul pair into its 4-/8-bit kernel (`MatMulNBits`), keeping the
+weights quantized in memory; the torch executor de-quantizes them once, on load.
+
+    quantized = quantize_stage(onnx.load("stage1.onnx"), bits=4, group=32)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ir.errors import UnsupportedModel
+
+OPSET = 21  # blocked DequantizeLinear and 4-bit tensors
+DTYPES: dict[int, str] = {  # ONNX element type -> the weight dtype a manifest names
+    TensorProto.FLOAT: "float32",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
+    TensorProto.INT8: "int8",
+    TensorProto.UINT8: "int8",
+    TensorProto.INT4: "int4",
+    TensorProto.UINT4: "int4",
+}
+WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
+
+
+def quantize_block(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N) float -> (int values (K, N) in int8 storage, scales (K / group, N) float32)."""
+    k, n = w.shape
+    top = 2 ** (bits - 1) - 1  # 127 or 7
+    blocks = w.astype(np.float32).reshape(k // group, group, n)
+    scale = np.abs(blocks).max(axis=1) / top
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale[:, None, :]), -top - 1, top).astype(np.int8)
+    return q.reshape(k, n), scale
+
+
+def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.ModelProto:
+    """The stage with its MatMul weights as `bits`-bit blocks of `group` rows (in place)."""
+    if bits not in (4, 8):
+        raise UnsupportedModel(f"quantize to int8 or int4, not {bits} bits")
+    if group < 16 or group & (group - 1):
+        raise UnsupportedModel(f"--group-size must be a power of two of at least 16, not {group}")
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset < OPSET:
+        model = onnx.version_converter.convert_version(model, OPSET)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        weight = inits.get(node.input[1]) if node.op_type == "MatMul" else None
+        if (
+            weight is None
+            or weight.data_type != TensorProto.FLOAT
+            or len(weight.dims) != 2
+            or weight.dims[0] % group
+            or uses[weight.name] != 1  # shared with another node (tied weights): left alone
+        ):
+            nodes.append(node)
+            continue
+        q, scale = quantize_block(numpy_helper.to_array(weight), bits, group)
+        name = weight.name
+        if bits == 4:
+            import ml_dtypes
+
+            stored = numpy_helper.from_array(q.astype(ml_dtypes.int4), f"{name}.q4")
+        else:
+            stored = numpy_helper.from_array(q, f"{name}.q8")
+        graph.initializer.remove(weight)
+        graph.initializer.extend([stored, numpy_helper.from_array(scale, f"{name}.scale")])
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [stored.name, f"{name}.scale"],
+                [f"{name}.dq"],
+                axis=0,
+                block_size=group,
+            )
+        )
+        node.input[1] = f"{name}.dq"
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    return model
+
+
+def weight_dtype_of(model: onnx.ModelProto) -> str | None:
+    """The dtype most of a stage's stored weights have ("float32", "float16", "int8", ...);
+    None for a stage without weights."""
+    counts: dict[str, int] = {}
+    for t in model.graph.initializer:
+        kind = DTYPES.get(t.data_type)
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + int(np.prod(t.dims, dtype=np.int64))
+    return max(counts, key=lambda k: counts[k]) if counts else None
