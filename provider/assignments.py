@@ -44,7 +44,8 @@ class Assignments:
 
     def used_memory(self) -> int:
         """Memory of loaded stages, stages being loaded, and the KV-cache budget."""
-        stages = sum(memory_needed(s.info) for s in self.server.stages.values())
+        kind = self.config.executor.kind
+        stages = sum(memory_needed(s.info, kind) for s in self.server.stages.values())
         return stages + sum(self._reserved.values()) + self.server.kv_budget
 
     def tasks(self) -> list[asyncio.Task[None]]:
@@ -81,7 +82,7 @@ class Assignments:
             return AssignAck(accepted=True)  # the same assignment, still loading
         self._cancel_load(request.key)  # a different assignment under this key replaces it
         replaced = existing.info.sha256 if existing is not None else None
-        need = memory_needed(info)
+        need = memory_needed(info, self.config.executor.kind)
         free = self.memory_budget - self.used_memory()
         if replaced is None and need > free:
             return AssignAck(

@@ -59,8 +59,15 @@ def stage_of(assign: Assign) -> StageInfo:
     return info
 
 
-def memory_needed(info: StageInfo) -> int:
-    return int(max(info.parameter_bytes, info.size_bytes) * LOAD_OVERHEAD)
+# the torch executor de-quantizes int8/int4 weights to float32 when it loads them
+DEQUANTIZED = {"int8": 4.0, "int4": 8.0}
+
+
+def memory_needed(info: StageInfo, kind: str = "ort") -> int:
+    """What loading the stage takes: its weights as stored (onnxruntime keeps quantized weights
+    quantized), or as float32 for the torch executor, plus load overhead."""
+    grow = DEQUANTIZED.get(info.weight_dtype, 1.0) if kind == "torch" else 1.0
+    return int(max(info.parameter_bytes * grow, info.size_bytes) * LOAD_OVERHEAD)
 
 
 def make_executor(choice: ExecutorChoice, model: onnx.ModelProto, info: StageInfo) -> Executor:
@@ -96,7 +103,7 @@ async def host(
     """Fetch, verify, validate and load the assigned stage. Raises `StageRefused`."""
     start = time.monotonic()
     info = stage_of(assign)
-    need = memory_needed(info)
+    need = memory_needed(info, choice.kind)
     if used_memory + need > memory_budget:
         raise StageRefused(
             f"stage {assign.key} needs about {need} bytes of memory; {used_memory} of this "
