@@ -73,8 +73,9 @@ def sources(tmp: Path) -> dict[str, tuple[Path, Any]]:
 
 
 def split(source: Path, out: Path, name: str) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MB) of `fusionai ir split` into 2 provider stages."""
+    """(wall seconds, peak RSS in MB) of `fusionai ir split` into 2 float provider stages."""
     command = [sys.executable, "-m", "cli.main", "ir", "split", str(source), "--stages", "2"]
+    command += ["--quantize", "none"]  # equality with transformers is the question here
     command += ["--out", str(out), "--name", name, "--json"]
     started = time.perf_counter()
     done = subprocess.run(

@@ -53,7 +53,7 @@ def _adapters(args: argparse.Namespace) -> Any:
 
 
 def _quantize(args: argparse.Namespace) -> tuple[int, int] | None:
-    if args.quantize is None:
+    if args.quantize in (None, "none"):
         return None
     return (8 if args.quantize == "int8" else 4), args.group_size
 
@@ -87,6 +87,7 @@ def split(args: argparse.Namespace) -> int:
                     adapters=_adapters(args),
                     fp16=args.fp16,
                     quantize=_quantize(args),
+                    keep_quantization=args.quantize != "none",
                     progress=None if args.json else (lambda line: print(line, flush=True)),
                 )
         else:
@@ -179,8 +180,9 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     )
     sp.add_argument(
         "--quantize",
-        choices=["int8", "int4"],
-        help="store provider stages' matrix weights as int8 or int4 blocks (weight-only)",
+        choices=["int8", "int4", "none"],
+        help="store provider stages' matrix weights as int8 or int4 blocks (weight-only); a "
+        "GGUF file's own quantization is kept unless this says otherwise (none: float)",
     )
     sp.add_argument(
         "--group-size", type=int, default=32, help="rows per quantization block (default 32)"

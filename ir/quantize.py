@@ -32,14 +32,33 @@ WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
 
 
 def quantize_block(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """(K, N) float -> (int values (K, N) in int8 storage, scales (K / group, N) float32)."""
+    """(K, N) float -> (int values (K, N) in int8 storage, scales (K / group, N) float32).
+
+    Each block takes the scale, of those that put its largest value or its most negative one
+    on the grid's end, that reconstructs it best: blocks already on a grid (a GGUF's Q8_0 and
+    Q4_0 blocks) come back exactly."""
     k, n = w.shape
     top = 2 ** (bits - 1) - 1  # 127 or 7
     blocks = w.astype(np.float32).reshape(k // group, group, n)
-    scale = np.abs(blocks).max(axis=1) / top
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    q = np.clip(np.rint(blocks / scale[:, None, :]), -top - 1, top).astype(np.int8)
-    return q.reshape(k, n), scale
+    # (a negative scale puts the largest positive value on the grid's -top-1 end, as
+    # llama.cpp's Q4_0 does when a block's largest magnitude is positive)
+    candidates = [
+        np.abs(blocks).max(axis=1) / top,
+        -blocks.min(axis=1) / (top + 1),
+        -blocks.max(axis=1) / (top + 1),
+    ]
+    results = []
+    for scale in candidates:
+        scale = np.where(scale != 0, scale, 1.0).astype(np.float32)
+        q = np.clip(np.rint(blocks / scale[:, None, :]), -top - 1, top)
+        results.append((q, scale, ((q * scale[:, None, :] - blocks) ** 2).sum(axis=1)))
+    best_q, best_scale, best_err = results[0]
+    for q, scale, err in results[1:]:
+        better = err < best_err
+        best_q = np.where(better[:, None, :], q, best_q)
+        best_scale = np.where(better, scale, best_scale)
+        best_err = np.minimum(err, best_err)
+    return best_q.astype(np.int8).reshape(k, n), best_scale.astype(np.float32)
 
 
 def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.ModelProto:

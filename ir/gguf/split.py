@@ -93,6 +93,33 @@ def attach_loaders(g: GGUFModel, model: Any, stages: list[StageModule]) -> None:
         stage.release = lambda owns=owns: release(owns)
 
 
+# the stage quantization closest to a file's: (bits, rows per block) by its matrices' type
+KEPT = {
+    "Q8_0": (8, 32),
+    "Q6_K": (8, 16),
+    "Q5_0": (8, 32),
+    "Q5_1": (8, 32),
+    "Q5_K": (8, 32),
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q4_K": (4, 32),
+    "Q3_K": (4, 16),
+    "Q2_K": (4, 16),
+}
+
+
+def kept_quantization(g: GGUFModel) -> tuple[int, int] | None:
+    """How the file's block matrices are mostly stored, as stage quantization (None: float).
+    Q8_0 and Q4_0 blocks carry over exactly; the others are re-quantized from their values."""
+    counts: dict[str, int] = {}
+    for ref in g.tensors.values():
+        if ref.name.startswith("blk.") and len(ref.shape) == 2:
+            counts[ref.type_name] = counts.get(ref.type_name, 0) + ref.shape[0] * ref.shape[1]
+    if not counts:
+        return None
+    return KEPT.get(max(counts, key=lambda t: counts[t]))
+
+
 def build_gguf(
     path: Path,
     n_stages: int,
@@ -102,22 +129,28 @@ def build_gguf(
     adapters: AdapterConfig | None = None,
     fp16: bool = False,
     quantize: tuple[int, int] | None = None,
+    keep_quantization: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
-    """Split the GGUF model at `path` (a file, a first shard, or a folder) into a package."""
+    """Split the GGUF model at `path` (a file, a first shard, or a folder) into a package.
+    Unless `quantize` or `fp16` says otherwise, provider stages keep the file's quantization
+    as far as blocked int8/int4 weights can (`keep_quantization=False`: float32 stages)."""
     from ir.export import write_package
 
     g = GGUFModel(path)
     model = meta_model(g)
     family, config, stages = plan_stages(model, n_stages, adapters)
     attach_loaders(g, model, stages)
+    if quantize is None and keep_quantization and not fp16:
+        quantize = kept_quantization(g)
     tokenizer = tokenizer_json(g)
     template = g.meta.get("tokenizer.chat_template")
     if progress:
         types = sorted({t.type_name for t in g.tensors.values()})
         progress(
             f"{g.files[0].name}: {g.arch} ({family}), {model.config.num_hidden_layers} layers, "
-            f"{len(g.files)} file(s), tensor types {', '.join(types)}"
+            f"{len(g.files)} file(s), tensor types {', '.join(types)}; provider stages "
+            + (f"int{quantize[0]} (blocks of {quantize[1]})" if quantize else "float")
         )
     default = g.meta.get("general.name") or g.files[0].name.removesuffix(".gguf")
     with tempfile.TemporaryDirectory(prefix="fusionai-tok-") as tmp:

@@ -1,7 +1,8 @@
-"""Models from the new sources, served by real provider processes: a Q4_K_M GGUF file split
-by `fusionai ir split`, and a Phi-3 (longrope, sliding window, partial RoPE) whose generation
-crosses longrope's switch, where the client runs the whole text again on fresh provider
-sessions. Each answer is transformers' own greedy answer for the same weights."""
+"""Models from the new sources, served by real provider processes: a Q4_0 GGUF file split by
+`fusionai ir split` into int4 provider stages (its blocks carried over), and a Phi-3
+(longrope, sliding window, partial RoPE) whose generation crosses longrope's switch, where the
+client runs the whole text again on fresh provider sessions. Each answer is transformers' own
+greedy answer for the same weights."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ async def test_a_gguf_and_a_longrope_phi3_generate_transformers_tokens_through_p
     broker: Spawner, provider: Spawner, tmp_path: Path
 ) -> None:
     from client import AsyncClient
-    from tests.gguf_files import q4_k_m, write_gguf
+    from tests.gguf_files import uniform, write_gguf
     from tests.test_ir.test_gguf import gguf_llama
     from tests.tiny_models import family_model, tiny_tokenizer
 
@@ -58,19 +59,22 @@ async def test_a_gguf_and_a_longrope_phi3_generate_transformers_tokens_through_p
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         reference = write_gguf(
-            gguf_llama(), tmp_path / "tiny-q4km.gguf", q4_k_m, tokenizer=tmp_path / "tok.json"
-        )
-        split_cli(tmp_path / "tiny-q4km.gguf", tmp_path / "gguf-pkg", "tiny-q4km")
+            gguf_llama(),
+            tmp_path / "tiny-q4.gguf",
+            uniform("Q4_0"),
+            tokenizer=tmp_path / "tok.json",
+        )  # its 4-bit blocks stay 4-bit blocks in the provider stages
+        split_cli(tmp_path / "tiny-q4.gguf", tmp_path / "gguf-pkg", "tiny-q4")
         phi3 = family_model("phi3")
         phi3.save_pretrained(tmp_path / "phi3-hf")
         split_cli(tmp_path / "phi3-hf", tmp_path / "phi3-pkg", "tiny-phi3")
-    expected = {"tiny-q4km": hf_answer(reference), "tiny-phi3": hf_answer(phi3)}
+    expected = {"tiny-q4": hf_answer(reference), "tiny-phi3": hf_answer(phi3)}
     assert all(len(set(t)) > 4 for t in expected.values()), expected
 
     b: BrokerProc = broker()
     start_providers(b, provider, (), (), ())
     for name in expected:
-        add_model(b.http, tmp_path / ("gguf-pkg" if "q4km" in name else "phi3-pkg"))
+        add_model(b.http, tmp_path / ("gguf-pkg" if "q4" in name else "phi3-pkg"))
         wait_ready(b.http, name)
     async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=30) as fa:
         for name, tokens in expected.items():

@@ -43,10 +43,11 @@ def llama256() -> Any:
     return gguf_llama()
 
 
-def split(path: Path, out: Path, n_stages: int = 2) -> Any:
+def split(path: Path, out: Path, n_stages: int = 2, keep: bool = False) -> Any:
+    """Float stages unless `keep`: the file's own quantization (int8/int4 blocks)."""
     from ir.gguf.split import build_gguf
 
-    return build_gguf(path, n_stages, out)
+    return build_gguf(path, n_stages, out, keep_quantization=keep)
 
 
 def greedy_matches(reference: Any, out: Path) -> list[int]:
@@ -95,6 +96,17 @@ def test_each_family_s_gguf_architecture_splits_and_generates_transformers_token
     manifest = split(path, tmp_path / "pkg")
     assert manifest.family == family
     greedy_matches(reference, tmp_path / "pkg")
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_q8_0_and_q4_0_blocks_stay_8_and_4_bit_and_give_the_same_tokens(
+    llama256: Any, tmp_path: Path, kind: str, dtype: str
+) -> None:
+    path = tmp_path / f"tiny-{kind}.gguf"
+    reference = write_gguf(llama256, path, uniform(kind))
+    manifest = split(path, tmp_path / "pkg", keep=True)
+    assert [s.weight_dtype for s in manifest.provider_stages()] == [dtype, dtype]
+    greedy_matches(reference, tmp_path / "pkg")  # the blocks carried over exactly
 
 
 def test_shards_and_a_folder_of_them_split_like_one_file(llama256: Any, tmp_path: Path) -> None:
