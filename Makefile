@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/e2e.py
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/models.py
+	$(PY) benchmarks/quantized.py
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)
