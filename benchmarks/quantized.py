@@ -20,7 +20,11 @@ Prints one JSON object:
                           <= 0.05), and how many of the 48 int4 tokens equal float32's.
     minilm_int8_min_cosine, minilm_int4_min_cosine   of 64 varied texts' embeddings to float32's
                           (targets >= 0.99, >= 0.95).
-The simulator's `paper-claim` figures for quantized packages are not produced yet.
+    paper_ratio_fp16, paper_ratio_int8, paper_ratio_int4, paper_ratio_int4_wire8
+                          the simulator's `paper-claim` inference ratio (50 x RTX 3080 on home
+                          broadband over 4 x H100, Llama-2 7B) with the same weights and wire on
+                          both sides; each run's assumptions are printed by `fusionai sim run
+                          paper-claim`.
 """
 
 from __future__ import annotations
@@ -139,10 +143,27 @@ def served(tmp: Path, package: Path) -> tuple[float, float]:
         swarm.stop()
 
 
+def paper_ratios(report: dict[str, Any]) -> None:
+    from sim.scenario import load_study
+    from sim.swarm import simulate
+
+    runs = {r.name: r for r in load_study("paper-claim").runs}
+    for label, suffix in (
+        ("fp16", ""),
+        ("int8", "-int8"),
+        ("int4", "-int4"),
+        ("int4_wire8", "-int4-wire8"),
+    ):
+        swarm = simulate(runs[f"swarm/inference{suffix}"]).summary()["throughput_tokens_s"]
+        dc = simulate(runs[f"datacenter/inference{suffix}"]).summary()["throughput_tokens_s"]
+        report[f"paper_ratio_{label}"] = round(swarm / dc, 4)
+
+
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="fusionai-quantized-"))
     report: dict[str, Any] = {}
     try:
+        paper_ratios(report)
         quality(tmp, report)
         minilm(tmp, report)
         model = large_decoder()

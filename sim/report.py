@@ -9,12 +9,12 @@ from typing import Any
 from sim.catalog import GPUS, NETWORKS
 from sim.result import SimResult
 from sim.scenario import Scenario, Study
-from sim.workloads import workload
+from sim.workloads import WEIGHT_BYTES
 
 
 def assumptions(scenario: Scenario) -> dict[str, Any]:
     """The figures that drive a run's result, as the report states them."""
-    w = workload(scenario.workload)
+    w = scenario.spec
     gpus = {
         name: {
             "fp16_tflops": GPUS[name].fp16_tensor / 1e12,
@@ -41,6 +41,12 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             "context": w.work.context,
             "prompt_tokens": w.prompt_tokens,
             "microbatches_per_job": w.microbatches,
+            "weights": scenario.weights,
+            "bytes_per_weight": WEIGHT_BYTES[scenario.weights],
+            "block_weight_gb": w.model.layer_param_bytes / 1e9,
+            "wire": scenario.wire,
+            "hidden_bytes_per_token": w.model.hidden_bytes_per_token,
+            "compute_dtype": "fp16 (weights de-quantized in the kernel; KV cache fp16)",
         },
         "churn": {
             "name": scenario.churn.name,

@@ -27,7 +27,7 @@ from typing import Any
 from broker.core import CoreConfig
 from broker.core.placement import PlacementConfig
 from sim.catalog import CHURN, GPUS, NETWORKS, Churn, churn_with_mean
-from sim.workloads import workload
+from sim.workloads import WorkloadSpec, quantized, workload
 
 SHIPPED = Path(__file__).parent / "scenarios"
 
@@ -42,6 +42,8 @@ class Scenario:
     gpus: dict[str, float] = field(default_factory=lambda: {"rtx3080": 1.0})  # mix by weight
     network: str = "home-broadband"
     workload: str = "llama2-7b-inference"
+    weights: str = "fp16"  # "fp16", or weight-only "int8"/"int4" blocks (inference)
+    wire: str = "fp16"  # hidden states between stages: "fp16" or "int8" (per-token scales)
     hours: float = 1.0
     churn: Churn = field(default_factory=lambda: CHURN["none"])
     seed: int = 0
@@ -71,8 +73,14 @@ class Scenario:
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
         kind = workload(self.workload).kind  # raises on an unknown workload
+        quantized(workload(self.workload), self.weights, self.wire)  # raises on a bad choice
         if self.placement == "petals" and kind != "inference":
             raise ValueError("the Petals-style baseline serves inference workloads only")
+
+    @property
+    def spec(self) -> WorkloadSpec:
+        """The workload as this run serves it (its weights' and wire's bytes)."""
+        return quantized(workload(self.workload), self.weights, self.wire)
 
     def core_config(self, work: PlacementConfig) -> CoreConfig:
         """The broker's settings for this scenario (the pool keeps the broker's defaults)."""

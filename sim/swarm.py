@@ -46,7 +46,7 @@ from sim.rates import ReplicaRates
 from sim.result import SimResult
 from sim.scenario import Scenario
 from sim.work import Job, ReplicaRun
-from sim.workloads import WorkloadSpec, workload
+from sim.workloads import WorkloadSpec
 
 
 class SwarmSim:
@@ -54,7 +54,7 @@ class SwarmSim:
 
     def __init__(self, scenario: Scenario) -> None:
         self.s = scenario
-        self.w: WorkloadSpec = workload(scenario.workload)
+        self.w: WorkloadSpec = scenario.spec
         self.model = self.w.placed_model
         self.rng = random.Random(scenario.seed)
         self.engine = Engine()

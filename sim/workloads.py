@@ -16,6 +16,11 @@ from dataclasses import dataclass, replace
 from dag.cost import Workload
 from dag.model import LLAMA2_7B, LLAMA2_13B, LLAMA2_70B, ModelSpec
 
+# bytes per weight as stored (fp16; int8/int4 in blocks of 32 with a float32 scale each, as
+# `ir split --quantize` writes them) and per hidden-state value on the wire (int8: one float32
+# scale per token on top)
+WEIGHT_BYTES = {"fp16": 2.0, "int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}
+WIRE_BYTES = {"fp16": 2.0, "int8": 1.0}
 MODELS = {"llama2-7b": LLAMA2_7B, "llama2-13b": LLAMA2_13B, "llama2-70b": LLAMA2_70B}
 KINDS = ("inference", "finetune", "pretrain")
 
@@ -69,6 +74,28 @@ class WorkloadSpec:
             return 0.0
         share = 1.0 if self.kind == "pretrain" else self.adapter_fraction
         return self.model.layer_param_bytes * share
+
+
+def quantized(spec: WorkloadSpec, weights: str = "fp16", wire: str = "fp16") -> WorkloadSpec:
+    """`spec` with weight-only quantized weights and/or an int8 wire: the weights' bytes (held
+    and read per step) and the hidden states' bytes per token change; the arithmetic stays
+    fp16 (weights are de-quantized in the kernel) and so does the KV cache."""
+    if weights not in WEIGHT_BYTES or wire not in WIRE_BYTES:
+        raise ValueError(
+            f"weights must be one of {sorted(WEIGHT_BYTES)} and wire one of {sorted(WIRE_BYTES)}"
+        )
+    if (weights, wire) == ("fp16", "fp16"):
+        return spec
+    if spec.kind != "inference":
+        raise ValueError("quantized weights and the int8 wire model inference workloads only")
+    m = spec.model
+    values = m.hidden_bytes_per_token / WIRE_BYTES["fp16"]
+    model = replace(
+        m,
+        layer_param_bytes=m.layer_param_bytes * WEIGHT_BYTES[weights] / WEIGHT_BYTES["fp16"],
+        hidden_bytes_per_token=values * WIRE_BYTES[wire] + (4 if wire == "int8" else 0),
+    )
+    return replace(spec, model=model)
 
 
 def workload(name: str) -> WorkloadSpec:

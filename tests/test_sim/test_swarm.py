@@ -211,3 +211,27 @@ def test_petals_style_swarm_stalls_on_an_unserved_block_until_a_server_moves() -
     assert summary["throughput_tokens_s"] > 0
     with pytest.raises(ValueError, match="inference workloads only"):
         Scenario(placement="petals", workload="llama2-7b-finetune")
+
+
+def test_quantized_weights_and_an_int8_wire_shrink_what_a_block_holds_and_sends() -> None:
+    from sim.report import assumptions
+    from sim.workloads import quantized, workload
+
+    base = workload("llama2-7b-inference")
+    int4 = quantized(base, "int4", "int8")
+    assert int4.model.layer_param_bytes == pytest.approx(base.model.layer_param_bytes * 0.3125)
+    # half the bytes per hidden value, plus one float32 scale per token
+    assert int4.model.hidden_bytes_per_token == base.model.hidden_bytes_per_token / 2 + 4
+    assert int4.model.layer_flops_per_token == base.model.layer_flops_per_token
+    with pytest.raises(ValueError, match="inference workloads only"):
+        quantized(workload("llama2-7b-finetune"), "int4")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        Scenario(weights="int3")
+    run = Scenario(peers=8, hours=0.2, seed=3, weights="int4", wire="int8")
+    stated = assumptions(run)["workload"]
+    assert (stated["weights"], stated["wire"], stated["bytes_per_weight"]) == (
+        "int4",
+        "int8",
+        0.625,
+    )
+    assert simulate(run).summary()["tokens_completed"] > 0
