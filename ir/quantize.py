@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ir.errors import UnsupportedModel
 
 OPSET = 21  # blocked DequantizeLinear and 4-bit tensors
+CHUNK = 1 << 22  # values quantized at a time (16 MB of float32 per temporary)
 DTYPES: dict[int, str] = {  # ONNX element type -> the weight dtype a manifest names
     TensorProto.FLOAT: "float32",
     TensorProto.FLOAT16: "float16",
@@ -38,8 +39,19 @@ def quantize_block(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np
     on the grid's end, that reconstructs it best: blocks already on a grid (a GGUF's Q8_0 and
     Q4_0 blocks) come back exactly."""
     k, n = w.shape
+    q_out = np.empty((k, n), dtype=np.int8)
+    scale_out = np.empty((k // group, n), dtype=np.float32)
+    step = max(1, CHUNK // (group * n))  # block rows at a time: bounded temporaries
+    for start in range(0, k // group, step):
+        rows = slice(start * group, (start + step) * group)
+        q, scale = _blocks(w[rows].astype(np.float32).reshape(-1, group, n), bits)
+        q_out[rows] = q.reshape(-1, n)
+        scale_out[start : start + step] = scale
+    return q_out, scale_out
+
+
+def _blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     top = 2 ** (bits - 1) - 1  # 127 or 7
-    blocks = w.astype(np.float32).reshape(k // group, group, n)
     # (a negative scale puts the largest positive value on the grid's -top-1 end, as
     # llama.cpp's Q4_0 does when a block's largest magnitude is positive)
     candidates = [
@@ -47,18 +59,20 @@ def quantize_block(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np
         -blocks.min(axis=1) / (top + 1),
         -blocks.max(axis=1) / (top + 1),
     ]
-    results = []
+    best_q = best_scale = best_err = None
     for scale in candidates:
         scale = np.where(scale != 0, scale, 1.0).astype(np.float32)
         q = np.clip(np.rint(blocks / scale[:, None, :]), -top - 1, top)
-        results.append((q, scale, ((q * scale[:, None, :] - blocks) ** 2).sum(axis=1)))
-    best_q, best_scale, best_err = results[0]
-    for q, scale, err in results[1:]:
+        err = ((q * scale[:, None, :] - blocks) ** 2).sum(axis=1)
+        if best_q is None or best_scale is None or best_err is None:
+            best_q, best_scale, best_err = q, scale, err
+            continue
         better = err < best_err
         best_q = np.where(better[:, None, :], q, best_q)
         best_scale = np.where(better, scale, best_scale)
         best_err = np.minimum(err, best_err)
-    return best_q.astype(np.int8).reshape(k, n), best_scale.astype(np.float32)
+    assert best_q is not None and best_scale is not None
+    return best_q.astype(np.int8), best_scale.astype(np.float32)
 
 
 def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.ModelProto:
@@ -69,7 +83,7 @@ def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.M
         raise UnsupportedModel(f"--group-size must be a power of two of at least 16, not {group}")
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < OPSET:
-        model = onnx.version_converter.convert_version(model, OPSET)
+        model = _upgraded(model)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     uses: dict[str, int] = {}
@@ -112,6 +126,28 @@ def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.M
     del graph.node[:]
     graph.node.extend(nodes)
     onnx.checker.check_model(model)
+    return model
+
+
+def _upgraded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model at opset 21, in place. The converter copies what it is given, so it gets a
+    copy without the weights (inputs stand in for them); its nodes then replace the model's."""
+    graph = model.graph
+    stand_ins = [
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in graph.initializer
+    ]
+    light = helper.make_model(
+        helper.make_graph(list(graph.node), graph.name, [*graph.input, *stand_ins], graph.output),
+        opset_imports=list(model.opset_import),
+        ir_version=model.ir_version,
+    )
+    upgraded = onnx.version_converter.convert_version(light, OPSET)
+    del graph.node[:]
+    graph.node.extend(upgraded.graph.node)
+    graph.initializer.extend(upgraded.graph.initializer)  # any the converter added (small)
+    del model.opset_import[:]
+    model.opset_import.extend(upgraded.opset_import)
+    model.ir_version = upgraded.ir_version
     return model
 
 

@@ -1,6 +1,7 @@
-"""`fusionai ir split` of a GGUF model stays within twice its largest stage's float32 size plus
-1 GB, on a model over four times that bound, under a memory limit where this machine allows
-one (a cgroup), and by its peak resident size in any case."""
+"""`fusionai ir split` of a GGUF model (its Q8_0 blocks kept as int8 stages) stays within twice
+its largest stage's float32 size plus 1 GB, on a model over four times that bound, under a
+memory limit where this machine allows one (a cgroup), and by its peak resident size in any
+case."""
 
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ def test_a_gguf_split_holds_one_stage_s_weights_at_a_time(tmp_path: Path) -> Non
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["rc"] == 0, result["err"]
     manifest = json.loads((out / "manifest.json").read_bytes())
-    largest = max(s["size_bytes"] for s in manifest["stages"])
-    assert per_stage <= largest < per_stage * 1.05
-    assert result["peak"] <= 2 * largest + GB, (
-        f"peak RSS {result['peak'] / 1e6:.0f} MB over {(2 * largest + GB) / 1e6:.0f} MB"
+    provider = [s for s in manifest["stages"] if s["placement"] == "provider"]
+    assert len(provider) == stages and {s["weight_dtype"] for s in provider} == {"int8"}
+    # the file's Q8_0 blocks stay 8-bit: each stage is about 0.28 of its float32 size
+    assert all(s["size_bytes"] < 0.3 * per_stage for s in provider)
+    assert result["peak"] <= bound, (
+        f"peak RSS {result['peak'] / 1e6:.0f} MB over {bound / 1e6:.0f} MB"
     )
-    assert len(manifest["stages"]) == stages + 2
