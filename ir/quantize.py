@@ -29,15 +29,14 @@ DTYPES: dict[int, str] = {  # ONNX element type -> the weight dtype a manifest n
     TensorProto.INT4: "int4",
     TensorProto.UINT4: "int4",
 }
-WEIGHT_DTYPES = ("float32", "float16", "int8", "int4")
 
 
 def quantize_block(w: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
     """(K, N) float -> (int values (K, N) in int8 storage, scales (K / group, N) float32).
 
-    Each block takes the scale, of those that put its largest value or its most negative one
-    on the grid's end, that reconstructs it best: blocks already on a grid (a GGUF's Q8_0 and
-    Q4_0 blocks) come back exactly."""
+    Each block takes the scale, of those that put its largest magnitude, its most negative or
+    its most positive value on an end of the grid, that reconstructs it best: blocks already on
+    such a grid (a GGUF's Q8_0 and Q4_0 blocks) come back exactly."""
     k, n = w.shape
     q_out = np.empty((k, n), dtype=np.int8)
     scale_out = np.empty((k // group, n), dtype=np.float32)
