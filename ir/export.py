@@ -127,6 +127,10 @@ def write_package(
     """
     if fp16 and quantize:
         raise UnsupportedModel("--fp16 and --quantize do not combine yet: choose one")
+    if quantize:
+        from ir.quantize import check
+
+        check(*quantize)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

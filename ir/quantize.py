@@ -74,12 +74,17 @@ def _blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return best_q.astype(np.int8), best_scale.astype(np.float32)
 
 
-def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.ModelProto:
-    """The stage with its MatMul weights as `bits`-bit blocks of `group` rows (in place)."""
+def check(bits: int, group: int) -> None:
+    """Refuse a quantization this module cannot write (before any work is done)."""
     if bits not in (4, 8):
         raise UnsupportedModel(f"quantize to int8 or int4, not {bits} bits")
     if group < 16 or group & (group - 1):
         raise UnsupportedModel(f"--group-size must be a power of two of at least 16, not {group}")
+
+
+def quantize_stage(model: onnx.ModelProto, bits: int, group: int = 32) -> onnx.ModelProto:
+    """The stage with its MatMul weights as `bits`-bit blocks of `group` rows (in place)."""
+    check(bits, group)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < OPSET:
         model = _upgraded(model)

@@ -125,3 +125,17 @@ def test_a_stage_claiming_a_weight_dtype_its_file_lacks_is_refused(
     (copy / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(CorruptModel, match="says its weights are int8, but they are float32"):
         load_package(copy)
+
+
+def test_an_impossible_quantization_is_refused_before_anything_is_written(
+    llama: Any, tmp_path: Path
+) -> None:
+    from ir.errors import UnsupportedModel
+    from ir.export import build_package
+
+    for quantize, message in (((8, 24), "power of two"), ((3, 32), "int8 or int4")):
+        with pytest.raises(UnsupportedModel, match=message):
+            build_package(llama, 2, tmp_path / "out", name="x", quantize=quantize)
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(UnsupportedModel, match="do not combine"):
+        build_package(llama, 2, tmp_path / "out", name="x", quantize=(8, 32), fp16=True)
