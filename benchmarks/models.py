@@ -26,7 +26,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,17 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.*: the models and helpers the tests use
 
 from benchmarks.e2e import Swarm  # noqa: E402
+from tests.procs import run_measured  # noqa: E402
+from tests.tiny_models import hf_answer  # noqa: E402
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 PER_SWARM = 2  # models one swarm of 3 providers serves at once
 GGUF_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q4_K_M"]
-# runs a command as its child and reports the child's peak RSS
-WRAPPER = """
-import json, resource, subprocess, sys
-done = subprocess.run(sys.argv[1:], capture_output=True, text=True)
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-print(json.dumps({"rc": done.returncode, "peak": peak, "err": done.stderr[-2000:]}))
-"""
 
 
 def sources(tmp: Path) -> dict[str, tuple[Path, Any]]:
@@ -78,24 +72,11 @@ def split(source: Path, out: Path, name: str) -> tuple[float, float]:
     command += ["--quantize", "none"]  # equality with transformers is the question here
     command += ["--out", str(out), "--name", name, "--json"]
     started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", WRAPPER, *command], cwd=ROOT, capture_output=True, text=True
-    )
+    result = run_measured(command)
     wall = time.perf_counter() - started
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["rc"] != 0:
         raise RuntimeError(f"split of {source.name} failed: {result['err']}")
     return wall, result["peak"] / 1e6
-
-
-def hf_answer(model: Any, tokens: int) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=tokens, do_sample=False)
-    answer = [int(t) for t in out[0, len(PROMPT) :]]
-    eos = model.config.eos_token_id
-    return answer[: answer.index(eos) + 1] if eos in answer else answer
 
 
 def local_token_ms(package: Path, tokens: int) -> float:
@@ -131,7 +112,7 @@ def serve(tmp: Path, models: dict[str, Any], tokens: int, report: dict[str, Any]
             swarm.add(tmp / f"pkg-{name}")
         with Client(swarm.http, timeout=60, cache_dir=tmp / "client-cache") as fa:
             for name, model in models.items():
-                expected = hf_answer(model, tokens)
+                expected = hf_answer(model, PROMPT, tokens)
                 fa.generate(PROMPT, 2, stream=False, model=f"m-{name}")  # sessions warm
                 got = fa.generate(PROMPT, tokens, stream=False, model=f"m-{name}")
                 report[f"{name}_equal"] = got.tokens == expected

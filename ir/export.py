@@ -5,13 +5,14 @@ manifest = build_package(model, n_stages=3, out_dir=Path("pkg"), name="minilm")
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,88 +132,81 @@ def write_package(
         from ir.quantize import check
 
         check(*quantize)
+    with _removed_if_failed(out_dir):
+        infos: list[StageInfo] = []
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+            for index, stage in enumerate(stages):
+                started = time.perf_counter()
+                path = Path(tmp) / f"stage{index}.onnx"
+                info = _export(index, stage, path, fp16, quantize)
+                move_atomic(path, out_dir / info.file)
+                infos.append(info)
+                if progress:
+                    seconds = time.perf_counter() - started
+                    progress(
+                        f"stage {index} {stage.name}: {info.size_bytes / 1e6:.1f} MB in "
+                        f"{seconds:.1f} s"
+                    )
+        tok_name = tok_sha = None
+        if tokenizer_file is not None:
+            tok_sha = sha256_file(tokenizer_file)
+            tok_name = f"{tok_sha}.json"
+            shutil.copyfile(tokenizer_file, out_dir / tok_name)
+        manifest = ModelManifest(
+            name=name,
+            family=family,
+            config=config,
+            stages=infos,
+            tokenizer=tok_name,
+            tokenizer_sha256=tok_sha,
+            chat_template=chat_template,
+        )
+        write_manifest(manifest, out_dir)
+    return manifest
+
+
+@contextlib.contextmanager
+def _removed_if_failed(out_dir: Path) -> Iterator[None]:
+    """Make `out_dir`; if it did not exist and what follows fails, remove it again."""
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _write(
-            family,
-            config,
-            stages,
-            out_dir,
-            name,
-            tokenizer_file,
-            chat_template,
-            fp16,
-            quantize,
-            progress,
-        )
+        yield
     except BaseException:
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
 
 
-def _write(
-    family: str,
-    config: dict[str, int | float | str],
-    stages: list[StageModule],
-    out_dir: Path,
-    name: str,
-    tokenizer_file: Path | None,
-    chat_template: str | None,
+def _export(
+    index: int,
+    stage: StageModule,
+    path: Path,
     fp16: bool,
     quantize: tuple[int, int] | None,
-    progress: Callable[[str], None] | None,
-) -> ModelManifest:
-    infos: list[StageInfo] = []
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-        for index, stage in enumerate(stages):
-            started = time.perf_counter()
-            path = Path(tmp) / f"stage{index}.onnx"
-            if stage.prepare:
-                stage.prepare()
-            try:
-                export_stage(stage, path)
-            finally:
-                if stage.release:
-                    stage.release()
-                    gc.collect()  # the stage's torch weights go before its graph is read back
-                    _trim()
-            graph = onnx.load(str(path))
-            dtype = "float32"
-            if fp16:
-                from ir.fp16 import convert_to_fp16
+) -> StageInfo:
+    """Export one stage to `path` (loading its weights first if it has hooks), convert it as
+    asked, and describe it."""
+    if stage.prepare:
+        stage.prepare()
+    try:
+        export_stage(stage, path)
+    finally:
+        if stage.release:
+            stage.release()
+            gc.collect()  # the stage's torch weights go before its graph is read back
+            _trim()
+    graph = onnx.load(str(path))
+    dtype = "float32"
+    if fp16:
+        from ir.fp16 import convert_to_fp16
 
-                graph, dtype = convert_to_fp16(graph), "float16"
-                onnx.save(graph, str(path))
-            if quantize and stage.placement == "provider":
-                from ir.quantize import quantize_stage
+        graph, dtype = convert_to_fp16(graph), "float16"
+        onnx.save(graph, str(path))
+    if quantize and stage.placement == "provider":
+        from ir.quantize import quantize_stage
 
-                graph = quantize_stage(graph, *quantize)
-                dtype = f"int{quantize[0]}"
-                onnx.save(graph, str(path))
-            info = stage_info(index, stage, path, graph, dtype)
-            del graph
-            move_atomic(path, out_dir / info.file)
-            infos.append(info)
-            if progress:
-                elapsed = time.perf_counter() - started
-                progress(
-                    f"stage {index} {stage.name}: {info.size_bytes / 1e6:.1f} MB in {elapsed:.1f} s"
-                )
-    tok_name = tok_sha = None
-    if tokenizer_file is not None:
-        tok_sha = sha256_file(tokenizer_file)
-        tok_name = f"{tok_sha}.json"
-        shutil.copyfile(tokenizer_file, out_dir / tok_name)
-    manifest = ModelManifest(
-        name=name,
-        family=family,
-        config=config,
-        stages=infos,
-        tokenizer=tok_name,
-        tokenizer_sha256=tok_sha,
-        chat_template=chat_template,
-    )
-    write_manifest(manifest, out_dir)
-    return manifest
+        graph = quantize_stage(graph, *quantize)
+        dtype = f"int{quantize[0]}"
+        onnx.save(graph, str(path))
+    return stage_info(index, stage, path, graph, dtype)

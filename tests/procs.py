@@ -162,3 +162,32 @@ def provider_command(broker_addr: str, data_dir: Path, *extra: str) -> list[str]
 
 def sample_texts(n: int) -> list[str]:
     return [f"text {i}: gaming PCs serving {i % 7} stages to strangers" for i in range(n)]
+
+
+# runs a command as its child (inside a cgroup, if one is named) and reports the child's peak RSS
+_MEASURED = """
+import json, os, resource, subprocess, sys
+group = sys.argv[1]
+def enter():
+    if group:
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+done = subprocess.run(sys.argv[2:], preexec_fn=enter, capture_output=True, text=True)
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"rc": done.returncode, "peak": peak, "err": done.stderr[-2000:]}))
+"""
+
+
+def run_measured(
+    command: list[str], *, group: Path | None = None, timeout: float | None = None
+) -> dict[str, Any]:
+    """Run `command` from the project root; `{"rc", "peak" (bytes of RSS), "err"}`."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURED, str(group or ""), *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -171,3 +171,14 @@ def family_model(family: str, seed: int | None = None, **change: Any) -> Any:
                     + (0.0 if "gemma" in family else 1.0) * ("norm" in name)
                 )
     return model.eval()
+
+
+def hf_answer(model: Any, prompt: list[int], tokens: int) -> list[int]:
+    """transformers' greedy answer, stopping after end-of-sequence as the swarm does."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)
+    answer = [int(t) for t in out[0, len(prompt) :]]
+    eos = model.config.eos_token_id
+    return answer[: answer.index(eos) + 1] if eos in answer else answer

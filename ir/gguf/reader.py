@@ -8,6 +8,7 @@ every page read mapped, so the process would grow towards the file's size.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ class GGUFModel:
         return out.reshape(ref.shape)
 
 
+@functools.cache
 def readable(qtype: Any) -> bool:
     """Whether tensors of this type can be de-quantized (one block of zeros is tried)."""
     import gguf

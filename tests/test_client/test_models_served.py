@@ -10,10 +10,8 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from tests.procs import ROOT
 from tests.test_broker.conftest import BrokerProc, add_model, wait_ready
@@ -23,15 +21,6 @@ pytest.importorskip("gguf")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # 30 s of real processes
 PROMPT = [5, 17, 42, 7, 99, 3]
 NEW = 24
-
-
-def hf_answer(model: Any) -> list[int]:
-    """transformers' greedy answer, stopping after end-of-sequence as the swarm does."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)
-    tokens = [int(t) for t in out[0, len(PROMPT) :]]
-    eos = model.config.eos_token_id
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 def split_cli(source: Path, out: Path, name: str) -> None:
@@ -53,7 +42,7 @@ async def test_a_gguf_and_a_longrope_phi3_generate_transformers_tokens_through_p
     from client import AsyncClient
     from tests.gguf_files import uniform, write_gguf
     from tests.test_ir.test_gguf import gguf_llama
-    from tests.tiny_models import family_model, tiny_tokenizer
+    from tests.tiny_models import family_model, hf_answer, tiny_tokenizer
 
     tiny_tokenizer(tmp_path / "tok.json", 512)
     with warnings.catch_warnings():
@@ -68,7 +57,10 @@ async def test_a_gguf_and_a_longrope_phi3_generate_transformers_tokens_through_p
         phi3 = family_model("phi3")
         phi3.save_pretrained(tmp_path / "phi3-hf")
         split_cli(tmp_path / "phi3-hf", tmp_path / "phi3-pkg", "tiny-phi3")
-    expected = {"tiny-q4": hf_answer(reference), "tiny-phi3": hf_answer(phi3)}
+    expected = {
+        "tiny-q4": hf_answer(reference, PROMPT, NEW),
+        "tiny-phi3": hf_answer(phi3, PROMPT, NEW),
+    }
     assert all(len(set(t)) > 4 for t in expected.values()), expected
 
     b: BrokerProc = broker()

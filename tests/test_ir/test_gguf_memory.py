@@ -7,30 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.gguf_files import write_large
+from tests.procs import run_measured
 
 pytest.importorskip("gguf")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 GB = 10**9
-# runs the split as its child, inside the cgroup if one is named, and reports its peak RSS
-WRAPPER = """
-import json, os, resource, subprocess, sys
-group = sys.argv[1]
-def enter():
-    if group:
-        with open(os.path.join(group, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-done = subprocess.run(sys.argv[2:], preexec_fn=enter, capture_output=True, text=True)
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-print(json.dumps({"rc": done.returncode, "peak": peak, "err": done.stderr[-2000:]}))
-"""
 
 
 def memory_cgroup(limit: int) -> Path | None:
@@ -58,17 +45,10 @@ def test_a_gguf_split_holds_one_stage_s_weights_at_a_time(tmp_path: Path) -> Non
     split = [sys.executable, "-m", "cli.main", "ir", "split", str(path)]
     split += ["--stages", str(stages), "--out", str(out), "--json"]
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", WRAPPER, str(group or ""), *split],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=540,
-        )
+        result = run_measured(split, group=group, timeout=540)
     finally:
         if group is not None:
             group.rmdir()
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["rc"] == 0, result["err"]
     manifest = json.loads((out / "manifest.json").read_bytes())
     provider = [s for s in manifest["stages"] if s["placement"] == "provider"]
