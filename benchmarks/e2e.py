@@ -64,7 +64,7 @@ def _packages(tmp: Path) -> dict[str, Path]:
     import transformers
 
     from cli.demo_models import build_minilm
-    from ir.export import build_package
+    from ir.export import Encoding, build_package
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -80,7 +80,7 @@ def _packages(tmp: Path) -> dict[str, Path]:
     llama = transformers.LlamaForCausalLM(config).eval()
     out = {name: tmp / name for name in ("minilm", "minilm-fp16", "decoder")}
     build_minilm(out["minilm"], 3, name="minilm")
-    build_minilm(out["minilm-fp16"], 3, name="minilm-fp16", fp16=True)
+    build_minilm(out["minilm-fp16"], 3, name="minilm-fp16", encoding=Encoding(fp16=True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         build_package(llama, DECODER_STAGES, out["decoder"], name="decoder")

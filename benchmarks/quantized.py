@@ -20,6 +20,14 @@ Prints one JSON object:
                           <= 0.05), and how many of the 48 int4 tokens equal float32's.
     minilm_int8_min_cosine, minilm_int4_min_cosine   of 64 varied texts' embeddings to float32's
                           (targets >= 0.99, >= 0.95).
+    demo_wire8_tokens_equal, demo_wire8_max_dlogit_over_std, minilm_wire8_min_cosine
+                          the same figures with float32 stages and hidden states sent as int8
+                          blocks between stages (`--wire int8`) against the float32 wire
+                          (targets: tokens equal, cosine >= 0.999);
+    wire8_bytes_ratio_demo   bytes a token's hidden states take between stages, int8 wire over
+                          float32 (from the manifests);
+    token_ms_int4_wire8   token_ms of the large int4 decoder with the int8 wire, same swarm
+                          (one machine: it shows the encoding's cost, not the uplink saved).
     paper_ratio_fp16, paper_ratio_int8, paper_ratio_int4, paper_ratio_int4_wire8
                           the simulator's `paper-claim` inference ratio (50 x RTX 3080 on home
                           broadband over 4 x H100, Llama-2 7B) with the same weights and wire on
@@ -50,18 +58,25 @@ from benchmarks.e2e import Swarm  # noqa: E402
 INT8, INT4 = (8, 32), (4, 32)
 
 
-def build(model: Any, out: Path, quantize: tuple[int, int] | None, **extra: Any) -> Path:
-    from ir.export import build_package
+def build(model: Any, out: Path, quantize: tuple[int, int] | None, wire: str = "native") -> Path:
+    from ir.export import Encoding, build_package
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(model, 2, out, name=out.name, quantize=quantize, **extra)
+        encoding = Encoding(quantize=quantize, wire=wire)
+        build_package(model, 2, out, name=out.name, encoding=encoding)
     return out
 
 
 def provider_bytes(package: Path) -> int:
     doc = json.loads((package / "manifest.json").read_text())
     return sum(s["size_bytes"] for s in doc["stages"] if s["placement"] == "provider")
+
+
+def sent_bytes(package: Path) -> int:
+    """Bytes a token's hidden states take between stages, summed over the stages."""
+    doc = json.loads((package / "manifest.json").read_text())
+    return sum(s["activation_bytes_per_token"] for s in doc["stages"])
 
 
 def large_decoder() -> Any:
@@ -100,6 +115,11 @@ def quality(tmp: Path, report: dict[str, Any]) -> None:
             a == b for a, b in zip(r["tokens"], r["expected"], strict=True)
         )
         report[f"demo_{name}_max_dlogit_over_std"] = round(r["max_dlogit_over_std"], 4)
+    wired = build(model, tmp / "demo-wire8", None, wire="int8")
+    r = compare(wired, base, prompt, 48)
+    report["demo_wire8_tokens_equal"] = r["tokens"] == r["expected"]
+    report["demo_wire8_max_dlogit_over_std"] = round(r["max_dlogit_over_std"], 4)
+    report["wire8_bytes_ratio_demo"] = round(sent_bytes(wired) / sent_bytes(base), 4)
 
 
 def minilm(tmp: Path, report: dict[str, Any]) -> None:
@@ -107,6 +127,7 @@ def minilm(tmp: Path, report: dict[str, Any]) -> None:
     import transformers
 
     from cli.demo_models import build_minilm
+    from ir.export import Encoding
     from tests.procs import sample_texts
     from tests.test_ir.test_quantize import cosines
     from tests.test_ir.test_split import ort_pipeline
@@ -117,9 +138,12 @@ def minilm(tmp: Path, report: dict[str, Any]) -> None:
     build_minilm(tmp / "minilm-fp32")
     ref = ort_pipeline(tmp / "minilm-fp32").encode(ids, mask)
     for name, q in (("int8", INT8), ("int4", INT4)):
-        build_minilm(tmp / f"minilm-{name}", quantize=q)
+        build_minilm(tmp / f"minilm-{name}", encoding=Encoding(quantize=q))
         got = ort_pipeline(tmp / f"minilm-{name}").encode(ids, mask)
         report[f"minilm_{name}_min_cosine"] = round(float(cosines(got, ref).min()), 4)
+    build_minilm(tmp / "minilm-wire8", encoding=Encoding(wire="int8"))
+    got = ort_pipeline(tmp / "minilm-wire8").encode(ids, mask)
+    report["minilm_wire8_min_cosine"] = round(float(cosines(got, ref).min()), 5)
 
 
 def served(tmp: Path, package: Path) -> tuple[float, float]:
@@ -168,6 +192,7 @@ def main() -> int:
         minilm(tmp, report)
         model = large_decoder()
         fp32 = build(model, tmp / "large-fp32", None)
+        build(model, tmp / "large-int4-wire8", INT4, wire="int8")
         for name, q in (("int8", INT8), ("int4", INT4)):
             pkg = build(model, tmp / f"large-{name}", q)
             report[f"bytes_ratio_{name}_large"] = round(
@@ -177,12 +202,14 @@ def main() -> int:
         del model
         rss32, ms32 = served(tmp, fp32)
         rss4, ms4 = served(tmp, tmp / "large-int4")
+        _, ms4w = served(tmp, tmp / "large-int4-wire8")
         report.update(
             rss_mb_fp32=round(rss32),
             rss_mb_int4=round(rss4),
             rss_ratio_int4=round(rss4 / rss32, 3),
             token_ms_fp32=round(ms32, 2),
             token_ms_int4=round(ms4, 2),
+            token_ms_int4_wire8=round(ms4w, 2),
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

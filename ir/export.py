@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import shutil
 import sys
@@ -22,10 +23,48 @@ from files.atomic import move_atomic
 from files.digest import sha256_file
 from ir.errors import UnsupportedModel
 from ir.families import AdapterConfig, StageModule, plan_stages
-from ir.manifest import ModelManifest, StageInfo
+from ir.manifest import WIRES, ModelManifest, StageInfo
 from ir.package import describe_stage, write_manifest
 
 OPSET = 17
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How a package stores weights and sends activations.
+
+    fp16: weights stored and activations sent as fp16 (compute stays fp32).
+    quantize: (bits, group): provider stages' matrix weights as int8 or int4 blocks.
+    wire: how hidden states travel between stages ("native" or "int8", see `ir.manifest`).
+    """
+
+    fp16: bool = False
+    quantize: tuple[int, int] | None = None
+    wire: str = "native"
+
+    def check(self) -> None:
+        if self.fp16 and self.quantize:
+            raise UnsupportedModel("--fp16 and --quantize do not combine yet: choose one")
+        if self.wire not in WIRES:
+            raise UnsupportedModel(f"unknown wire format {self.wire!r}; known: {', '.join(WIRES)}")
+        if self.fp16 and self.wire != "native":
+            raise UnsupportedModel(
+                "--fp16 already sends hidden states as fp16; --wire int8 takes fp32 ones: "
+                "choose one"
+            )
+        if self.quantize:
+            from ir.quantize import check
+
+            check(*self.quantize)
+
+
+def wire_bytes(values: int, wire: str, itemsize: int = 4) -> int:
+    """Bytes of a hidden state of `values` floats in `wire` format (the int8 format: one byte
+    a value plus a float32 scale per 64 values, or per row when it is not a multiple of 64;
+    `p2p.tensor.WIRE_BLOCK`)."""
+    if wire == "int8":
+        return values + 4 * (values // 64 if values % 64 == 0 else 1)
+    return values * itemsize
 
 
 def export_stage(stage: StageModule, path: Path, opset: int = OPSET) -> None:
@@ -48,9 +87,14 @@ def export_stage(stage: StageModule, path: Path, opset: int = OPSET) -> None:
 
 
 def stage_info(
-    index: int, stage: StageModule, path: Path, model: onnx.ModelProto, weight_dtype: str
+    index: int,
+    stage: StageModule,
+    path: Path,
+    model: onnx.ModelProto,
+    weight_dtype: str,
+    wire: str = "native",
 ) -> StageInfo:
-    wire_bytes = 2 if weight_dtype == "float16" else 4
+    itemsize = 2 if weight_dtype == "float16" else 4
     return describe_stage(
         index,
         stage.name,
@@ -58,8 +102,10 @@ def stage_info(
         path,
         model,
         attention_flops_per_token_per_context=stage.attention_flops_per_token_per_context,
-        activation_bytes_per_token=stage.activation_bytes_per_token * wire_bytes // 4,
-        kv_bytes_per_token=stage.kv_bytes_per_token * wire_bytes // 4,
+        activation_bytes_per_token=wire_bytes(
+            stage.activation_bytes_per_token // 4, wire, itemsize
+        ),
+        kv_bytes_per_token=stage.kv_bytes_per_token * itemsize // 4,
         layers=list(stage.layers) if stage.layers else None,
         adapters=list(stage.adapters),
         weight_dtype=weight_dtype,
@@ -85,8 +131,7 @@ def build_package(
     adapters: AdapterConfig | None = None,
     tokenizer_file: Path | None = None,
     chat_template: str | None = None,
-    fp16: bool = False,
-    quantize: tuple[int, int] | None = None,
+    encoding: Encoding = Encoding(),
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
     """Split `model` into `n_stages` provider stages (plus client stages) and write a package."""
@@ -99,8 +144,7 @@ def build_package(
         name=name,
         tokenizer_file=tokenizer_file,
         chat_template=chat_template,
-        fp16=fp16,
-        quantize=quantize,
+        encoding=encoding,
         progress=progress,
     )
 
@@ -114,31 +158,24 @@ def write_package(
     name: str,
     tokenizer_file: Path | None = None,
     chat_template: str | None = None,
-    fp16: bool = False,
-    quantize: tuple[int, int] | None = None,
+    encoding: Encoding = Encoding(),
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
-    """Export planned stages and write the package. `quantize=(bits, group)` stores provider
-    stages' matrix weights as int8 or int4 blocks (`ir.quantize`).
+    """Export planned stages and write the package, stored and sent as `encoding` says.
 
     Files are written under a temporary name and moved into place, and the manifest is written
     last, so an interrupted build never leaves a package that looks complete; a folder this
     call created is removed again if the build fails. A stage with `prepare`/`release` hooks
     has its weights loaded just for its export.
     """
-    if fp16 and quantize:
-        raise UnsupportedModel("--fp16 and --quantize do not combine yet: choose one")
-    if quantize:
-        from ir.quantize import check
-
-        check(*quantize)
+    encoding.check()
     with _removed_if_failed(out_dir):
         infos: list[StageInfo] = []
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
             for index, stage in enumerate(stages):
                 started = time.perf_counter()
                 path = Path(tmp) / f"stage{index}.onnx"
-                info = _export(index, stage, path, fp16, quantize)
+                info = _export(index, stage, path, encoding)
                 move_atomic(path, out_dir / info.file)
                 infos.append(info)
                 if progress:
@@ -160,6 +197,7 @@ def write_package(
             tokenizer=tok_name,
             tokenizer_sha256=tok_sha,
             chat_template=chat_template,
+            wire=encoding.wire,
         )
         write_manifest(manifest, out_dir)
     return manifest
@@ -182,8 +220,7 @@ def _export(
     index: int,
     stage: StageModule,
     path: Path,
-    fp16: bool,
-    quantize: tuple[int, int] | None,
+    encoding: Encoding,
 ) -> StageInfo:
     """Export one stage to `path` (loading its weights first if it has hooks), convert it as
     asked, and describe it."""
@@ -198,15 +235,15 @@ def _export(
             _trim()
     graph = onnx.load(str(path))
     dtype = "float32"
-    if fp16:
+    if encoding.fp16:
         from ir.fp16 import convert_to_fp16
 
         graph, dtype = convert_to_fp16(graph), "float16"
         onnx.save(graph, str(path))
-    if quantize and stage.placement == "provider":
+    if encoding.quantize and stage.placement == "provider":
         from ir.quantize import quantize_stage
 
-        graph = quantize_stage(graph, *quantize)
-        dtype = f"int{quantize[0]}"
+        graph = quantize_stage(graph, *encoding.quantize)
+        dtype = f"int{encoding.quantize[0]}"
         onnx.save(graph, str(path))
-    return stage_info(index, stage, path, graph, dtype)
+    return stage_info(index, stage, path, graph, dtype, encoding.wire)

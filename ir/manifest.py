@@ -57,6 +57,9 @@ class StageInfo(msgspec.Struct, frozen=True):
 
 
 LONGROPE_KEY = "longrope_original_max_positions"
+# How hidden states travel between stages: as the graph has them (fp32, or fp16 for an fp16
+# package), or as int8 with a float32 scale per 64 values (p2p.tensor's int8 wire format).
+WIRES = ("native", "int8")
 
 
 class ModelManifest(msgspec.Struct, frozen=True):
@@ -67,6 +70,7 @@ class ModelManifest(msgspec.Struct, frozen=True):
     tokenizer: str | None = None  # "<sha256>.json" (a tokenizers JSON file), if shipped
     tokenizer_sha256: str | None = None
     chat_template: str | None = None  # the model's own (Jinja), from its tokenizer files
+    wire: str = "native"  # one of WIRES
     format: str = FORMAT
     version: int = VERSION
 
@@ -87,6 +91,10 @@ class ModelManifest(msgspec.Struct, frozen=True):
             raise ManifestError(
                 f"manifest version {manifest.version} is newer than this FusionAI supports "
                 f"({VERSION}); upgrade fusionai"
+            )
+        if manifest.wire not in WIRES:
+            raise ManifestError(
+                f"unknown wire format {manifest.wire!r}; this FusionAI knows {', '.join(WIRES)}"
             )
         if [s.index for s in manifest.stages] != list(range(len(manifest.stages))):
             raise ManifestError("stage indices must be 0, 1, 2, ... in order")

@@ -6,7 +6,7 @@ same stages run on different providers, chained by the client.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,16 +28,28 @@ def zero_adapters(stage: StageInfo, rank: int = 1, dtype: str = "float32") -> di
 
 
 class LocalPipeline:
-    """A package's stages, each with an executor, run in order."""
+    """A package's stages, each with an executor, run in order.
+
+    `hop` is what the wire does to hidden states between two stages: a package whose wire is
+    not "native" needs it (`p2p.tensor.through_wire` with the manifest's wire), so that a run
+    here computes what the swarm computes.
+    """
 
     def __init__(
         self,
         manifest: ModelManifest,
         executors: Sequence[Executor],
         adapters: Mapping[int, Mapping[str, Array]] | None = None,
+        hop: Callable[[Array], Array] | None = None,
     ) -> None:
+        if hop is None and manifest.wire != "native":
+            raise ExecutorError(
+                f"{manifest.name} sends hidden states as {manifest.wire}: give the pipeline "
+                "that wire's hop"
+            )
         if len(executors) != len(manifest.stages):
             raise ExecutorError(f"{len(manifest.stages)} stages need as many executors")
+        self.hop: Callable[[Array], Array] = hop or (lambda hidden: hidden)
         self.manifest = manifest
         self.executors = list(executors)
         self.adapters = {
@@ -55,12 +67,11 @@ class LocalPipeline:
         """Sentence embeddings from an encoder package (client embed, blocks, client pooling)."""
         hidden = self.executors[0].run({"input_ids": input_ids})["hidden_states"]
         for stage, executor in self._middle():
-            feeds = {"hidden_states": hidden, "attention_mask": attention_mask}
+            feeds = {"hidden_states": self.hop(hidden), "attention_mask": attention_mask}
             feeds.update(self.adapters.get(stage.index, {}))
             hidden = executor.run(feeds)["hidden_states_out"]
-        return self.executors[-1].run({"hidden_states": hidden, "attention_mask": attention_mask})[
-            "embeddings"
-        ]
+        last = {"hidden_states": self.hop(hidden), "attention_mask": attention_mask}
+        return self.executors[-1].run(last)["embeddings"]
 
     def run_chain(self, feeds: Mapping[str, Array]) -> dict[str, Array]:
         """Run every stage in order, each taking what it needs from the graph inputs and
@@ -97,7 +108,7 @@ class LocalPipeline:
             feeds["position_ids"] = positions
         hidden = embed.run(feeds)["hidden_states"]
         for stage, executor in self._middle():
-            feeds = {"hidden_states": hidden, **cache[stage.index]}
+            feeds = {"hidden_states": self.hop(hidden), **cache[stage.index]}
             if any(i.name == "position_ids" for i in stage.inputs):
                 feeds["position_ids"] = positions
             feeds.update(self.adapters.get(stage.index, {}))
@@ -110,9 +121,8 @@ class LocalPipeline:
             }
         head = self.manifest.stages[-1]
         dtype = next((i.dtype for i in head.inputs if i.name == "hidden_states"), "float32")
-        logits: Array = self.executors[-1].run({"hidden_states": hidden.astype(dtype, copy=False)})[
-            "logits"
-        ]
+        hidden = self.hop(hidden).astype(dtype, copy=False)
+        logits: Array = self.executors[-1].run({"hidden_states": hidden})["logits"]
         return logits
 
     def generate_greedy(

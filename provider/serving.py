@@ -25,6 +25,7 @@ import numpy as np
 
 from ir.training import TrainingError, check_adapters
 from p2p import ErrorCode, Refused, Relay, Tensor
+from p2p.tensor import through_wire
 from proto.forward import (
     CHAIN,
     FORWARD,
@@ -44,7 +45,7 @@ from proto.session import (
 from provider.chain import check_route, finisher
 from provider.faults import Fault
 from provider.gate import ComputeGate, Priority
-from provider.stage import Array, LoadedStage, Session, arrays, run, tensors
+from provider.stage import Array, LoadedStage, Session, arrays, run, tensors, wire_of
 
 log = logging.getLogger(__name__)
 MAX_SESSION_ID = 128  # characters
@@ -198,8 +199,8 @@ class Server:
             }
         return outputs
 
-    def _outputs(self, outputs: dict[str, Array]) -> dict[str, Tensor]:
-        return tensors(self._faulty(outputs))
+    def _outputs(self, outputs: dict[str, Array], wire: str) -> dict[str, Tensor]:
+        return tensors(self._faulty(outputs), wire)
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -208,7 +209,7 @@ class Server:
             return self._chained(peer, request)
         stage = self._forward_stage(request.stage, request.check)
         outputs, ms = self._run_forward(peer, stage, arrays(request.inputs), request.training)
-        return ForwardResult(outputs=self._outputs(outputs), compute_ms=ms)
+        return ForwardResult(outputs=self._outputs(outputs, wire_of(request.inputs)), compute_ms=ms)
 
     def _forward_stage(self, key: str, check: bool = False) -> LoadedStage:
         stage = self._stage(key, check)
@@ -235,7 +236,7 @@ class Server:
         hidden states to the next hop's provider, or the outputs to the broker."""
         check_route(request, peer, self.peer_id, self.broker_id)
         route, i = request.route, request.hop
-        feeds = arrays(request.inputs)
+        feeds, wire = arrays(request.inputs), wire_of(request.inputs)
         done: list[HopDone] = []
         while True:  # this hop, and the following ones while they are ours
             stage = self._forward_stage(route[i].stage)
@@ -246,24 +247,26 @@ class Server:
             if hidden is None:
                 raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} has no hidden_states_out")
             done.append(HopDone(self.peer_id, stage.key, ms))
-            feeds = {**feeds, "hidden_states": hidden}
             if i + 1 == len(route) or route[i + 1].peer != self.peer_id:
+                feeds = {**feeds, "hidden_states": hidden}
                 break
+            # the next hop is ours too: it gets what it would get from another provider
+            feeds = {**feeds, "hidden_states": through_wire(hidden, wire)}
             i += 1
-        wire = tensors(feeds)
+        sent = tensors(feeds, wire)
         timeout = max(request.expires - time.time(), 1.0)
         with self._lock:  # a drain waits for the rest of the route too
             self._relaying += 1
         if i + 1 == len(route):  # the last hop: the outputs go to the broker
             result = ChainResult(
-                chain=request.chain, outputs={"hidden_states_out": wire["hidden_states"]}
+                chain=request.chain, outputs={"hidden_states_out": sent["hidden_states"]}
             )
             finish = finisher(done, None, self._relayed)
             return Relay(self.broker_id, [], CHAIN, result, timeout, finish)
         nxt = route[i + 1]
         message = Forward(
             stage=nxt.stage,
-            inputs=wire,
+            inputs=sent,
             training=request.training,
             chain=request.chain,
             route=route,
@@ -378,7 +381,9 @@ class Server:
                 session.last_used = time.monotonic()
         visible = {k: v for k, v in outputs.items() if not k.startswith("present_")}
         return SessionOutput(
-            session=request.session, outputs=self._outputs(visible), past_len=session.past_len
+            session=request.session,
+            outputs=self._outputs(visible, wire_of(request.inputs)),
+            past_len=session.past_len,
         )
 
     def expire(self) -> int:

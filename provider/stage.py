@@ -16,6 +16,9 @@ from ir.executors.base import Executor
 from ir.manifest import StageInfo
 from ir.pipeline import zero_adapters
 from p2p import ErrorCode, Refused, Tensor
+from p2p.tensor import encode
+
+HIDDEN = ("hidden_states", "hidden_states_out")  # what travels in the package's wire format
 
 Array = np.ndarray[Any, Any]
 
@@ -57,8 +60,18 @@ class Session:
         return sum(a.nbytes for a in self.cache.values())
 
 
-def tensors(arrays: dict[str, Array]) -> dict[str, Tensor]:
-    return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+def tensors(arrays: dict[str, Array], wire: str = "native") -> dict[str, Tensor]:
+    """Outputs for the wire: hidden states in `wire` format, the rest as they are."""
+    return {
+        k: encode(np.ascontiguousarray(v), wire if k in HIDDEN else "native")
+        for k, v in arrays.items()
+    }
+
+
+def wire_of(inputs: dict[str, Tensor]) -> str:
+    """The wire format the hidden states came in: the answer's go back in it."""
+    hidden = inputs.get("hidden_states")
+    return hidden.wire if hidden is not None else "native"
 
 
 def arrays(wire: dict[str, Tensor]) -> dict[str, Array]:

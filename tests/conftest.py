@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import warnings
 from collections.abc import Callable, Iterator
@@ -42,6 +43,40 @@ def llama_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
         warnings.simplefilter("ignore")
         build_package(model, 2, out, name="tiny-llama", tokenizer_file=tokenizer)
     return out
+
+
+def int8_wire_copy(package: Path, out: Path) -> Path:
+    """`package` sending hidden states between stages as int8 blocks: the same stage files
+    (the format is the wire's, not the graph's; `ir split --wire int8` writes the same),
+    its manifest saying so."""
+    import msgspec
+
+    from ir.export import wire_bytes
+    from ir.manifest import MANIFEST_FILE, ModelManifest
+    from ir.package import write_manifest
+
+    shutil.copytree(package, out, dirs_exist_ok=True)
+    manifest = ModelManifest.from_json((out / MANIFEST_FILE).read_bytes())
+    stages = [
+        msgspec.structs.replace(
+            s, activation_bytes_per_token=wire_bytes(s.activation_bytes_per_token // 4, "int8")
+        )
+        for s in manifest.stages
+    ]
+    write_manifest(msgspec.structs.replace(manifest, stages=stages, wire="int8"), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm_int8_wire_package(
+    minilm_package: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return int8_wire_copy(minilm_package, tmp_path_factory.mktemp("minilm-int8-wire"))
+
+
+@pytest.fixture(scope="session")
+def llama_int8_wire_package(llama_package: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return int8_wire_copy(llama_package, tmp_path_factory.mktemp("llama-int8-wire"))
 
 
 @pytest.fixture(scope="session")

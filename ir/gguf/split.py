@@ -9,12 +9,14 @@ so the split's memory follows the largest stage, not the model.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ir.export import Encoding, write_package
 from ir.families import AdapterConfig, StageModule, plan_stages
 from ir.gguf.arch import ARCHES, fixer, gguf_name, hf_config, llama3_inv_freq
 from ir.gguf.reader import GGUFError, GGUFModel, readable
@@ -127,22 +129,23 @@ def build_gguf(
     *,
     name: str | None = None,
     adapters: AdapterConfig | None = None,
-    fp16: bool = False,
-    quantize: tuple[int, int] | None = None,
+    encoding: Encoding | None = None,
     keep_quantization: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
     """Split the GGUF model at `path` (a file, a first shard, or a folder) into a package.
-    Unless `quantize` or `fp16` says otherwise, provider stages keep the file's quantization
-    as far as blocked int8/int4 weights can (`keep_quantization=False`: float32 stages)."""
-    from ir.export import write_package
+    Unless `encoding` asks for fp16 or a quantization, provider stages keep the file's
+    quantization as far as blocked int8/int4 weights can (`keep_quantization=False`: float32
+    stages)."""
+    encoding = encoding or Encoding()
 
     g = GGUFModel(path)
     model = meta_model(g)
     family, config, stages = plan_stages(model, n_stages, adapters)
     attach_loaders(g, model, stages)
-    if quantize is None and keep_quantization and not fp16:
-        quantize = kept_quantization(g)
+    if encoding.quantize is None and keep_quantization and not encoding.fp16:
+        encoding = dataclasses.replace(encoding, quantize=kept_quantization(g))
+    quantize = encoding.quantize
     tokenizer = tokenizer_json(g)
     template = g.meta.get("tokenizer.chat_template")
     if progress:
@@ -166,8 +169,7 @@ def build_gguf(
             name=name or str(default),
             tokenizer_file=tok_file,
             chat_template=str(template) if template else None,
-            fp16=fp16,
-            quantize=quantize,
+            encoding=encoding,
             progress=progress,
         )
 

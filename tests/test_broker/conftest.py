@@ -112,12 +112,14 @@ def local_embeddings(package: Path, texts: list[str]) -> np.ndarray[Any, Any]:
     from ir.executors.ort import OrtExecutor
     from ir.package import load_package
     from ir.pipeline import LocalPipeline
+    from tests.test_ir.test_split import wire_hop
 
     pkg = load_package(package)
     stages = ClientStages(package)
     ids, mask = stages.tokenize(texts)
     executors = [OrtExecutor(pkg.models[s.index]) for s in pkg.manifest.stages]
-    out: np.ndarray[Any, Any] = LocalPipeline(pkg.manifest, executors).encode(ids, mask)
+    pipeline = LocalPipeline(pkg.manifest, executors, hop=wire_hop(pkg.manifest))
+    out: np.ndarray[Any, Any] = pipeline.encode(ids, mask)
     return out
 
 

@@ -42,12 +42,14 @@ def local_greedy(package: Path, prompt: str, steps: int) -> tuple[list[int], str
     from ir.executors.ort import OrtExecutor
     from ir.package import load_package
     from ir.pipeline import LocalPipeline
+    from tests.test_ir.test_split import wire_hop
 
     pkg = load_package(package)
     stages = ClientStages(package)
     ids = stages.tokenizer.encode(prompt).ids
     executors = [OrtExecutor(pkg.models[s.index]) for s in pkg.manifest.stages]
-    tokens = LocalPipeline(pkg.manifest, executors).generate_greedy(ids, steps)
+    pipeline = LocalPipeline(pkg.manifest, executors, hop=wire_hop(pkg.manifest))
+    tokens = pipeline.generate_greedy(ids, steps)
     if stages.eos in tokens:
         tokens = tokens[: tokens.index(stages.eos) + 1]
     return tokens, stages.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -178,3 +178,31 @@ async def test_a_provider_that_joins_during_a_job_is_placed_once_the_job_ends(
         )
     finally:
         await s.close()
+
+
+async def test_an_embedding_job_over_the_int8_wire(
+    tmp_path: Path, minilm_package: Path, minilm_int8_wire_package: Path
+) -> None:
+    """The broker sends a MiniLM job's hidden states to its stages as int8 blocks, and the
+    providers answer in kind: the embeddings are the in-process int8-wire run's, cosine
+    >= 0.999 to the fp32 wire's."""
+    s: Swarm = await swarm(tmp_path, microbatch=8)
+    try:
+        for _ in range(2):
+            await s.provider()
+        model = await s.add_model(minilm_int8_wire_package)
+        await s.until("a route", lambda: all(s.broker.serving.route(model) or [[]]))
+        job = await s.broker.jobs.submit({"model": model, "texts": TEXTS, "microbatch": 8})
+        done = await s.until(
+            "the job's end",
+            lambda: (row := s.broker.store.job(job.id, full=False)) and row.state == "succeeded"
+            and row,
+        )  # fmt: skip
+        assert done.state == "succeeded"
+        rows = np.array(s.broker.jobs.results(job.id, 0, 100).embeddings)
+        assert np.abs(rows - local_embeddings(minilm_int8_wire_package, TEXTS)).max() <= 1e-4
+        fp32 = local_embeddings(minilm_package, TEXTS)
+        cosine = (rows * fp32).sum(1) / np.linalg.norm(rows, axis=1) / np.linalg.norm(fp32, axis=1)
+        assert cosine.min() >= 0.999 and np.abs(rows - fp32).max() > 1e-4  # int8 did travel
+    finally:
+        await s.close()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def package(tmp: Path, quantize: tuple[int, int] | None) -> Path:
-    from ir.export import build_package
+    from ir.export import Encoding, build_package
     from tests.tiny_models import family_model
 
     # wide enough that a stage's weights dominate what a provider must hold for it
@@ -25,7 +25,7 @@ def package(tmp: Path, quantize: tuple[int, int] | None) -> Path:
     out = tmp / ("int4" if quantize else "fp32")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(model, 3, out, name=f"wide-{out.name}", quantize=quantize)
+        build_package(model, 3, out, name=f"wide-{out.name}", encoding=Encoding(quantize=quantize))
     return out
 
 
@@ -67,3 +67,26 @@ async def test_an_int4_package_fits_one_provider_where_fp32_needs_three(tmp_path
         assert len(got) == 1 and len(set(got[0])) == 3, got  # one block per provider
     finally:
         await s.close()
+
+
+def test_the_cost_model_counts_the_bytes_the_int8_wire_saves(
+    llama_package: Path, llama_int8_wire_package: Path
+) -> None:
+    """The placement reads what a token's hidden states cost to send from the manifest: over
+    the same uplinks, the int8 wire's sends take 136/512 of the fp32 wire's time."""
+    from broker.core.placement import PlacementConfig, provider_costs
+    from broker.models import model_spec
+    from broker.swarms import random_swarm
+    from dag.cost import Workload
+    from ir.manifest import ModelManifest
+
+    specs = [
+        model_spec(ModelManifest.from_json((p / "manifest.json").read_bytes()))
+        for p in (llama_package, llama_int8_wire_package)
+    ]
+    assert [s.hidden_bytes_per_token for s in specs] == [128 * 4, 128 + 4 * 2]
+    swarm = random_swarm(6, 1)
+    config = PlacementConfig(work=Workload(tokens=8, sequences=8, context=512, kv_tokens=4096))
+    fp32, int8 = (provider_costs(s, swarm, config) for s in specs)
+    assert (int8.x > 0).all() and int8.x == pytest.approx(fp32.x * 136 / 512, rel=0.05)
+    assert (int8.t == fp32.t).all() and (int8.cap == fp32.cap).all()  # compute and memory alike

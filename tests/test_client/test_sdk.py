@@ -145,11 +145,17 @@ async def test_greedy_generation_equals_local_through_a_provider_death(
     assert [p for p, proc in procs.items() if proc.proc.poll() is not None] == [victim]
 
 
-async def test_a_pipeline_mixing_onnxruntime_and_torch_providers(
-    broker: Spawner, provider: Spawner, llama_package: Path, tmp_path: Path
+async def test_a_pipeline_mixing_onnxruntime_and_torch_providers_over_the_int8_wire(
+    broker: Spawner,
+    provider: Spawner,
+    llama_package: Path,
+    llama_int8_wire_package: Path,
+    tmp_path: Path,
 ) -> None:
     """Stage 1 runs on an onnxruntime provider, stage 2 on a torch-executor provider (the
-    test's router picks them by executor): the tokens equal the in-process run's."""
+    test's router picks them by executor), the hidden states sent between them as int8
+    blocks: the tokens equal the in-process run's and the fp32 wire's, and every hidden
+    state crossed the network at 136 bytes a token instead of 512."""
     pytest.importorskip("torch")
     from client import AsyncClient
     from client.routing import HttpRouter
@@ -157,11 +163,12 @@ async def test_a_pipeline_mixing_onnxruntime_and_torch_providers(
     from client.session import GenerationSession, generate
 
     steps = 12
-    tokens, _ = local_greedy(llama_package, PROMPT, steps)
+    tokens, _ = local_greedy(llama_int8_wire_package, PROMPT, steps)
+    assert tokens == local_greedy(llama_package, PROMPT, steps)[0]  # the fp32 wire's
     b: BrokerProc = broker("--replicas", "2", "--heartbeat-s", "2")  # no spurious losses
     procs = start_providers(b, provider, ("--executor", "ort"), ("--executor", "torch"))
     ort_peer, torch_peer = list(procs)
-    add_model(b.http, llama_package)
+    add_model(b.http, llama_int8_wire_package)
 
     def both_serve_both() -> dict[str, Any] | None:
         _, route = api(b.http, "GET", "/v1/models/tiny-llama")
@@ -193,6 +200,8 @@ async def test_a_pipeline_mixing_onnxruntime_and_torch_providers(
         assert [s.peer for s in session.stages] == [ort_peer, torch_peer]
     assert got == tokens
     assert session.failovers == 0
+    # sent to and back from each of the 2 stages, every token fed: 128 int8 + 2 scales
+    assert session.wire == "int8" and session.hidden_bytes == 2 * 2 * session.past * (128 + 8)
 
 
 def test_sync_client_streams_and_closes_its_thread(

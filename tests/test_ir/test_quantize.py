@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ir.errors import CorruptModel
+from ir.export import Encoding
 from ir.package import load_package
 from tests.test_ir.test_split import ort_pipeline
 from tests.test_ir.test_torch_executor import torch_pipeline
@@ -44,7 +45,7 @@ def test_minilm_int8_and_int4_embeddings_stay_close_to_fp32(
     _, dir32 = build(minilm[0], 2)
     ref = ort_pipeline(dir32).encode(ids, mask)
     for quantize, floor in ((INT8, 0.99), (INT4, 0.95)):
-        manifest, directory = build(minilm[0], 2, quantize=quantize)
+        manifest, directory = build(minilm[0], 2, encoding=Encoding(quantize=quantize))
         stage = manifest.provider_stages()[0]
         assert stage.weight_dtype == f"int{quantize[0]}"
         graph = load_package(directory).models[stage.index]
@@ -90,8 +91,8 @@ def test_demo_decoder_int8_gives_fp32_tokens_and_int4_reports_its_distance(
 ) -> None:
     model, prompt = demo_decoder
     m32, dir32 = build(model, 2)
-    m8, dir8 = build(model, 2, quantize=INT8)
-    m4, dir4 = build(model, 2, quantize=INT4)
+    m8, dir8 = build(model, 2, encoding=Encoding(quantize=INT8))
+    m4, dir4 = build(model, 2, encoding=Encoding(quantize=INT4))
     int8 = quality(dir8, dir32, prompt, 48)
     assert int8["tokens"] == int8["expected"]
     assert int8["max_dlogit_over_std"] <= 0.05, int8["max_dlogit_over_std"]
@@ -112,7 +113,7 @@ def test_a_stage_claiming_a_weight_dtype_its_file_lacks_is_refused(
 ) -> None:
     import shutil
 
-    _, directory = build(llama, 2, quantize=INT4)
+    _, directory = build(llama, 2, encoding=Encoding(quantize=INT4))
     copy = tmp_path / "pkg"
     shutil.copytree(directory, copy)
     doc = json.loads((copy / "manifest.json").read_text())
@@ -135,7 +136,48 @@ def test_an_impossible_quantization_is_refused_before_anything_is_written(
 
     for quantize, message in (((8, 24), "power of two"), ((3, 32), "int8 or int4")):
         with pytest.raises(UnsupportedModel, match=message):
-            build_package(llama, 2, tmp_path / "out", name="x", quantize=quantize)
+            build_package(
+                llama, 2, tmp_path / "out", name="x", encoding=Encoding(quantize=quantize)
+            )
         assert not (tmp_path / "out").exists()
     with pytest.raises(UnsupportedModel, match="do not combine"):
-        build_package(llama, 2, tmp_path / "out", name="x", quantize=(8, 32), fp16=True)
+        build_package(
+            llama, 2, tmp_path / "out", name="x", encoding=Encoding(quantize=(8, 32), fp16=True)
+        )
+
+
+def test_the_int8_wire_keeps_greedy_tokens_and_embeddings(
+    demo_decoder: tuple[Any, list[int]],
+    minilm: Any,
+    sixty_four: tuple[np.ndarray, np.ndarray],
+    build: Any,
+) -> None:
+    """Hidden states sent as int8 blocks between every two stages: the demo decoder's 48
+    greedy tokens equal the fp32 wire's, MiniLM's embeddings keep cosine >= 0.999. The stage
+    files are the fp32 wire's (the format is the wire's, not the graph's); the manifest
+    counts the bytes it sends."""
+    from ir.errors import ExecutorError
+    from ir.pipeline import LocalPipeline
+
+    model, prompt = demo_decoder
+    m32, dir32 = build(model, 2)
+    m8, dir8 = build(model, 2, encoding=Encoding(wire="int8"))
+    assert m8.wire == "int8" and m32.wire == "native"
+    assert [s.sha256 for s in m8.stages] == [s.sha256 for s in m32.stages]
+    hidden = int(m8.config["hidden_size"])
+    for s32, s8 in zip(m32.stages[:-1], m8.stages[:-1], strict=True):
+        assert s32.activation_bytes_per_token == 4 * hidden
+        assert s8.activation_bytes_per_token == hidden + 4 * hidden // 64
+    wired = quality(dir8, dir32, prompt, 48)
+    assert wired["tokens"] == wired["expected"]
+    print(json.dumps({"int8_wire_dlogit": wired["max_dlogit_over_std"]}))  # 0.19 measured
+    assert wired["max_dlogit_over_std"] < 1.0
+    with pytest.raises(ExecutorError, match="give the pipeline that wire's hop"):
+        LocalPipeline(m8, [])  # a reference run must know what the wire does
+    ids, mask = sixty_four
+    _, enc32 = build(minilm[0], 2)
+    _, enc8 = build(minilm[0], 2, encoding=Encoding(wire="int8"))
+    ref = ort_pipeline(enc32).encode(ids, mask)
+    got = ort_pipeline(enc8).encode(ids, mask)
+    assert cosines(got, ref).min() >= 0.999, cosines(got, ref).min()
+    assert not np.array_equal(got, ref)  # the hidden states did go through int8

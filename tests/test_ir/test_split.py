@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -9,10 +10,17 @@ import pytest
 import torch
 
 from ir.executors import OrtExecutor
+from ir.manifest import ModelManifest
 from ir.package import load_package
 from ir.pipeline import LocalPipeline
+from p2p.tensor import through_wire
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def wire_hop(manifest: ModelManifest) -> Any:
+    """What the package's wire format does to hidden states between stages."""
+    return functools.partial(through_wire, wire=manifest.wire)
 
 
 def ort_pipeline(directory: Any) -> LocalPipeline:
@@ -20,7 +28,7 @@ def ort_pipeline(directory: Any) -> LocalPipeline:
     executors = [
         OrtExecutor(package.models[i], threads=1) for i in range(len(package.manifest.stages))
     ]
-    return LocalPipeline(package.manifest, executors)
+    return LocalPipeline(package.manifest, executors, hop=wire_hop(package.manifest))
 
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3, 6])

@@ -12,6 +12,7 @@ import pytest
 from ir.executors.torch_exec import TorchExecutor
 from ir.package import load_package
 from ir.pipeline import LocalPipeline
+from tests.test_ir.test_split import wire_hop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +22,7 @@ def torch_pipeline(directory: Any) -> LocalPipeline:
     executors = [
         TorchExecutor(package.models[i], device="cpu") for i in range(len(package.manifest.stages))
     ]
-    return LocalPipeline(package.manifest, executors)
+    return LocalPipeline(package.manifest, executors, hop=wire_hop(package.manifest))
 
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3, 6])

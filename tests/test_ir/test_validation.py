@@ -19,6 +19,7 @@ from ir.errors import (
     ManifestError,
     UnsafeExternalData,
 )
+from ir.export import Encoding
 from ir.manifest import MANIFEST_FILE, ModelManifest
 from ir.package import load_package, write_manifest
 from ir.validate import validate_onnx_file
@@ -161,7 +162,7 @@ def test_fp16_weights_and_activations_stay_close_to_fp32(
 
     ids, mask, ref = minilm_batch
     manifest32, _ = build(minilm[0], 3)
-    manifest16, dir16 = build(minilm[0], 3, fp16=True)
+    manifest16, dir16 = build(minilm[0], 3, encoding=Encoding(fp16=True))
     package = load_package(dir16)
     stage = manifest16.provider_stages()[0]
     assert stage.inputs[0].dtype == "float16" and stage.outputs[0].dtype == "float16"

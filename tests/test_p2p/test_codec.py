@@ -131,6 +131,11 @@ def test_non_contiguous_and_big_endian_arrays_are_normalised() -> None:
         (["complex64", [1], b"\0" * 8], "unsupported dtype"),
         (["float32", [-1], b""], "negative dimension"),
         (["float32", [1] * 17, b"\0" * 4], "at most 16 dimensions"),
+        (["int8x64", [2, 64], b"\0" * 128], "has 136 bytes, got 128"),
+        (["int8x64", [2, 100], b"\0" * 212], "has 208 bytes, got 212"),  # a scale per row
+        (["int8x64", [2, 0], b""], "at least one value"),
+        (["int8x64", [], b"\0" * 5], "at least one value"),
+        (["int8x64", [2, 64], b"\0" * 128 + np.float32([1, np.nan]).tobytes()], "not a finite"),
     ],
 )
 def test_invalid_tensors_are_rejected_on_decode(fields: list[object], match: str) -> None:
@@ -143,3 +148,44 @@ def test_invalid_tensors_are_rejected_on_decode(fields: list[object], match: str
 def test_object_arrays_cannot_be_sent() -> None:
     with pytest.raises(ValueError, match="unsupported dtype"):
         Tensor.from_numpy(np.array([object()]))
+
+
+def test_the_int8_wire_format_sends_a_quarter_of_the_bytes_within_half_a_step() -> None:
+    """One float32 scale per 64 values of the last axis; each value comes back within half
+    a step (1/254 of its block's largest magnitude); one outlier channel costs precision
+    only in its own block, not across the token."""
+    from p2p.tensor import encode, through_wire
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((2, 5, 256)).astype(np.float32)
+    hidden[0, 1, 7] = 3000.0  # a massive activation in one channel of one token
+    tensor = encode(hidden, "int8")
+    assert tensor.wire == "int8" and tensor.dtype == "int8x64"
+    assert tensor.nbytes == hidden.size + 4 * hidden.size // 64 == 0.265625 * hidden.nbytes
+    frame = encode_message(Holder(t=tensor))
+    assert len(frame) < 0.27 * hidden.nbytes + 64
+    back = msgspec.msgpack.decode(frame, type=Holder).t.to_numpy()
+    assert back.dtype == np.float32 and back.shape == hidden.shape
+    blocks = np.abs(hidden).reshape(-1, 64).max(axis=1, keepdims=True)
+    error = np.abs(back - hidden).reshape(-1, 64)
+    assert (error <= blocks / 254 * (1 + 1e-5)).all()
+    others = np.abs(back - hidden)[0, 1, 64:]  # the outlier token's other blocks
+    assert others.max() <= 4 / 254  # standard normal values: their own scale, not 3000's
+    assert np.array_equal(through_wire(back, "int8"), back)  # sending it on adds nothing
+    assert through_wire(hidden, "native") is hidden
+    odd = rng.standard_normal((3, 100)).astype(np.float32)  # not a multiple of 64: per row
+    assert encode(odd, "int8").nbytes == 300 + 4 * 3
+    assert encode(np.zeros((1, 0, 64), np.float32), "int8").wire == "native"  # nothing to scale
+
+
+def test_only_finite_float_arrays_go_out_as_int8() -> None:
+    from p2p.tensor import encode
+
+    for bad, match in (
+        (np.array([[1.0, np.inf]], np.float32), "finite values only"),
+        (np.arange(64).reshape(1, 64), "float arrays"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            encode(bad, "int8")
+    with pytest.raises(ValueError, match="unknown wire format 'int3'"):
+        encode(np.zeros((1, 64), np.float32), "int3")

@@ -30,6 +30,7 @@ from p2p import (
     RequestTimeout,
     Tensor,
 )
+from p2p.tensor import encode, through_wire
 from proto.forward import (
     FORWARD,
     ROUTE_DOMAIN,
@@ -381,6 +382,7 @@ def test_session_caches_stay_within_budget_and_expire(llama_package: Path) -> No
     )
     server.session("peer", SessionOpen(session="a", stage="l/1"))
     out = server.session("peer", step)
+    assert out.outputs["hidden_states_out"].wire == "native"  # type: ignore[union-attr]
     used = server.kv_bytes()  # 2 blocks x K and V x 2 heads x 8 tokens x 32 x 4 bytes
     assert used == 2 * 2 * 2 * 8 * 32 * 4 and out.past_len == 8  # type: ignore[union-attr]
     server.session("peer", SessionOpen(session="b", stage="l/1"))
@@ -394,6 +396,18 @@ def test_session_caches_stay_within_budget_and_expire(llama_package: Path) -> No
     assert other.value.code == ErrorCode.NOT_FOUND
     time.sleep(0.4)
     assert server.expire() == 3 and server.kv_bytes() == 0
+    # a step sent in the int8 wire format is answered in it
+    hidden8 = encode(np.ones((1, 8, 128), dtype=np.float32), "int8")
+    server.session("peer", SessionOpen(session="d", stage="l/1"))
+    out8 = server.session(
+        "peer",
+        msgspec.structs.replace(
+            step, session="d", inputs={**step.inputs, "hidden_states": hidden8}
+        ),
+    )
+    answer8 = out8.outputs["hidden_states_out"]  # type: ignore[union-attr]
+    assert answer8.wire == "int8" and answer8.nbytes == 8 * (128 + 4 * 2)
+    server.session("peer", SessionClose(session="d", stage="l/1"))
     with pytest.raises(Refused, match="expired"):
         server.session("peer", step)
 
@@ -430,12 +444,19 @@ def test_chained_requests_follow_only_a_route_the_broker_signed(minilm_package: 
     server.peer_id, server.broker_id = me.peer_id, broker.peer_id
     feeds = _tensors(_minilm_feeds(4, 0.5))
 
-    def chained(route: list[Hop], hop: int = 0, *, signer: Identity = broker, ttl: float = 60):
+    def chained(
+        route: list[Hop],
+        hop: int = 0,
+        *,
+        signer: Identity = broker,
+        ttl: float = 60,
+        inputs: dict[str, Tensor] = feeds,
+    ) -> Forward:
         expires = time.time() + ttl
         sig = signer.sign(route_bytes("c1", route, expires), domain=ROUTE_DOMAIN)
         return Forward(
             stage=route[hop].stage,
-            inputs=feeds,
+            inputs=inputs,
             chain="c1",
             route=route,
             hop=hop,
@@ -479,4 +500,23 @@ def test_chained_requests_follow_only_a_route_the_broker_signed(minilm_package: 
     assert np.array_equal(both.message.outputs["hidden_states_out"].to_numpy(), want2)
     answer = both.finish(ChainAccepted(chain="c1"))
     assert [(h.peer, h.stage) for h in answer.hops] == [(me.peer_id, "m/1"), (me.peer_id, "m/2")]
+    # Hidden states sent as int8 blocks: the answer goes on in that format, and two hops on
+    # one provider compute what they would on two (the int8 hop between them included).
+    int8 = {**feeds, "hidden_states": encode(_minilm_feeds(4, 0.5)["hidden_states"], "int8")}
+    both8 = server.forward(
+        broker.peer_id,
+        chained([Hop(me.peer_id, "m/1"), Hop(me.peer_id, "m/2")], inputs=int8),
+    )
+    assert isinstance(both8, Relay)
+    out8 = both8.message.outputs["hidden_states_out"]
+    mask = np.ones((1, 4), dtype=np.int64)
+    hop1 = server.stages["m/1"].executor.run(
+        {"hidden_states": int8["hidden_states"].to_numpy(), "attention_mask": mask}
+    )["hidden_states_out"]
+    hop2 = server.stages["m/2"].executor.run(
+        {"hidden_states": through_wire(hop1, "int8"), "attention_mask": mask}
+    )["hidden_states_out"]
+    assert out8.wire == "int8" and np.array_equal(out8.to_numpy(), through_wire(hop2, "int8"))
+    assert not np.array_equal(out8.to_numpy(), want2)
+    both8.finish(ChainAccepted(chain="c1"))
     assert server.drain(1.0)  # the relays were finished: nothing is left in flight
