@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from broker.httpkit import answer, event_stream, sse
 from broker.jobkinds import JobError
 from broker.metrics import Metrics
 from broker.models import ModelStore
-from broker.openai import Completion, parse_completion, parse_input
+from broker.openai import Completion, parse_chat, parse_completion, parse_input
 from broker.registry import Registry
 from broker.serving import Serving
 from broker.verify import Verifier
@@ -46,10 +47,12 @@ from client.sampling import Sampler
 from client.session import GenerationSession, generate
 from client.stages import ClientStageError, ClientStages
 from client.text import TextStream
+from ir.chat import ChatError, render
 from p2p import Host
 from proto.api import openai as oa
 
 log = logging.getLogger("fusionai.broker")
+CHAT_MAX_TOKENS = 4096  # a chat answer without max_tokens: the rest of the context, at most this
 
 
 @dataclass(frozen=True)
@@ -144,33 +147,56 @@ class Gateway:
 
     # ---- completions -----------------------------------------------------------------------
 
-    async def completions(
-        self, request: web.Request, body: oa.CompletionRequest
-    ) -> web.StreamResponse:
-        req = parse_completion(body)
-        stored = self.parts.models.models.get(req.model)
-        if stored is None:
-            raise NotFound(f"no model named {req.model!r}")
-        client = await asyncio.to_thread(self.parts.models.client, req.model)
+    async def _decoder(self, model: str) -> ClientStages:
+        """The client stages of a stored decoder with a tokenizer (else a clear error)."""
+        if self.parts.models.models.get(model) is None:
+            raise NotFound(f"no model named {model!r}")
+        client = await asyncio.to_thread(self.parts.models.client, model)
         if not client.decoder:
-            raise JobError("model", f"{req.model} is an encoder; use /v1/embeddings")
+            raise JobError("model", f"{model} is an encoder; use /v1/embeddings")
         if client.tokenizer is None:
             raise JobError(
-                "model", f"{req.model} ships no tokenizer (or `tokenizers` is missing): no text"
+                "model", f"{model} ships no tokenizer (or `tokenizers` is missing): no text"
             )
-        prompts = await asyncio.to_thread(self._prompt_ids, client, req)
+        return client
+
+    @staticmethod
+    def _fitted(req: Completion, client: ClientStages, prompts: list[list[int]]) -> Completion:
+        """`req` with its max_tokens (0: the rest of the context), checked to fit."""
         limit = int(client.manifest.config.get("max_positions", 0) or 0)
         longest = max(len(p) for p in prompts)
+        if not req.max_tokens:
+            room = (limit or longest + CHAT_MAX_TOKENS) - longest
+            if room < 1:
+                raise JobError("messages", f"the prompt fills the model's {limit} tokens")
+            return dataclasses.replace(req, max_tokens=min(room, CHAT_MAX_TOKENS))
         if limit and longest + req.max_tokens > limit:
             raise JobError(
                 "max_tokens",
                 f"the prompt ({longest} tokens) plus max_tokens ({req.max_tokens}) exceeds "
                 f"the model's context of {limit} tokens",
             )
+        return req
+
+    @contextlib.contextmanager
+    def _interactive(self, kind: str) -> Iterator[None]:
         self._admit()
         self.running += 1
         start = time.perf_counter()
         try:
+            yield
+        finally:
+            self.running -= 1
+            self.parts.metrics.interactive(kind, time.perf_counter() - start)
+
+    async def completions(
+        self, request: web.Request, body: oa.CompletionRequest
+    ) -> web.StreamResponse:
+        req = parse_completion(body)
+        client = await self._decoder(req.model)
+        prompts = await asyncio.to_thread(self._prompt_ids, client, req)
+        req = self._fitted(req, client, prompts)
+        with self._interactive("completions"):
             cid = "cmpl-" + uuid.uuid4().hex[:24]
             created = int(time.time())
             if req.stream:
@@ -186,9 +212,42 @@ class Gateway:
                 generated += n
             usage = _usage(sum(len(p) for p in prompts), generated)
             return answer(oa.Completion(cid, created, req.model, choices, usage))
-        finally:
-            self.running -= 1
-            self.parts.metrics.interactive("completions", time.perf_counter() - start)
+
+    async def chat(
+        self, request: web.Request, body: oa.ChatCompletionRequest
+    ) -> web.StreamResponse:
+        """The messages rendered by the model's chat template (sandboxed, as transformers
+        renders it with `add_generation_prompt`), then a completion of that text that stops
+        at any of the model's end-of-turn tokens."""
+        req, messages = parse_chat(body)
+        client = await self._decoder(req.model)
+        manifest = client.manifest
+        if manifest.chat_template is None:
+            raise JobError(
+                "model", f"{req.model} has no chat template: use /v1/completions with a prompt"
+            )
+        try:
+            text = await asyncio.to_thread(
+                render, manifest.chat_template, messages, manifest.special_tokens
+            )
+        except ChatError as exc:
+            raise JobError("messages", str(exc)) from None
+        prompt = client.tokenizer.encode(text, add_special_tokens=False).ids
+        if not prompt:
+            raise JobError("messages", "the conversation renders to no tokens")
+        req = self._fitted(req, client, [prompt])
+        with self._interactive("chat"):
+            cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
+            if req.stream:
+                return await self._stream(request, req, client, [prompt], cid, created, chat=True)
+            content, reason, n = "", "length", 0
+            async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
+                async for piece, finish, n in pieces:  # noqa: B007 (n: after)
+                    content += piece
+                    reason = finish or reason
+            choice = oa.ChatChoice(0, oa.AssistantMessage(content), reason)  # type: ignore[arg-type]
+            usage = _usage(len(prompt), n)
+            return answer(oa.ChatCompletion(cid, created, req.model, [choice], usage))
 
     def _prompt_ids(self, client: ClientStages, req: Completion) -> list[list[int]]:
         if req.prompt_ids is not None:
@@ -228,7 +287,7 @@ class Gateway:
         text = TextStream(client.tokenizer, req.stop, prefix=prompt)
         sampler = Sampler(req.temperature, req.top_p, req.seed)
         count = 0
-        tokens = generate(session, prompt, req.max_tokens, sampler, eos=client.eos)
+        tokens = generate(session, prompt, req.max_tokens, sampler, stops=client.stops)
         try:
             with parts.using(req.model):  # no rebalancing under an open session
                 async for token in tokens:
@@ -236,7 +295,7 @@ class Gateway:
                         raise Unavailable("the broker is shutting down")
                     count += 1
                     piece = text.push(token)
-                    if token == client.eos or text.stopped:
+                    if token in client.stops or text.stopped:
                         yield piece + text.finish(), "stop", count
                         return
                     yield piece, None, count
@@ -256,18 +315,36 @@ class Gateway:
         prompts: list[list[int]],
         cid: str,
         created: int,
+        *,
+        chat: bool = False,
     ) -> web.StreamResponse:
+        """Completion chunks (or chat completion chunks: the role first, then text deltas,
+        then the finish reason) as server-sent events."""
+
+        def chunk(index: int, piece: str | None, finish: Any, role: Any = None) -> Any:
+            if chat:
+                delta = oa.Delta(role=role, content=piece)
+                return oa.ChatCompletionChunk(
+                    cid, created, req.model, [oa.ChunkChoice(index, delta, finish)]
+                )
+            return oa.Completion(cid, created, req.model, [oa.Choice(piece or "", index, finish)])
+
         async def body(resp: EventSourceResponse) -> None:
             generated = 0
             try:
                 for index, prompt in enumerate(prompts):
                     count = 0
+                    if chat:
+                        await sse(resp, None, chunk(index, "", None, "assistant"))
                     async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
                         async for piece, finish, count in pieces:  # noqa: B007 (count: after)
-                            if piece or finish:
-                                choice = oa.Choice(piece, index, finish)  # type: ignore[arg-type]
-                                chunk = oa.Completion(cid, created, req.model, [choice])
-                                await sse(resp, None, chunk)
+                            if not chat and (piece or finish):
+                                await sse(resp, None, chunk(index, piece, finish))
+                                continue
+                            if piece:
+                                await sse(resp, None, chunk(index, piece, None))
+                            if finish:  # chat: the finish reason in a chunk of its own
+                                await sse(resp, None, chunk(index, None, finish))
                     generated += count
             except Exception as exc:  # headers are sent: report the error in the stream
                 if isinstance(exc, ConnectionResetError) or request.transport is None:
@@ -279,7 +356,8 @@ class Gateway:
                 return
             if req.include_usage:
                 usage = _usage(sum(len(p) for p in prompts), generated)
-                await sse(resp, None, oa.Completion(cid, created, req.model, [], usage))
+                shape = oa.ChatCompletionChunk if chat else oa.Completion
+                await sse(resp, None, shape(cid, created, req.model, [], usage))
             await sse(resp, None, "[DONE]")
 
         return await event_stream(request, body)

@@ -25,6 +25,7 @@
     GET  /v1/stream                       the dashboard's feed: snapshots and events (SSE)
     POST /v1/embeddings                   OpenAI-style embeddings (`broker.gateway`)
     POST /v1/completions                  OpenAI-style completions, `stream` as SSE
+    POST /v1/chat/completions             OpenAI-style chat, through the model's chat template
     GET  /metrics                         Prometheus metrics (`broker.metrics`)
     GET  /openapi.json                    this API as an OpenAPI 3.1 document
     GET  /                                the dashboard (static files in broker/dashboard/)
@@ -248,6 +249,9 @@ def make_app(parts: ApiParts) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await gateway.completions(request, await body_as(request, oa.CompletionRequest))
 
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await gateway.chat(request, await body_as(request, oa.ChatCompletionRequest))
+
     async def prometheus(request: web.Request) -> web.Response:
         body = metrics.render()  # on the loop: it reads the registry and the store
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -296,6 +300,7 @@ def make_app(parts: ApiParts) -> web.Application:
         ("GET", "/v1/jobs/{id}/events"): job_routes.events_of,
         ("POST", "/v1/embeddings"): embeddings,
         ("POST", "/v1/completions"): completions,
+        ("POST", "/v1/chat/completions"): chat,
     }
     documented = {(op.method, op.path) for op in OPS}
     if set(handlers) != documented:  # the router is the documented operations, no more

@@ -1,4 +1,5 @@
-"""OpenAI's requests for `/v1/embeddings` and `/v1/completions`, checked beyond their shape
+"""OpenAI's requests for `/v1/embeddings`, `/v1/completions` and `/v1/chat/completions`,
+checked beyond their shape
 (`proto.api.openai`): the input forms do not mix, and fields the swarm does not implement
 (`logprobs`, `echo`, penalties, `n` > 1, ...) are refused naming the field unless they have
 their neutral value, rather than silently ignored."""
@@ -13,6 +14,7 @@ from proto.api.openai import (
     DEFAULT_MAX_TOKENS,
     MAX_INPUTS,
     MAX_PROMPTS,
+    ChatCompletionRequest,
     CompletionRequest,
 )
 
@@ -39,7 +41,7 @@ class Completion:
     model: str
     prompts: list[str] | None
     prompt_ids: list[list[int]] | None
-    max_tokens: int
+    max_tokens: int  # 0: until the model's context is full (chat's default)
     temperature: float
     top_p: float
     stream: bool
@@ -84,3 +86,49 @@ def parse_completion(body: CompletionRequest) -> Completion:
         stop=stop,
         seed=body.seed,
     )
+
+
+def parse_chat(body: ChatCompletionRequest) -> tuple[Completion, list[dict[str, str]]]:
+    """The completion's options and the messages as the chat template reads them (text
+    parts joined by newlines; `developer` read as `system`)."""
+    for name, (neutral, why) in NEUTRAL.items():
+        value = getattr(body, name, None)
+        if value is not None and value != neutral:
+            raise JobError(name, why)
+    if body.logprobs or body.top_logprobs is not None:
+        raise JobError(
+            "logprobs" if body.logprobs else "top_logprobs", "logprobs are not supported"
+        )
+    if body.tool_choice not in (None, "none"):
+        raise JobError("tool_choice", 'tools are not supported: only "none"')
+    if (
+        body.max_tokens
+        and body.max_completion_tokens
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        raise JobError("max_completion_tokens", "differs from max_tokens: give one")
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.role == "tool" or m.tool_call_id is not None:
+            raise JobError(f"messages[{i}]", "tool messages are not supported: no tools are called")
+        if m.content is None:
+            raise JobError(f"messages[{i}].content", "a message needs content")
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    completion = Completion(
+        model=body.model,
+        prompts=None,
+        prompt_ids=None,
+        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        stop=stop,
+        seed=body.seed,
+    )
+    return completion, messages

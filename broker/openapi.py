@@ -102,6 +102,11 @@ OPS: tuple[Op, ...] = (
        "with server-sent events of the same shape, ending in `data: [DONE]`",
        openai.Completion, body=openai.CompletionRequest, streams=True,
        errors=(400, 401, 404, 429, 503)),
+    Op("POST", "/v1/chat/completions", "openai", "OpenAI-style chat completions: the messages "
+       "through the model's chat template; `stream: true` answers with `chat.completion.chunk` "
+       "server-sent events, ending in `data: [DONE]`",
+       openai.ChatCompletion, body=openai.ChatCompletionRequest, streams=True,
+       errors=(400, 401, 404, 429, 503)),
 )  # fmt: skip
 
 PARAMS = {"name": "the model's name", "id": "the job's id", "sha": "SHA-256 (hex)",

@@ -93,8 +93,10 @@ def split(args: argparse.Namespace) -> int:
                     progress=None if args.json else (lambda line: print(line, flush=True)),
                 )
         else:
+            from ir.chat import from_folder
             from ir.export import build_package
 
+            chat = from_folder(Path(args.model)) if Path(args.model).is_dir() else None
             model, tokenizer = _load_transformers_model(args.model)
             adapters = _adapters(args)
             progress = None if args.json else (lambda line: print(line, flush=True))
@@ -107,6 +109,7 @@ def split(args: argparse.Namespace) -> int:
                     name=args.name or Path(args.model).name,
                     adapters=adapters,
                     tokenizer_file=tokenizer,
+                    chat=chat,
                     encoding=_encoding(args),
                     progress=progress,
                 )
@@ -143,6 +146,36 @@ def _print_table(manifest: Any) -> None:
         )
 
 
+def _print_chat(manifest: Any, directory: Path) -> None:
+    """The chat template (its first lines) and the end-of-turn ids with their tokens."""
+    names: dict[int, str] = {}
+    if manifest.tokenizer is not None:
+        try:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(directory / manifest.tokenizer))
+            names = {i: t for i in manifest.stop_ids() if (t := tok.id_to_token(i)) is not None}
+        except (ImportError, OSError, ValueError):
+            pass
+    stops = ", ".join(
+        f"{i} {names[i]!r}" if i in names else str(i) for i in sorted(manifest.stop_ids())
+    )
+    print(f"end-of-turn token ids: {stops or 'none'}")
+    if manifest.special_tokens:
+        print(
+            "special tokens: " + ", ".join(f"{k}={v!r}" for k, v in manifest.special_tokens.items())
+        )
+    if manifest.chat_template is None:
+        print("chat template: none (no /v1/chat/completions for this model)")
+        return
+    lines = manifest.chat_template.splitlines()
+    print(f"chat template ({len(manifest.chat_template)} characters, {len(lines)} lines):")
+    for line in lines[:8]:
+        print(f"  {line}")
+    if len(lines) > 8:
+        print(f"  ... {len(lines) - 8} more lines (`fusionai ir inspect --json` shows all)")
+
+
 def inspect(args: argparse.Namespace) -> int:
     from ir.package import load_package
 
@@ -157,6 +190,7 @@ def inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"{manifest.name}: {manifest.family}, {len(manifest.stages)} stages, all files verified")
     _print_table(manifest)
+    _print_chat(manifest, Path(args.dir))
     return 0
 
 

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import client_cmd
 
     client_cmd.add_parsers(sub)
+    from cli import chat_cmd
+
+    chat_cmd.add_parser(sub)
     return parser
 
 

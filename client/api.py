@@ -225,6 +225,11 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
             self._manifests[name] = (ModelManifest.from_json(data), data)
         return self._manifests[name]
 
+    async def default_model(self, decoder: bool = True) -> str:
+        """The broker's only decoder (or, `decoder=False`, encoder); `FusionAIError` when it
+        has none or several."""
+        return await self._default_model(decoder)
+
     async def _default_model(self, decoder: bool) -> str:
         """The broker's only model of the kind asked for (a decoder or an encoder)."""
         names = [m.id for m in await self.models()]

@@ -5,7 +5,8 @@ streaming text pieces, the `Generation` record)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -18,14 +19,38 @@ from client.errors import (
 from client.routing import HttpRouter
 from client.sampling import Sampler
 from client.session import GenerationSession, generate
+from client.stages import ClientStages
 from client.text import TextStream
 from client.types import (
     Failover,
     Generation,
     GenerationStream,
 )
+from ir.chat import ChatError, render
 
 Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation to render with the model's chat template once its package is here."""
+
+    messages: list[dict[str, str]]
+
+
+def chat_ids(client: ClientStages, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The prompt token ids of a conversation: rendered by the model's chat template (with the
+    generation prompt), tokenized as the template wrote it (no special tokens added)."""
+    manifest = client.manifest
+    if manifest.chat_template is None:
+        raise FusionAIError(f"model {manifest.name} has no chat template: use generate")
+    if client.tokenizer is None:
+        raise FusionAIError(f"model {manifest.name} ships no tokenizer: no chat")
+    try:
+        text = render(manifest.chat_template, messages, manifest.special_tokens)
+    except ChatError as exc:
+        raise FusionAIError(str(exc)) from None
+    return list(client.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 class GenerationMethods(ClientCore):
@@ -36,7 +61,7 @@ class GenerationMethods(ClientCore):
     @overload
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         max_new_tokens: int = ...,
         temperature: float = ...,
         top_p: float = ...,
@@ -53,7 +78,7 @@ class GenerationMethods(ClientCore):
     @overload
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         max_new_tokens: int = ...,
         temperature: float = ...,
         top_p: float = ...,
@@ -69,7 +94,7 @@ class GenerationMethods(ClientCore):
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -98,6 +123,67 @@ class GenerationMethods(ClientCore):
         pieces = self._generate(
             prompt, max_new_tokens, sampler, model, stop, on_failover, result, adapter, verify
         )
+        return self._answer(pieces, result, stream)
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        *,
+        stream: Literal[True] = ...,
+        **options: Any,
+    ) -> GenerationStream: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        *,
+        stream: Literal[False],
+        **options: Any,
+    ) -> Awaitable[Generation]: ...
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        *,
+        stream: bool = True,
+        **options: Any,
+    ) -> GenerationStream | Awaitable[Generation]:
+        """The assistant's next message after `messages` (`[{"role": "user", "content":
+        "..."}, ...]`, roles system, user and assistant), answered as `generate` answers (the
+        same `options`: model, seed, stop, on_failover, adapter, verify): the model's chat
+        template renders the conversation with the generation prompt, and the answer ends at
+        any of the model's end-of-turn tokens. A model without a chat template raises
+        `FusionAIError`."""
+        conversation = [dict(m) for m in messages]
+        if not conversation:
+            raise ValueError("no messages")
+        for i, m in enumerate(conversation):
+            if m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                m.get("content"), str
+            ):
+                raise ValueError(
+                    f"messages[{i}] must have a role (system, user, assistant) and text content"
+                )
+        prompt = ChatPrompt(conversation)
+        if stream:
+            return self.generate(prompt, max_new_tokens, temperature, top_p, **options)
+        return self.generate(prompt, max_new_tokens, temperature, top_p, stream=False, **options)
+
+    @staticmethod
+    def _answer(
+        pieces: AsyncIterator[str], result: Generation, stream: bool
+    ) -> GenerationStream | Awaitable[Generation]:
         if stream:
             return GenerationStream(pieces, result)
 
@@ -110,7 +196,7 @@ class GenerationMethods(ClientCore):
 
     async def _generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrompt,
         max_new_tokens: int,
         sampler: Sampler,
         model: str | None,
@@ -123,7 +209,9 @@ class GenerationMethods(ClientCore):
         name = model or await self._default_model(decoder=True)
         client = await self.stages(name)
         tensors = await self._adapter_tensors(adapter, name) if adapter is not None else None
-        if isinstance(prompt, str):
+        if isinstance(prompt, ChatPrompt):
+            ids = chat_ids(client, prompt.messages)
+        elif isinstance(prompt, str):
             if client.tokenizer is None:
                 raise FusionAIError(f"model {name} ships no tokenizer: send token ids")
             ids = list(client.tokenizer.encode(prompt).ids)
@@ -153,7 +241,7 @@ class GenerationMethods(ClientCore):
             verify=verify,
         )
         text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
-        tokens = generate(session, ids, max_new_tokens, sampler, eos=client.eos)
+        tokens = generate(session, ids, max_new_tokens, sampler, stops=client.stops)
         try:
             async for token in tokens:
                 result.tokens.append(token)
@@ -166,7 +254,7 @@ class GenerationMethods(ClientCore):
                     yield piece
                 if text.stopped:
                     break
-            stopped = result.tokens[-1] == client.eos or (text is not None and text.stopped)
+            stopped = result.tokens[-1] in client.stops or (text is not None and text.stopped)
             result.finish_reason = "stop" if stopped else "length"
             if text is not None and (rest := text.finish()):
                 result.text += rest

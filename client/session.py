@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -413,15 +413,16 @@ async def generate(
     max_new_tokens: int,
     sampler: Sampler,
     *,
-    eos: int | None = None,
+    stops: Collection[int] = (),
 ) -> AsyncGenerator[int]:
-    """Yield up to `max_new_tokens` sampled tokens (stopping after `eos`, which is yielded)."""
+    """Yield up to `max_new_tokens` sampled tokens (stopping after any of `stops`, which is
+    yielded)."""
     if not prompt:
         raise ClientStageError("the prompt has no tokens")
     logits = await session.feed(prompt)
     for i in range(max_new_tokens):
         token = sampler.pick(logits)
         yield token
-        if token == eos or i + 1 == max_new_tokens:
+        if token in stops or i + 1 == max_new_tokens:
             return
         logits = await session.feed([token])

@@ -55,6 +55,7 @@ class ClientStages:
         )  # keeps a KV cache: generates text
         eos = manifest.config.get("eos_token_id")
         self.eos: int | None = eos if isinstance(eos, int) else None
+        self.stops: frozenset[int] = frozenset(manifest.stop_ids())  # every end-of-turn id
         self.tokenizer: Any = None
         if manifest.tokenizer is not None:
             try:

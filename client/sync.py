@@ -19,6 +19,7 @@ from client.errors import (
     FusionAIError,
 )
 from client.types import FineTune, FinetuneStep, Generation, GenerationStream, Job
+from ir.manifest import ModelManifest
 from proto import api
 
 Array = np.ndarray[Any, Any]
@@ -81,6 +82,12 @@ class Client:
     def swarm(self) -> api.Swarm:
         return self._run(self._async.swarm())
 
+    def default_model(self, decoder: bool = True) -> str:
+        return self._run(self._async.default_model(decoder))
+
+    def manifest(self, name: str) -> ModelManifest:
+        return self._run(self._async.manifest(name))
+
     def models(self) -> list[api.ModelCard]:
         return self._run(self._async.models())
 
@@ -137,6 +144,26 @@ class Client:
         pieces = self._async.generate(
             prompt, max_new_tokens, temperature, top_p, stream=True, **options
         )
+        return SyncGenerationStream(self, pieces)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        *,
+        stream: bool = True,
+        **options: Any,
+    ) -> SyncGenerationStream | Generation:
+        """As `AsyncClient.chat`: an iterator of text pieces, or the whole `Generation`."""
+        if not stream:
+            return self._run(
+                self._async.chat(
+                    messages, max_new_tokens, temperature, top_p, stream=False, **options
+                )
+            )
+        pieces = self._async.chat(messages, max_new_tokens, temperature, top_p, **options)
         return SyncGenerationStream(self, pieces)
 
     def submit(self, job: Mapping[str, Any] | api.JobRequest) -> Job:

@@ -21,6 +21,7 @@ import onnx
 
 from files.atomic import move_atomic
 from files.digest import sha256_file
+from ir.chat import Chat, check_template
 from ir.errors import UnsupportedModel
 from ir.families import AdapterConfig, StageModule, plan_stages
 from ir.manifest import WIRES, ModelManifest, StageInfo
@@ -130,7 +131,7 @@ def build_package(
     name: str,
     adapters: AdapterConfig | None = None,
     tokenizer_file: Path | None = None,
-    chat_template: str | None = None,
+    chat: Chat | None = None,
     encoding: Encoding = Encoding(),
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
@@ -143,7 +144,7 @@ def build_package(
         out_dir,
         name=name,
         tokenizer_file=tokenizer_file,
-        chat_template=chat_template,
+        chat=chat,
         encoding=encoding,
         progress=progress,
     )
@@ -157,7 +158,7 @@ def write_package(
     *,
     name: str,
     tokenizer_file: Path | None = None,
-    chat_template: str | None = None,
+    chat: Chat | None = None,
     encoding: Encoding = Encoding(),
     progress: Callable[[str], None] | None = None,
 ) -> ModelManifest:
@@ -169,6 +170,9 @@ def write_package(
     has its weights loaded just for its export.
     """
     encoding.check()
+    chat = chat or Chat()
+    if chat.template is not None:
+        check_template(chat.template)
     with _removed_if_failed(out_dir):
         infos: list[StageInfo] = []
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
@@ -196,7 +200,9 @@ def write_package(
             stages=infos,
             tokenizer=tok_name,
             tokenizer_sha256=tok_sha,
-            chat_template=chat_template,
+            chat_template=chat.template,
+            special_tokens=dict(chat.special_tokens),
+            stop_token_ids=list(chat.stop_token_ids),
             wire=encoding.wire,
         )
         write_manifest(manifest, out_dir)

@@ -70,6 +70,8 @@ class ModelManifest(msgspec.Struct, frozen=True):
     tokenizer: str | None = None  # "<sha256>.json" (a tokenizers JSON file), if shipped
     tokenizer_sha256: str | None = None
     chat_template: str | None = None  # the model's own (Jinja), from its tokenizer files
+    special_tokens: dict[str, str] = msgspec.field(default_factory=dict)  # bos_token, ...
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)  # every end-of-turn id
     wire: str = "native"  # one of WIRES
     format: str = FORMAT
     version: int = VERSION
@@ -96,6 +98,9 @@ class ModelManifest(msgspec.Struct, frozen=True):
             raise ManifestError(
                 f"unknown wire format {manifest.wire!r}; this FusionAI knows {', '.join(WIRES)}"
             )
+        vocab = manifest.config.get("vocab_size")
+        if isinstance(vocab, int) and any(not 0 <= t < vocab for t in manifest.stop_token_ids):
+            raise ManifestError(f"stop_token_ids {manifest.stop_token_ids} leave 0..{vocab - 1}")
         if [s.index for s in manifest.stages] != list(range(len(manifest.stages))):
             raise ManifestError("stage indices must be 0, 1, 2, ... in order")
         return manifest
@@ -106,6 +111,11 @@ class ModelManifest(msgspec.Struct, frozen=True):
         runs the whole text again once, as transformers does. None: the cache stays valid."""
         value = self.config.get(LONGROPE_KEY)
         return int(value) if isinstance(value, int | float) else None
+
+    def stop_ids(self) -> set[int]:
+        """Token ids that end a generation: the declared end-of-turn ids, else the eos id."""
+        eos = self.config.get("eos_token_id")
+        return set(self.stop_token_ids) or ({eos} if isinstance(eos, int) else set())
 
     def provider_stages(self) -> list[StageInfo]:
         return [s for s in self.stages if s.placement == "provider"]

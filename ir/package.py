@@ -15,6 +15,7 @@ import onnx
 from files.atomic import write_atomic
 from files.digest import sha256_file
 from ir import costs
+from ir.chat import check_template
 from ir.errors import ManifestError
 from ir.manifest import MANIFEST_FILE, ModelManifest, StageInfo, TensorInfo
 from ir.validate import Limits, validate_onnx_file
@@ -85,13 +86,16 @@ class Package:
 def load_package(
     directory: Path, *, limits: Limits | None = None, stages: list[int] | None = None
 ) -> Package:
-    """Read `manifest.json` and validate the stage files (all, or the `stages` given)."""
+    """Read `manifest.json` and validate the stage files (all, or the `stages` given) and
+    the chat template."""
     manifest_path = directory / MANIFEST_FILE
     try:
         data = manifest_path.read_bytes()
     except OSError as exc:
         raise ManifestError(f"cannot read {manifest_path}: {exc.strerror}") from None
     manifest = ModelManifest.from_json(data)
+    if manifest.chat_template is not None:
+        check_template(manifest.chat_template)  # refused before anything of it runs
     models: dict[int, onnx.ModelProto] = {}
     for info in manifest.stages:
         if stages is not None and info.index not in stages:

@@ -182,3 +182,98 @@ def hf_answer(model: Any, prompt: list[int], tokens: int) -> list[int]:
     answer = [int(t) for t in out[0, len(prompt) :]]
     eos = model.config.eos_token_id
     return answer[: answer.index(eos) + 1] if eos in answer else answer
+
+
+# A ChatML-style chat template (written for these tests): a default system message through a
+# namespace, roles checked with raise_exception, and each turn closed by `eos_token`.
+CHATML = """{%- set ns = namespace(system=false) -%}
+{%- for m in messages -%}
+  {%- if m['role'] not in ['system', 'user', 'assistant'] -%}
+    {{- raise_exception('roles are system, user and assistant, not ' + m['role']) -}}
+  {%- endif -%}
+  {%- if m['role'] == 'system' -%}{%- set ns.system = true -%}{%- endif -%}
+{%- endfor -%}
+{%- if not ns.system -%}
+  {{- '<|im_start|>system\\nYou are a helpful assistant.' + eos_token + '\\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+  {{- '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + eos_token + '\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
+
+
+def chat_tokenizer(directory: Any, template: str = CHATML) -> Any:
+    """A transformers tokenizer (the tests' BPE plus <|im_start|> and <|im_end|>, the end of
+    a turn) with `template`, saved into `directory`."""
+    from pathlib import Path
+
+    import transformers
+    from tokenizers import Tokenizer
+
+    from cli.demo_models import bpe_tokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe_tokenizer(CORPUS, directory / "tokenizer.json", 512)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=template,
+    )
+    fast.save_pretrained(directory)
+    return fast
+
+
+def chat_model(directory: Any, stops: list[int] | None = None) -> tuple[Any, Any]:
+    """A 4-block random Llama with `chat_tokenizer`, saved into `directory` as a transformers
+    folder whose generation_config.json declares `stops` as its end-of-turn ids (default:
+    <|im_end|>). Returns (model, tokenizer)."""
+    import torch
+    import transformers
+
+    tok = chat_tokenizer(directory)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=len(tok),
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=end,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = list(stops) if stops else end
+    model.save_pretrained(directory)
+    return model, tok
+
+
+def hf_chat(
+    model: Any, tok: Any, messages: list[dict[str, str]], n: int, stops: list[int] | None
+) -> tuple[list[int], str]:
+    """transformers' own answer: the chat template with the generation prompt, then greedy
+    `generate` stopping at `stops` (None: run all `n` tokens). (answer ids, decoded text)"""
+    import torch
+
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=tok.pad_token_id,
+        )
+    answer = out[0, ids.shape[1] :].tolist()
+    if stops is None:
+        assert len(answer) == n
+    return answer, tok.decode(answer, skip_special_tokens=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ir.chat import Chat
 from ir.export import Encoding, write_package
 from ir.families import AdapterConfig, StageModule, plan_stages
 from ir.gguf.arch import ARCHES, fixer, gguf_name, hf_config, llama3_inv_freq
@@ -147,7 +148,6 @@ def build_gguf(
         encoding = dataclasses.replace(encoding, quantize=kept_quantization(g))
     quantize = encoding.quantize
     tokenizer = tokenizer_json(g)
-    template = g.meta.get("tokenizer.chat_template")
     if progress:
         types = sorted({t.type_name for t in g.tensors.values()})
         progress(
@@ -168,10 +168,49 @@ def build_gguf(
             out_dir,
             name=name or str(default),
             tokenizer_file=tok_file,
-            chat_template=str(template) if template else None,
+            chat=chat_of(g),
             encoding=encoding,
             progress=progress,
         )
+
+
+# end-of-turn tokens a file may not declare, stopped at when its vocabulary has them (as
+# llama.cpp does)
+END_OF_TURN = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+)
+SPECIAL_IDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "sep_token": "tokenizer.ggml.seperator_token_id",  # (llama.cpp's spelling)
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def chat_of(g: GGUFModel) -> Chat:
+    """The file's chat template, its named special tokens, and its end-of-turn ids: eos,
+    eot and eom as declared, and the usual end-of-turn tokens of its vocabulary."""
+    tokens = g.meta.get("tokenizer.ggml.tokens") or []
+    special = {
+        name: str(tokens[i])
+        for name, key in SPECIAL_IDS.items()
+        if isinstance(i := g.meta.get(key), int) and 0 <= i < len(tokens)
+    }
+    stops: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        i = g.meta.get(f"tokenizer.ggml.{key}_token_id")
+        if isinstance(i, int) and 0 <= i < len(tokens) and i not in stops:
+            stops.append(i)
+    known = {str(t): i for i, t in enumerate(tokens) if str(t) in END_OF_TURN}
+    stops += [i for t, i in sorted(known.items()) if i not in stops]
+    template = g.meta.get("tokenizer.chat_template")
+    return Chat(str(template) if template else None, special, tuple(stops))
 
 
 __all__ = ["ARCHES", "GGUFError", "build_gguf"]

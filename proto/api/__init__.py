@@ -6,7 +6,7 @@ answers into them (`client/`). Data only, like the rest of `proto/`.
     common  errors, health, events, artifacts
     swarm   providers, models and their routes, a session's pick and report
     jobs    batch job submissions (one struct per kind), jobs, results
-    openai  OpenAI's embeddings and completions shapes
+    openai  OpenAI's embeddings, completions and chat completions shapes
 """
 
 from proto.api.common import (

@@ -119,3 +119,112 @@ class Completion(msgspec.Struct, frozen=True):
     choices: list[Choice]
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: Literal["text_completion"] = "text_completion"
+
+
+# ---- chat completions ----------------------------------------------------------------------
+
+MAX_MESSAGES = 1024  # messages in one chat request
+_Text = Annotated[str, msgspec.Meta(max_length=1_000_000)]
+
+
+class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="text"):
+    """A text part of a message's content (`{"type": "text", "text": ...}`); other part types
+    (images, audio, files) are refused."""
+
+    text: _Text
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: _Text | Annotated[list[TextPart], msgspec.Meta(max_length=1024)] | None = None
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    # what the openai package sends back with an earlier answer: accepted empty only
+    tool_calls: Annotated[list[dict[str, object]], msgspec.Meta(max_length=0)] | None = None
+    tool_call_id: Annotated[str, msgspec.Meta(description="not supported: null only")] | None = None
+    function_call: None = None
+    refusal: None = None
+    audio: None = None
+    annotations: Annotated[list[object], msgspec.Meta(max_length=0)] | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: Annotated[Literal["text"], msgspec.Meta(description="only text")]
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelName
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None  # 1
+    top_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # 1
+    n: Annotated[int, msgspec.Meta(description="only 1")] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(description="only 0")] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(description="only 0")] | None = None
+    logprobs: Annotated[bool, msgspec.Meta(description="only false")] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(description="not supported: null only")] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, float], msgspec.Meta(max_length=0, description="not supported: empty only")
+        ]
+        | None
+    ) = None
+    tools: (
+        Annotated[list[dict[str, object]], msgspec.Meta(max_length=0, description="empty only")]
+        | None
+    ) = None
+    tool_choice: Annotated[str, msgspec.Meta(description="only none")] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+
+class AssistantMessage(msgspec.Struct, frozen=True):
+    content: str
+    role: Literal["assistant"] = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct, frozen=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True):
+    """One event of a streamed chat completion: the first carries the role, then text, then
+    one with the finish reason; with `stream_options.include_usage`, a last one with no
+    choices and the usage."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

@@ -194,7 +194,7 @@ async def test_a_pipeline_mixing_onnxruntime_and_torch_providers_over_the_int8_w
         session = GenerationSession(host, stages, keys, Pinned(fa, "tiny-llama"), timeout=20)
         ids = stages.tokenizer.encode(PROMPT).ids
         try:
-            got = [t async for t in generate(session, ids, steps, Sampler(0.0), eos=stages.eos)]
+            got = [t async for t in generate(session, ids, steps, Sampler(0.0), stops=stages.stops)]
         finally:
             await session.close()
         assert [s.peer for s in session.stages] == [ort_peer, torch_peer]
