@@ -10,13 +10,18 @@ variables. The same template and messages give the same text here and in transfo
 Before a template is used it is checked whole (`check_template`): one that reads underscore
 attributes (`__class__`, ...), includes or imports other templates (file reads), or does not
 parse is refused with the reason, and nothing of it runs. The sandbox stays the guard for
-what only shows at run time; the rendered text is bounded (`MAX_PROMPT_CHARS`).
+what only shows at run time, with bounds of our own: the rendered text (`MAX_PROMPT_CHARS`),
+strings and lists made by `*` and numbers by `**`, and the time a render takes
+(`MAX_RENDER_S`, checked at each call the template makes and each piece it writes: a loop
+of loops calls `range` for each inner loop).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,6 +32,7 @@ from ir.errors import IRError
 
 MAX_TEMPLATE_CHARS = 256 * 1024
 MAX_PROMPT_CHARS = 4 * 1024 * 1024
+MAX_RENDER_S = 2.0  # a render's time, checked at every call the template makes
 # transformers' named special tokens, given to the template as variables
 SPECIAL_TOKENS = (
     "bos_token",
@@ -37,6 +43,9 @@ SPECIAL_TOKENS = (
     "cls_token",
     "mask_token",
 )
+
+
+_limits = threading.local()  # this thread's render deadline
 
 
 class ChatError(IRError):
@@ -71,6 +80,7 @@ def render(
 
     template = _compiled(source)
     names = {k: str(v) for k, v in (special_tokens or {}).items() if k in SPECIAL_TOKENS}
+    _limits.deadline = time.monotonic() + MAX_RENDER_S
     try:
         pieces, size = [], 0
         for piece in template.generate(
@@ -81,6 +91,7 @@ def render(
             **names,
         ):
             size += len(piece)
+            _check_time()
             if size > MAX_PROMPT_CHARS:
                 raise ChatError(
                     f"the chat template renders more than {MAX_PROMPT_CHARS} characters"
@@ -138,6 +149,13 @@ def _compiled(source: str) -> Any:
                 f"{call.lineno}): refused"
             )
     return env.from_string(tree)
+
+
+def _check_time() -> None:
+    import jinja2
+
+    if time.monotonic() > getattr(_limits, "deadline", float("inf")):
+        raise jinja2.exceptions.SecurityError(f"the render took longer than {MAX_RENDER_S:g} s")
 
 
 @functools.lru_cache(maxsize=1)
@@ -202,7 +220,29 @@ def _environment() -> Any:
         def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
             return dict.fromkeys(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with bounds on time, on `*` and on `**`."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_time()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**":
+                if isinstance(right, int | float) and abs(right) > 64:
+                    raise jinja2.exceptions.SecurityError("an exponent above 64 is refused")
+                return left**right
+            for seq, n in ((left, right), (right, left)):
+                big = isinstance(seq, str | list | tuple) and isinstance(n, int)
+                if big and len(seq) * n > MAX_PROMPT_CHARS:
+                    raise jinja2.exceptions.SecurityError(
+                        f"`*` would make {len(seq) * n} items; at most {MAX_PROMPT_CHARS}"
+                    )
+            return left * right
+
+    env = Bounded(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson

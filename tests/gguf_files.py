@@ -168,6 +168,7 @@ def write_gguf(
     pre: str = "gpt-2",
     add_bos: bool = False,
     chat_template: str | None = None,
+    eot: int | None = None,
     shard_tensors: int = 0,
 ) -> Any:
     """Write `model` as llama.cpp would; return the model holding what the file holds."""
@@ -220,6 +221,8 @@ def write_gguf(
         w.add_bos_token_id(c.bos_token_id)
         w.add_eos_token_id(c.eos_token_id)
         w.add_add_bos_token(add_bos)
+        if eot is not None:
+            w.add_eot_token_id(eot)
     if chat_template:
         w.add_chat_template(chat_template)
     reference = copy.deepcopy(model)

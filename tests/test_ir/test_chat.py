@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,15 @@ def test_the_sandbox_stops_what_shows_only_at_run_time() -> None:
     assert render(name, [{"role": "user", "content": "hi"}]) == "[]"  # the sandbox's blank
     with pytest.raises(ChatError, match="more than"):
         render("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", [])
+    with pytest.raises(ChatError, match="would make 10000000000 items"):
+        render("{{ 'x' * 10000000000 }}", [])
+    with pytest.raises(ChatError, match="exponent above 64"):
+        render("{{ 2 ** 100000000 }}", [])
+    started = time.monotonic()
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(ChatError, match="longer than 2 s"):
+        render(loops, [])  # 10^10 silent iterations: stopped at the deadline
+    assert time.monotonic() - started < 4
 
 
 def test_a_folder_gives_its_template_special_tokens_and_every_end_of_turn_id(

@@ -4,6 +4,7 @@ tokenizer encodes as transformers' GGUF tokenizer does; bad files are clear erro
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -182,9 +183,11 @@ def test_the_file_s_tokenizer_encodes_as_transformers_gguf_tokenizer(
     assert (ours.encode("hi").ids[0] == llama256.config.bos_token_id) == add_bos
 
 
-def test_a_package_from_gguf_carries_its_tokenizer_and_chat_template(
+def test_a_package_from_gguf_carries_its_tokenizer_chat_template_and_end_of_turn_ids(
     llama256: Any, tmp_path: Path
 ) -> None:
+    """The template, the named special tokens, and the end-of-turn ids: eos and eot as the
+    file declares them, then the vocabulary's usual end-of-turn tokens (<|endoftext|>)."""
     from ir.package import load_package
     from tests.tiny_models import tiny_tokenizer
 
@@ -196,11 +199,18 @@ def test_a_package_from_gguf_carries_its_tokenizer_and_chat_template(
         uniform("F16"),
         tokenizer=tmp_path / "tok.json",
         chat_template=template,
+        eot=7,
     )
     manifest = split(tmp_path / "t.gguf", tmp_path / "pkg")
     assert manifest.chat_template == template and manifest.name == "tiny"
     assert load_package(tmp_path / "pkg").manifest.tokenizer is not None
-    assert manifest.config["eos_token_id"] == llama256.config.eos_token_id
+    eos, bos = llama256.config.eos_token_id, llama256.config.bos_token_id
+    assert manifest.config["eos_token_id"] == eos
+    tokens = json.loads((tmp_path / "tok.json").read_text())["model"]["vocab"]
+    names = {i: t for t, i in tokens.items()}
+    assert manifest.special_tokens == {"bos_token": names[bos], "eos_token": names[eos]}
+    ends = [eos, 7] + [tokens["<|endoftext|>"]] * (tokens["<|endoftext|>"] not in (eos, 7))
+    assert manifest.stop_token_ids == ends
 
 
 def _cli(*args: str) -> tuple[int, str]:
