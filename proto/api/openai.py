@@ -5,7 +5,7 @@ the field), rather than silently ignored."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -139,12 +139,12 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     content: _Text | Annotated[list[TextPart], msgspec.Meta(max_length=1024)] | None = None
     name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     # what the openai package sends back with an earlier answer: accepted empty only
-    tool_calls: Annotated[list[dict[str, object]], msgspec.Meta(max_length=0)] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0)] | None = None
     tool_call_id: Annotated[str, msgspec.Meta(description="not supported: null only")] | None = None
     function_call: None = None
     refusal: None = None
     audio: None = None
-    annotations: Annotated[list[object], msgspec.Meta(max_length=0)] | None = None
+    annotations: Annotated[list[Any], msgspec.Meta(max_length=0)] | None = None
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -174,7 +174,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
         | None
     ) = None
     tools: (
-        Annotated[list[dict[str, object]], msgspec.Meta(max_length=0, description="empty only")]
+        Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description="empty only")]
         | None
     ) = None
     tool_choice: Annotated[str, msgspec.Meta(description="only none")] | None = None
