@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow lint demo bench chaos constraints clean browser
+.PHONY: install test test-slow test-lab lint demo bench chaos constraints clean browser
 
 # torch first, pinned: the CPU wheel is local; an unpinned torch pulls several GB of CUDA.
 $(STAMP): pyproject.toml constraints.txt
@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint browser
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not lab"
 
 # The dashboard test needs Debian's Chromium: installed here when we can (root with apt-get);
 # elsewhere that test is skipped, except under CI=true where it fails.
@@ -33,6 +33,11 @@ browser:
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# The home-internet lab (network namespaces, NAT routers, shaped links): needs root,
+# iproute2, iptables, nftables and miniupnpd (`.ci/run` installs them on Debian).
+test-lab: $(STAMP)
+	$(PY) -m pytest -m lab
 
 # A broker and 5 providers, 100 mixed jobs, providers killed and frozen, one broker restart:
 # prints a JSON summary; fails unless every job succeeded with single-process output.

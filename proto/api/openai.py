@@ -174,8 +174,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
         | None
     ) = None
     tools: (
-        Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description="empty only")]
-        | None
+        Annotated[list[dict[str, Any]], msgspec.Meta(max_length=0, description="empty only")] | None
     ) = None
     tool_choice: Annotated[str, msgspec.Meta(description="only none")] | None = None
     parallel_tool_calls: bool | None = None

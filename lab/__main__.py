@@ -1,0 +1,109 @@
+"""`python -m lab up|run|down|status`: the home-internet lab from the shell (as root).
+
+python -m lab up --kinds cone,symmetric,upnp --rate 20 --delay 25   # prints its layout
+python -m lab run h1 -- python -m cli.main provider start --broker ...
+python -m lab down            # this lab (the last one brought up); --all: every fl* one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from lab.net import LabError, missing, namespaces, remove
+from lab.topology import KINDS, Lab
+
+STATE = Path("/run/fusionai-lab.json")  # the layout of the lab brought up last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="build a lab and leave it up")
+    up.add_argument("--kinds", default=",".join(KINDS), help="router kinds, one per home")
+    up.add_argument("--rate", type=float, default=20.0, help="access links, Mbit/s each way")
+    up.add_argument("--delay", type=float, default=25.0, help="access links, ms one way")
+    run = sub.add_parser("run", help="run a command in a lab namespace (a role: h1, r1, broker)")
+    run.add_argument("role")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    down = sub.add_parser("down", help="tear the lab down")
+    down.add_argument("--all", action="store_true", help="every fl* namespace, of any run")
+    sub.add_parser("status", help="the lab brought up last, and every fl* namespace")
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except LabError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    lab = Lab(kinds=args.kinds.split(","), rate_mbit=args.rate, delay_ms=args.delay)
+    try:
+        lab.up()
+    except BaseException:
+        lab.down()
+        raise
+    layout = {
+        "run": lab.run_id,
+        "namespaces": lab.names,
+        "broker": {"ns": lab.broker, "ip": "203.0.113.10"},
+        "homes": [
+            {"kind": h.kind, "router": h.router, "host": h.host, "wan_ip": h.wan_ip,
+             "host_ip": h.host_ip}
+            for h in lab.homes
+        ],
+    }  # fmt: skip
+    STATE.write_text(json.dumps(layout, indent=1))
+    print(json.dumps(layout, indent=1))
+    return 0
+
+
+def _layout() -> dict[str, object]:
+    if not STATE.is_file():
+        raise LabError("no lab is up (python -m lab up)")
+    layout: dict[str, object] = json.loads(STATE.read_text())
+    return layout
+
+
+def _run(args: argparse.Namespace) -> int:
+    layout = _layout()
+    ns = f"fl{layout['run']}-{args.role}"
+    if ns not in namespaces():
+        raise LabError(f"no namespace {ns} (roles: inet, broker, relay, r1, h1, ...)")
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise LabError("give a command after the role")
+    os.execvp("ip", ["ip", "netns", "exec", ns, *cmd])
+    return 127  # (not reached)
+
+
+def _down(args: argparse.Namespace) -> int:
+    layout = {} if args.all else _layout()
+    names = namespaces() if args.all else [str(n) for n in layout["namespaces"]]  # type: ignore[attr-defined]
+    remove(names)
+    STATE.unlink(missing_ok=True)
+    print(f"removed {len(names)} namespaces")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    why = missing()
+    print(f"lab: {'cannot run here: ' + why if why else 'can run here'}")
+    if STATE.is_file():
+        print(STATE.read_text())
+    print("namespaces:", " ".join(namespaces()) or "none")
+    return 0
+
+
+COMMANDS = {"up": _up, "run": _run, "down": _down, "status": _status}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The home-internet lab itself: NAT that is real, router kinds that behave as their names
+say, a UPnP router that maps, links shaped as configured, and this machine untouched."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from lab.net import host_state, namespaces
+from lab.topology import BROKER_IP, STUN_IPS, Lab
+from tests.test_lab.conftest import need_lab, probe, serve
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
+FRAME = 1514 / 1448  # bytes on the wire (Ethernet, IP, TCP with timestamps) per payload byte
+
+
+def test_the_lab_leaves_this_machine_as_it_found_it() -> None:
+    need_lab()
+    before = host_state()
+    with Lab(["cone"], delay_ms=5) as lab:
+        mine = set(lab.names)
+        assert mine <= set(namespaces())
+        assert host_state() == before  # building it changed nothing out here either
+        links = list(lab.procs)
+    assert not mine & set(namespaces())
+    assert all(p.poll() is not None for p in links)
+    assert host_state() == before
+
+
+def test_inbound_dials_fail_and_outbound_ones_leave_through_the_router(lab: Lab) -> None:
+    for home in lab.homes:
+        serve(lab, home.host, 7001)
+        for target in (home.host_ip, home.wan_ip):  # its private address, its router's
+            assert not probe(lab.broker, "dial", target, "7001")["ok"], (home.kind, target)
+        seen = probe(home.host, "mapping", STUN_IPS[0])["mapped"][0]
+        assert seen.split(":")[0] == home.wan_ip  # the Internet sees the router
+
+
+def test_a_cone_router_keeps_a_sockets_port_and_a_symmetric_one_does_not(lab: Lab) -> None:
+    cone, symmetric = lab.homes[0], lab.homes[1]
+    one = probe(cone.host, "mapping", *STUN_IPS)
+    assert one["mapped"][0] == one["mapped"][1] == f"{cone.wan_ip}:{one['local_port']}"
+    two = probe(symmetric.host, "mapping", *STUN_IPS)
+    assert two["mapped"][0] != two["mapped"][1]  # a new public port per destination
+
+
+def test_the_upnp_home_is_reachable_through_its_mapping_until_it_is_removed(lab: Lab) -> None:
+    home = lab.homes[2]
+    serve(lab, home.host, 7002)
+    code = (
+        "import json, miniupnpc, sys\n"
+        "u = miniupnpc.UPnP(); u.discoverdelay = 2000\n"
+        "assert u.discover() >= 1; u.selectigd()\n"
+        "if sys.argv[1] == 'add':\n"
+        "    u.addportmapping(41000, 'TCP', u.lanaddr, 7002, 'lab test', '')\n"
+        "else:\n"
+        "    u.deleteportmapping(41000, 'TCP')\n"
+        "print(json.dumps({'external': u.externalipaddress()}))\n"
+    )
+    for action, reachable in (("add", True), ("delete", False)):
+        out = lab.run(home.host, sys.executable, "-c", code, action)
+        assert json.loads(out)["external"] == home.wan_ip
+        assert probe(lab.broker, "dial", home.wan_ip, "41000")["ok"] is reachable, action
+
+
+def test_access_links_measure_within_10_percent_of_their_shape(lab: Lab) -> None:
+    """One way: half the round trip to the broker (whose own link is not delayed). Each way:
+    a 10 MB TCP transfer, counted in frame bytes as tbf counts them."""
+    home = lab.homes[0]
+    sink = serve(lab, lab.broker, 7003)
+    rtt = probe(home.host, "rtt", BROKER_IP, "7003")
+    assert rtt["median_ms"] / 2 == pytest.approx(lab.delay_ms, rel=0.10), rtt
+    probe(home.host, "bulk", BROKER_IP, "7003", str(10_000_000))
+    assert sink.stdout is not None
+    up = json.loads(sink.stdout.readline())["mbit_s"] * FRAME
+    down = probe(home.host, "pull", BROKER_IP, "7003", str(10_000_000))["mbit_s"] * FRAME
+    print(json.dumps({"one_way_ms": rtt["median_ms"] / 2, "up_mbit": up, "down_mbit": down}))
+    for rate in (up, down):
+        assert rate == pytest.approx(lab.rate_mbit, rel=0.10), (up, down)
