@@ -31,6 +31,7 @@ from broker.core.events import (
 )
 from broker.driver import CoreDriver
 from broker.events import EventLog
+from broker.reach import Reachability
 from dag.cost import HardwareProfile
 from p2p import verify
 from proto.api.swarm import Provider, Reputation
@@ -79,7 +80,9 @@ class Registry:
         events: EventLog,
         driver: CoreDriver,
         clock: Callable[[], float] = time.monotonic,
+        reachability: Reachability | None = None,
     ) -> None:
+        self.reachability = reachability
         self.config = config
         self.broker_id = broker_id
         self.events = events
@@ -170,6 +173,8 @@ class Registry:
             self.events.emit("join_refused", peer=peer, reason=reason)
             return JoinReply(accepted=False, reason=reason)
         self.profiles[peer] = profile
+        if self.reachability is not None:
+            self.reachability.check(peer, profile)
         # A provider we thought alive joining again restarted (unless it is the same process,
         # `boot`): the core loses it first, which abandons requests to it.
         self.driver.handle(
@@ -233,6 +238,7 @@ class Registry:
         for peer, p in sorted(state.providers.items()):
             profile = self.profiles.get(peer)
             queued, kv = self.load.get(peer, (0, 0))
+            reach = self.reachability.reach.get(peer) if self.reachability else None
             out.append(
                 Provider(
                     peer_id=peer,
@@ -252,6 +258,8 @@ class Registry:
                     addrs=list(profile.addrs) if profile else [],
                     flapping=p.flapping(state.now, state.config),
                     reputation=reputation_of(peer),
+                    reach=reach.kind if reach else "unknown",
+                    observed=reach.observed if reach else None,
                 )
             )
         return out

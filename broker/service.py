@@ -39,6 +39,7 @@ from broker.http import ApiParts, make_app
 from broker.jobs import JobRunner
 from broker.metrics import Metrics, Readings
 from broker.models import ModelStore, StoredModel
+from broker.reach import Reachability
 from broker.registry import Registry
 from broker.serving import Serving
 from broker.store import Store
@@ -126,8 +127,14 @@ class Broker:
 
     async def start(self) -> None:
         await self.host.start()
+        self.reachability = Reachability(self.host.observed, self.events)
         self.registry = Registry(
-            self.config, self.host.peer_id, self.events, self.driver, clock=self.clock
+            self.config,
+            self.host.peer_id,
+            self.events,
+            self.driver,
+            clock=self.clock,
+            reachability=self.reachability,
         )
         # Assignments name artifact URLs on the HTTP server (`self.links`, once it listens).
         self.serving = Serving(
@@ -326,6 +333,9 @@ class Broker:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if serving is not None:
             await serving.close()
+        reachability: Reachability | None = getattr(self, "reachability", None)
+        if reachability is not None:
+            await reachability.close()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.host.close()

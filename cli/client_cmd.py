@@ -279,7 +279,7 @@ def swarm_cmd(args: argparse.Namespace) -> int:
     for p in swarm.providers:
         lines.append(
             f"  {p.peer_id[-12:]}  {p.pool:<8} {p.hardware or '?':<24} "
-            f"{p.executor or '?':<6} queued {p.queued}"
+            f"{p.executor or '?':<6} {p.reach:<11} queued {p.queued}"
         )
     lines.append("models:")
     for m in swarm.models:

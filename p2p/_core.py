@@ -360,6 +360,19 @@ class HostCore:
     def connected_peers(self) -> list[str]:
         return [str(p) for p in self._lp.get_network().connections]
 
+    def observed(self, peer_id: str) -> str | None:
+        """/ip4/IP/tcp/PORT that a live connection to `peer_id` comes from (None if none)."""
+        from libp2p.peer.id import ID
+
+        conns = self._lp.get_network().connections.get(ID.from_base58(peer_id)) or []
+        for conn in conns if isinstance(conns, list) else [conns]:
+            try:
+                ip, port = conn.muxed_conn.get_remote_address()
+            except (AttributeError, TypeError, ValueError):
+                continue
+            return f"/ip4/{ip}/tcp/{port}" if "." in str(ip) else f"/ip6/{ip}/tcp/{port}"
+        return None
+
     async def disconnect(self, peer_id: str) -> None:
         from libp2p.peer.id import ID
 

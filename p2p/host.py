@@ -297,6 +297,12 @@ class Host:
         runtime, core = self._running()
         return runtime.run_blocking(core.connected_peers)
 
+    def observed(self, peer_id: str) -> str | None:
+        """The address a connected peer's connection comes from, as this host sees it
+        (`/ip4/IP/tcp/PORT`: behind NAT, its router's public address), or None."""
+        runtime, core = self._running()
+        return runtime.run_blocking(core.observed, peer_id)
+
     async def request(
         self, peer_id: str, spec: ProtocolSpec, message: Message, *, timeout: float | None = None
     ) -> Any:

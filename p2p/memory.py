@@ -134,6 +134,10 @@ class MemoryHost:
     async def disconnect(self, peer_id: str) -> None:
         pass
 
+    def observed(self, peer_id: str) -> str | None:
+        """An in-memory network has no addresses."""
+        return None
+
     def connected_peers(self) -> list[str]:
         return sorted(p for p in self.network.hosts if p != self.peer_id)
 

@@ -38,6 +38,8 @@ class JoinProfile(msgspec.Struct, frozen=True):
     rtt_s: float  # measured round trip to the broker
     version: str  # fusionai version
     addrs: list[str] = msgspec.field(default_factory=list)  # multiaddrs clients can dial
+    # those of `addrs` a router forwards to it (a UPnP mapping, a forwarded port), not its own
+    mapped: list[str] = msgspec.field(default_factory=list)
 
 
 class Join(Message, frozen=True, tag="Join/1"):

@@ -21,7 +21,7 @@ from p2p import Host, P2PError
 from proto.heartbeat import HEARTBEAT, Heartbeat
 from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, signed_join_bytes
 from proto.ping import PING, Ping
-from provider.addresses import announced, dialable
+from provider.addresses import announced, dialable, mapped
 from provider.config import ProviderConfig
 from provider.events import event, version
 from provider.profile import MachineProfile
@@ -154,6 +154,7 @@ class Membership:
             rtt_s=rtt,
             version=version(),
             addrs=self._announced(),
+            mapped=mapped(self._announced()),
         )
         body = msgspec.json.encode(profile)
         stamp = time.time()

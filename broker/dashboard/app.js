@@ -28,10 +28,10 @@ function renderProviders(providers) {
       <td>${esc(p.hardware)}</td><td>${esc(p.executor || "")}</td><td>${esc(gflops)}</td>
       <td>${bytes(p.memory_bytes)}</td>
       <td>${p.queued} queued${p.kv_bytes ? ", KV " + bytes(p.kv_bytes) : ""}</td>
-      <td class="health">${esc(health)}</td><td class="checks">${esc(checks)}</td>
+      <td class="health">${esc(health)}</td><td class="reach" title="${esc(p.observed || "")}">${esc(p.reach || "")}</td><td class="checks">${esc(checks)}</td>
       <td>${esc((p.loaded || []).join(", "))}</td></tr>`;
   });
-  $("#providers tbody").innerHTML = rows.join("") || `<tr><td colspan="10" class="muted">no providers have joined</td></tr>`;
+  $("#providers tbody").innerHTML = rows.join("") || `<tr><td colspan="11" class="muted">no providers have joined</td></tr>`;
   $("#pools").textContent = Object.entries(pools).map(([k, v]) => `${v} ${k}`).join(" · ");
 }
 

@@ -52,6 +52,9 @@ class Provider(msgspec.Struct, frozen=True):
     addrs: list[str]
     flapping: bool
     reputation: Reputation
+    # can it be dialled: "direct", "mapped" (through its router), "unreachable", "checking"
+    reach: str = "unknown"
+    observed: str | None = None  # the address the broker sees it connect from
 
 
 class ProviderList(msgspec.Struct, frozen=True):

@@ -75,6 +75,13 @@ def test_join_leave_and_heartbeat_timeout_move_providers(
     p1, p2 = provider(b.addr), provider(b.addr)
     id1, id2 = peer_of(p1), peer_of(p2)
     wait_until("both in the backup pool", lambda: pools(b.http) == {id1: "backup", id2: "backup"})
+    # the broker dialled each back on the address it saw it connect from: on one machine,
+    # both are directly reachable
+    for peer in (id1, id2):
+        reach = b.proc.wait_for("provider_reach", lambda e, p=peer: e["peer"] == p, since=0)
+        assert reach["reach"] == "direct" and reach["observed"].startswith("/ip4/127.0.0.1/")
+    _, listed = api(b.http, "GET", "/v1/providers")
+    assert {p["reach"] for p in listed["providers"]} == {"direct"}
 
     p1.signal(signal.SIGTERM)  # graceful: drains, then tells the broker it leaves
     left = b.proc.wait_for("provider_left", lambda e: e["peer"] == id1, timeout=30)

@@ -1,0 +1,72 @@
+"""Whether the broker (and so clients and other providers) can dial a provider: checked at
+each join by dialling back the provider's announced addresses on the IP the broker saw it
+connect from (`p2p.reach`).
+
+    direct       an address on the provider's own interface answered
+    mapped       an address its router forwards to it answered (UPnP or a forwarded port,
+                 which the provider lists as `mapped` in its join profile)
+    unreachable  nothing answered: behind a NAT, it can only be reached through a relay
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from broker.events import EventLog
+from p2p.reach import answers, candidates
+from proto.join import JoinProfile
+
+log = logging.getLogger("fusionai.broker")
+
+
+@dataclass(frozen=True)
+class Reach:
+    kind: str  # "checking", "direct", "mapped", "unreachable"
+    address: str | None = None  # the address that answered
+    observed: str | None = None  # where the broker saw it connect from
+
+
+class Reachability:
+    def __init__(
+        self, observed: Callable[[str], str | None], events: EventLog, timeout: float = 3.0
+    ) -> None:
+        self.observed = observed
+        self.events = events
+        self.timeout = timeout
+        self.reach: dict[str, Reach] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def check(self, peer: str, profile: JoinProfile) -> None:
+        """Start checking `peer` (a join); the answer lands in `reach[peer]` shortly."""
+        old = self._tasks.pop(peer, None)
+        if old is not None:
+            old.cancel()
+        self.reach[peer] = Reach("checking")
+        self._tasks[peer] = asyncio.get_running_loop().create_task(self._check(peer, profile))
+
+    async def _check(self, peer: str, profile: JoinProfile) -> None:
+        try:
+            observed = self.observed(peer)
+        except Exception:  # the connection went away meanwhile
+            observed = None
+        found = Reach("unreachable", None, observed)
+        for addr in candidates(list(profile.addrs), observed):
+            if await answers(addr, self.timeout):
+                kind = "mapped" if addr in profile.mapped else "direct"
+                found = Reach(kind, addr, observed)
+                break
+        self.reach[peer] = found
+        self._tasks.pop(peer, None)
+        self.events.emit(
+            "provider_reach", peer=peer, reach=found.kind, address=found.address,
+            observed=observed,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()

@@ -1,0 +1,66 @@
+"""Reachability in the lab: the broker dials each provider back where it saw it connect
+from, and reports what each home allows: a public host direct, a port forwarded by hand
+mapped, homes behind NAT with nothing forwarded unreachable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lab.topology import BROKER_IP, RELAY_IP, Lab
+from tests.procs import Proc, fusionai
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(240)]
+
+
+def start_broker(lab: Lab, spawn: Callable[..., Proc], data: Path) -> tuple[Proc, str]:
+    """A broker on the lab's broker host; (its process, the multiaddr providers dial)."""
+    proc = spawn(
+        ["ip", "netns", "exec", lab.broker, *fusionai(
+            "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "127.0.0.1:0",
+            "--data-dir", str(data), "--heartbeat-s", "1", "--json",
+        )]
+    )  # fmt: skip
+    started = proc.wait_for("broker_started", timeout=60)
+    return proc, f"/ip4/{BROKER_IP}/tcp/7370/p2p/{started['peer']}"
+
+
+def start_provider(
+    lab: Lab, spawn: Callable[..., Proc], ns: str, broker: str, data: Path, *extra: str
+) -> Proc:
+    return spawn(
+        ["ip", "netns", "exec", ns, *fusionai(
+            "provider", "start", "--broker", broker, "--data-dir", str(data),
+            "--max-memory", "2", "--json", *extra,
+        )]
+    )  # fmt: skip
+
+
+def test_the_broker_reports_what_each_home_allows(
+    lab: Lab, spawn: Callable[..., Proc], tmp_path: Path
+) -> None:
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker")
+    cone, symmetric, upnp = lab.homes
+    # a port forwarded by hand on the cone home's router, announced by its provider
+    forward = ["-i", "wan", "-p", "tcp", "--dport", "4100", "-j", "DNAT"]
+    to = ["--to-destination", f"{cone.host_ip}:4100"]
+    lab.run(cone.router, "iptables", "-t", "nat", "-A", "PREROUTING", *forward, *to)
+    expect = {}
+    for ns, public, extra, reach in (
+        (lab.relay, RELAY_IP, ("--listen", "/ip4/0.0.0.0/tcp/4000"), "direct"),
+        (cone.host, cone.wan_ip, ("--listen", "/ip4/0.0.0.0/tcp/4100",
+                                  "--announce", f"/ip4/{cone.wan_ip}/tcp/4100"), "mapped"),
+        (symmetric.host, symmetric.wan_ip, ("--listen", "/ip4/0.0.0.0/tcp/4200"), "unreachable"),
+        (upnp.host, upnp.wan_ip, ("--listen", "/ip4/0.0.0.0/tcp/4300"), "unreachable"),
+    ):  # fmt: skip
+        proc = start_provider(lab, spawn, ns, addr, tmp_path / ns, *extra)
+        expect[proc.wait_for("listening", timeout=120)["peer_id"]] = (ns, public, reach)
+    seen: dict[str, dict[str, str]] = {}
+    for _ in expect:
+        event = broker.wait_for("provider_reach", lambda e: e["peer"] not in seen, timeout=120)
+        seen[event["peer"]] = event
+    for peer, (ns, public, reach) in expect.items():
+        assert seen[peer]["reach"] == reach, (ns, seen[peer])
+        assert seen[peer]["observed"].startswith(f"/ip4/{public}/tcp/"), (ns, seen[peer])
