@@ -29,6 +29,12 @@ def add_parser(sub: Any, dispatch: Any) -> None:
         default=[],
         help="multiaddr others dial instead of the listen ones (e.g. a forwarded public port)",
     )
+    start.add_argument(
+        "--no-upnp",
+        action="store_true",
+        help="do not ask the home router for a port mapping (UPnP; asked by default when this "
+        "machine has a private address)",
+    )
     start.add_argument("--max-memory", type=float, help="GB of memory stages may use")
     start.add_argument("--cache-size", type=float, default=20.0, help="GB of artifact cache")
     start.add_argument("--executor", choices=["ort", "torch"], default="ort")
@@ -116,6 +122,7 @@ def start(args: argparse.Namespace) -> int:
         data_dir=_data_dir(args),
         listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/0",),
         announce=tuple(args.announce),
+        upnp=not args.no_upnp,
         executor=ExecutorChoice(args.executor, args.device),
         max_memory_bytes=int(args.max_memory * GB) if args.max_memory else None,
         cache_bytes=int(args.cache_size * GB),

@@ -17,6 +17,7 @@ class ProviderConfig:
     listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce: tuple[str, ...] = ()  # addresses others dial instead of the listen ones (e.g.
     # a public address forwarded to this machine); /p2p/<peer id> is added when missing
+    upnp: bool = True  # ask the home router for a port mapping (UPnP) when behind one
     executor: ExecutorChoice = field(default_factory=ExecutorChoice)
     max_memory_bytes: int | None = None  # None: the device's free memory when profiled
     cache_bytes: int = 20 * 1024**3  # artifact cache size limit, bytes

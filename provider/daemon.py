@@ -30,11 +30,12 @@ from proto.ping import PING, Ping, Pong
 from proto.session import SESSION
 from proto.snapshot import SHARD, SNAPSHOT
 from proto.train import TRAIN
-from provider.addresses import broker_peer_id
+from provider.addresses import broker_peer_id, dialable
 from provider.assignments import Assignments
 from provider.config import ProviderConfig
 from provider.events import add_event_sink, event, onnxruntime_distributions
 from provider.membership import Membership
+from provider.portmap import PortMapper, wants_mapping
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
 from provider.serving import Server
 from provider.stage import LoadedStage
@@ -64,6 +65,7 @@ class Provider:
         self.broker_id = broker_peer_id(config.broker)
         boot = secrets.token_hex(8)  # this process: joining again is not a restart
         self.membership = Membership(config, self.server, self.broker_id, boot)
+        self.ports = PortMapper(f"fusionai provider {self.config.data_dir.name}")
         self.assignments = Assignments(config, self.server, self.cache, self.broker_id)
         self.training = Training(self.server, self.broker_id, self._training_module)
         self._modules: dict[str, Any] = {}  # stage key -> torch module for training
@@ -135,9 +137,11 @@ class Provider:
                 self.attach(h)
                 event("listening", peer_id=h.peer_id, addrs=h.addrs)
                 left = asyncio.Event()  # membership runs until the drain is over
+                await self._map_port(h)
                 tasks: list[asyncio.Task[Any]] = [
                     asyncio.create_task(self.membership.run(left)),
                     asyncio.create_task(self._status_line(stop)),
+                    asyncio.create_task(self.ports.renew(left)),
                 ]
                 waiters: list[asyncio.Task[Any]] = [
                     asyncio.create_task(stop.wait()),
@@ -155,7 +159,21 @@ class Provider:
                 await asyncio.gather(*pending, return_exceptions=True)
                 self.server.stop()
         finally:
+            await self.ports.close()
             await self.detach()
+
+    async def _map_port(self, host: Host) -> None:
+        """Behind a home router: ask it to forward a public port here (UPnP), and announce
+        that address first."""
+        local = wants_mapping(dialable(host.addrs))
+        if not self.config.upnp or self.config.announce or local is None:
+            return
+        mapping = await self.ports.open(local)
+        if mapping is None:
+            event("port_mapping", mapped=False, local=f"{local[0]}:{local[1]}")
+            return
+        self.membership.extra_addrs = [f"{mapping.addr}/p2p/{host.peer_id}"]
+        event("port_mapping", mapped=True, address=mapping.addr, local=f"{local[0]}:{local[1]}")
 
     def attach(self, host: Host) -> None:
         """Serve on `host` (started): stage requests, pings, assignments, training."""

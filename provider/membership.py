@@ -56,6 +56,7 @@ class Membership:
         self.heartbeat_s = 5.0
         self.wake = asyncio.Event()  # send a heartbeat now (draining started)
         self.told_draining = asyncio.Event()  # the broker acknowledged we are draining
+        self.extra_addrs: list[str] = []  # announced first: a router's mapping to us
         self._seq = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -126,7 +127,7 @@ class Membership:
         assert self.host is not None
         if self.config.announce:
             return announced(self.config.announce, self.host.peer_id)
-        return dialable(self.host.addrs)
+        return [*self.extra_addrs, *dialable(self.host.addrs)]
 
     async def join(self) -> None:
         """Join the broker once (raises `Refused` with its reason)."""
