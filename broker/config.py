@@ -18,6 +18,9 @@ PLACEMENT_WORK = Workload(tokens=32 * 128, sequences=32, context=128, dtype="flo
 class BrokerConfig:
     data_dir: Path  # identity, SQLite database, model store
     listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/7370",)  # p2p multiaddrs for providers
+    relay_port: int | None = 0  # the relay for providers nobody can dial (p2p.relay), on
+    # the --listen IP (0: any free port, told to providers at join; None: no relay)
+    relay_rate_bytes_s: float = 0.0  # the relay's forwarding cap, all connections (0: none)
     http_host: str = "127.0.0.1"  # HTTP API address
     http_port: int = 7371  # HTTP API port (0: any free port)
     public_url: str | None = None  # base URL providers fetch artifacts from (None: the HTTP

@@ -5,7 +5,9 @@ connect from (`p2p.reach`).
     direct       an address on the provider's own interface answered
     mapped       an address its router forwards to it answered (UPnP or a forwarded port,
                  which the provider lists as `mapped` in its join profile)
-    unreachable  nothing answered: behind a NAT, it can only be reached through a relay
+    relayed      nothing answered, and it holds a port at this broker's relay, which it
+                 announces: clients reach it through the relay
+    unreachable  nothing answered, and no relay: only the broker's own connection reaches it
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ class Reach:
 
 class Reachability:
     def __init__(
-        self, observed: Callable[[str], str | None], events: EventLog, timeout: float = 3.0
+        self,
+        observed: Callable[[str], str | None],
+        events: EventLog,
+        timeout: float = 3.0,
+        relayed: Callable[[str], str | None] = lambda peer: None,
     ) -> None:
         self.observed = observed
+        self.relayed = relayed  # a peer's address at our relay, if it holds one
         self.events = events
         self.timeout = timeout
         self.reach: dict[str, Reach] = {}
@@ -58,6 +65,9 @@ class Reachability:
                 kind = "mapped" if addr in profile.mapped else "direct"
                 found = Reach(kind, addr, observed)
                 break
+        at_relay = self.relayed(peer)
+        if found.kind == "unreachable" and at_relay and at_relay in profile.relayed:
+            found = Reach("relayed", at_relay, observed)
         self.reach[peer] = found
         self._tasks.pop(peer, None)
         self.events.emit(

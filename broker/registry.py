@@ -81,8 +81,10 @@ class Registry:
         driver: CoreDriver,
         clock: Callable[[], float] = time.monotonic,
         reachability: Reachability | None = None,
+        relay_port: Callable[[], int] = lambda: 0,
     ) -> None:
         self.reachability = reachability
+        self.relay_port = relay_port  # the broker's relay, for providers nobody can dial
         self.config = config
         self.broker_id = broker_id
         self.events = events
@@ -190,7 +192,12 @@ class Registry:
         )
         if self.lost_event(peer).is_set():  # requests from now on wait on a fresh one
             self.lost[peer] = asyncio.Event()
-        return JoinReply(accepted=True, pool="backup", heartbeat_s=self.config.heartbeat_s)
+        return JoinReply(
+            accepted=True,
+            pool="backup",
+            heartbeat_s=self.config.heartbeat_s,
+            relay_port=self.relay_port(),
+        )
 
     async def on_heartbeat(self, peer: str, msg: Heartbeat) -> HeartbeatAck:
         known = self.alive(peer)

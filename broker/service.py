@@ -45,6 +45,7 @@ from broker.serving import Serving
 from broker.store import Store
 from broker.verify import Verifier
 from p2p import Host, HostConfig
+from p2p.relay import RelayServer
 from proto.assign import STAGE_STATUS
 from proto.forward import CHAIN
 from proto.heartbeat import HEARTBEAT
@@ -127,7 +128,10 @@ class Broker:
 
     async def start(self) -> None:
         await self.host.start()
-        self.reachability = Reachability(self.host.observed, self.events)
+        self.relay = await self._start_relay()
+        self.reachability = Reachability(
+            self.host.observed, self.events, relayed=self._relayed_addr
+        )
         self.registry = Registry(
             self.config,
             self.host.peer_id,
@@ -135,6 +139,7 @@ class Broker:
             self.driver,
             clock=self.clock,
             reachability=self.reachability,
+            relay_port=lambda: self.relay.port if self.relay is not None else 0,
         )
         # Assignments name artifact URLs on the HTTP server (`self.links`, once it listens).
         self.serving = Serving(
@@ -336,11 +341,37 @@ class Broker:
         reachability: Reachability | None = getattr(self, "reachability", None)
         if reachability is not None:
             await reachability.close()
+        relay: RelayServer | None = getattr(self, "relay", None)
+        if relay is not None:
+            await relay.close()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.host.close()
         self.driver.close()
         self.store.close()
+
+    async def _start_relay(self) -> RelayServer | None:
+        """The relay for providers behind NAT, on the IP of the first --listen address; it
+        serves only providers that joined this broker."""
+        if self.config.relay_port is None:
+            return None
+        ips = [a.split("/")[2] for a in self.config.listen if a.startswith("/ip4/")]
+        relay = RelayServer(
+            ips[0] if ips else "0.0.0.0",
+            self.config.relay_port,
+            rate_bytes_s=self.config.relay_rate_bytes_s,
+            allowed=lambda peer: self.registry.alive(peer),
+        )
+        await relay.start()
+        return relay
+
+    def _relayed_addr(self, peer: str) -> str | None:
+        """`peer`'s address at our relay as it announces it (the IP it dialled us on)."""
+        port = self.relay.relayed_port(peer) if self.relay is not None else None
+        profile = self.registry.profiles.get(peer)
+        if not port or profile is None:
+            return None
+        return next((a for a in profile.relayed if f"/tcp/{port}/" in a), None)
 
     async def __aenter__(self) -> Broker:
         try:

@@ -30,6 +30,17 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
         "--listen", action="append", help="p2p multiaddr (default /ip4/0.0.0.0/tcp/7370)"
     )
     start.add_argument("--http", default="127.0.0.1:7371", help="HTTP API HOST:PORT (port 0: any)")
+    start.add_argument(
+        "--relay-port",
+        type=int,
+        default=0,
+        help="port of the relay for providers behind NAT, on the --listen IP (default 0: any "
+        "free port; open it in the firewall: providers are told it when they join)",
+    )
+    start.add_argument("--no-relay", action="store_true", help="run no relay")
+    start.add_argument(
+        "--relay-mbit", type=float, default=0.0, help="the relay's bandwidth cap (0: none)"
+    )
     start.add_argument("--public-url", help="base URL providers download artifacts from")
     start.add_argument("--data-dir", help="identity, database, models (default: user data dir)")
     start.add_argument("--db", help="SQLite file (default: DATA_DIR/broker.db)")
@@ -185,6 +196,8 @@ def start(args: argparse.Namespace) -> int:
         listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/7370",),
         http_host=host,
         http_port=int(port),
+        relay_port=None if args.no_relay else args.relay_port,
+        relay_rate_bytes_s=args.relay_mbit * 1e6 / 8,
         public_url=args.public_url,
         db=Path(args.db) if args.db else None,
         join_token=args.join_token,

@@ -40,6 +40,7 @@ class JoinProfile(msgspec.Struct, frozen=True):
     addrs: list[str] = msgspec.field(default_factory=list)  # multiaddrs clients can dial
     # those of `addrs` a router forwards to it (a UPnP mapping, a forwarded port), not its own
     mapped: list[str] = msgspec.field(default_factory=list)
+    relayed: list[str] = msgspec.field(default_factory=list)  # of `addrs`, a relay's port
 
 
 class Join(Message, frozen=True, tag="Join/1"):
@@ -61,6 +62,7 @@ class JoinReply(Message, frozen=True, tag="JoinReply/1"):
     accepted: bool
     pool: str = ""  # "active" or "backup" when accepted
     heartbeat_s: float = 5.0  # send a heartbeat this often
+    relay_port: int = 0  # the broker's relay (p2p.relay) on its IP, for the unreachable
     reason: str = ""  # why not, when refused
 
 

@@ -160,6 +160,7 @@ class Provider:
                 self.server.stop()
         finally:
             await self.ports.close()
+            await self.membership.close_relay()
             await self.detach()
 
     async def _map_port(self, host: Host) -> None:

@@ -18,12 +18,15 @@ import time
 import msgspec
 
 from p2p import Host, P2PError
+from p2p.reach import tcp_endpoint
+from p2p.relay import RelayClient, RelayError
 from proto.heartbeat import HEARTBEAT, Heartbeat
 from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, signed_join_bytes
 from proto.ping import PING, Ping
 from provider.addresses import announced, dialable, mapped
 from provider.config import ProviderConfig
 from provider.events import event, version
+from provider.portmap import wants_mapping
 from provider.profile import MachineProfile
 from provider.serving import Server
 
@@ -57,6 +60,7 @@ class Membership:
         self.wake = asyncio.Event()  # send a heartbeat now (draining started)
         self.told_draining = asyncio.Event()  # the broker acknowledged we are draining
         self.extra_addrs: list[str] = []  # announced first: a router's mapping to us
+        self.relay: RelayClient | None = None  # our port at the broker's relay, if we need one
         self._seq = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -127,7 +131,41 @@ class Membership:
         assert self.host is not None
         if self.config.announce:
             return announced(self.config.announce, self.host.peer_id)
-        return [*self.extra_addrs, *dialable(self.host.addrs)]
+        return [*self.extra_addrs, *self._relayed(), *dialable(self.host.addrs)]
+
+    def _relayed(self) -> list[str]:
+        return [self.relay.address] if self.relay is not None and self.relay.alive else []
+
+    async def _hold_relay(self, relay_port: int) -> bool:
+        """Behind a NAT with no mapping: hold a port at the broker's relay (signed with our
+        key), so that clients can dial us through it. True when a new one was reserved (the
+        join must be sent again to announce it)."""
+        assert self.host is not None
+        if self._relayed() or not relay_port or self.config.announce or self.extra_addrs:
+            return False
+        broker = tcp_endpoint(self.config.broker)
+        local = wants_mapping(dialable(self.host.addrs))
+        mine = next((tcp_endpoint(a) for a in self.host.addrs if tcp_endpoint(a)), None)
+        if broker is None or local is None or mine is None:
+            return False  # a public or loopback-only provider needs no relay
+        if self.relay is not None:
+            await self.relay.close()
+        self.relay = RelayClient(
+            self.host.identity, (broker[0], relay_port), ("127.0.0.1", mine[1])
+        )
+        try:
+            address = await self.relay.reserve()
+        except (OSError, RelayError, TimeoutError) as exc:
+            event("relay", held=False, error=str(exc))
+            self.relay = None
+            return False
+        event("relay", held=True, address=address)
+        return True
+
+    async def close_relay(self) -> None:
+        if self.relay is not None:
+            await self.relay.close()
+            self.relay = None
 
     async def join(self) -> None:
         """Join the broker once (raises `Refused` with its reason)."""
@@ -155,7 +193,8 @@ class Membership:
             rtt_s=rtt,
             version=version(),
             addrs=self._announced(),
-            mapped=mapped(self._announced()),
+            mapped=[a for a in mapped(self._announced()) if a not in self._relayed()],
+            relayed=self._relayed(),
         )
         body = msgspec.json.encode(profile)
         stamp = time.time()
@@ -179,6 +218,9 @@ class Membership:
         if not reply.accepted:
             raise Refused(reply.reason or "the broker refused the join")
         self.heartbeat_s = max(0.2, reply.heartbeat_s)
+        if await self._hold_relay(reply.relay_port):
+            await self.join()  # the same process again, announcing its relayed address
+            return
         self.joined.set()
         event(
             "joined",

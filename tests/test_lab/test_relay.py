@@ -1,0 +1,111 @@
+"""The relay in the lab: providers in a cone home and a symmetric home, whom nobody can dial,
+hold ports at the broker's relay; a client in a third home generates through them with the
+tokens of a local run, and what the relay forwarded never holds a marker sent through it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lab.topology import BROKER_IP, Lab
+from tests.procs import Proc, fusionai
+from tests.test_broker.test_gateway import local_greedy
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(300)]
+PROMPT = "Models travel as ONNX"
+CLIENT = """
+import json, sys, time
+from client import Client
+with Client(sys.argv[1], timeout=60) as fa:
+    fa.add_model(sys.argv[2])
+    end = time.monotonic() + 120
+    while not fa.model("tiny-llama").ready:
+        assert time.monotonic() < end, "the model was never served"
+        time.sleep(0.5)
+    answer = fa.generate(sys.argv[3], 8, stream=False, model="tiny-llama")
+    print(json.dumps({"tokens": answer.tokens, "failovers": len(answer.failovers)}))
+"""
+CAPTURE = """
+import socket, sys, time
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+s.bind(("eth0", 0)); s.settimeout(0.5)
+end = time.monotonic() + float(sys.argv[2])
+with open(sys.argv[1], "wb") as out:
+    print("ready", flush=True)
+    while time.monotonic() < end:
+        try:
+            out.write(s.recv(65536))
+        except socket.timeout:
+            pass
+"""
+MARKER = """
+import asyncio, sys
+from p2p import Host, HostConfig
+from proto.ping import PING, Ping
+async def main():
+    async with Host(HostConfig(listen=("/ip4/0.0.0.0/tcp/0",))) as h:
+        peer = await h.connect(sys.argv[1])
+        marker = Ping(nonce=1, payload=b"MARKER-TENSOR-" * 500)
+        answer = await h.request(peer, PING, marker, timeout=30)
+        assert answer.nonce == 1
+        print("sent")
+asyncio.run(main())
+"""
+
+
+def test_providers_behind_nat_serve_a_generation_through_the_relay(
+    lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
+) -> None:
+    cone, symmetric, elsewhere = lab.homes
+    broker = spawn(
+        ["ip", "netns", "exec", lab.broker, *fusionai(
+            "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
+            "--public-url", f"http://{BROKER_IP}:7371", "--data-dir", str(tmp_path / "broker"),
+            "--heartbeat-s", "1", "--json",
+        )]
+    )  # fmt: skip
+    peer = broker.wait_for("broker_started", timeout=60)["peer"]
+    addr = f"/ip4/{BROKER_IP}/tcp/7370/p2p/{peer}"
+    relayed = {}
+    for home in (cone, symmetric):
+        proc = spawn(
+            ["ip", "netns", "exec", home.host, *fusionai(
+                "provider", "start", "--broker", addr, "--data-dir", str(tmp_path / home.kind),
+                "--listen", "/ip4/0.0.0.0/tcp/4700", "--max-memory", "2", "--no-upnp", "--json",
+            )]
+        )  # fmt: skip
+        held = proc.wait_for("relay", timeout=120)
+        assert held["held"] is True and held["address"].startswith(f"/ip4/{BROKER_IP}/tcp/")
+        relayed[proc.wait_for("listening")["peer_id"]] = held["address"]
+    for p, address in relayed.items():
+        reach = broker.wait_for(
+            "provider_reach", lambda e, p=p: e["peer"] == p and e["reach"] != "unreachable",
+            timeout=60,
+        )  # fmt: skip
+        assert reach["reach"] == "relayed" and reach["address"] == address
+
+    tokens, _ = local_greedy(llama_package, PROMPT, 8)
+    out = lab.run(elsewhere.host, sys.executable, "-c", CLIENT, f"http://{BROKER_IP}:7371",
+                  str(llama_package), PROMPT, timeout=240)  # fmt: skip
+    answer = json.loads(out.strip().splitlines()[-1])
+    assert answer == {"tokens": tokens[: len(answer["tokens"])], "failovers": 0}
+    assert len(answer["tokens"]) == len(tokens)
+
+    # what the relay forwards is encrypted end to end: a marker sent through it is not there
+    capture = tmp_path / "relay.pcap"
+    sniffer = lab.spawn(lab.broker, sys.executable, "-c", CAPTURE, str(capture), "20",
+                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert sniffer.stdout is not None and sniffer.stdout.readline().strip() == "ready"
+    target = next(iter(relayed.values()))
+    sent = lab.run(elsewhere.host, sys.executable, "-c", MARKER, target, timeout=60)
+    assert "sent" in sent
+    sniffer.kill()
+    sniffer.wait()
+    seen = capture.read_bytes()
+    assert len(seen) > 7000 * 2, "the capture saw the relayed bytes go by"
+    assert b"MARKER-TENSOR-" not in seen
