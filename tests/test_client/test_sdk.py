@@ -279,8 +279,14 @@ async def test_shadow_steps_catch_a_wrong_provider_and_generation_stays_exact(
     procs = start_providers(b, provider, ("--fault", "wrong-output"), (), (), ())
     bad = next(iter(procs))
     add_model(b.http, llama_package)
-    route = wait_ready(b.http, "tiny-llama")
-    assert any(bad in peers_of(s) or bad in s["backups"] for s in route["stages"])
+    wait_ready(b.http, "tiny-llama")
+
+    def placed_with_bad() -> dict[str, Any] | None:  # (ready may come before all 4 are placed)
+        _, route = api(b.http, "GET", "/v1/models/tiny-llama")
+        held = any(bad in peers_of(s) or bad in s["backups"] for s in route["stages"])
+        return route if route["ready"] and held else None
+
+    route = wait_until("the wrong provider placed", placed_with_bad, 60)
     keys = [s["key"] for s in route["stages"]]
 
     def held_twice() -> bool:  # every stage loaded on a second provider, as it reports
