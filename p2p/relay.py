@@ -40,6 +40,7 @@ DOMAIN = "fusionai/relay/1"
 KEEPALIVE_S = 20.0
 OPEN_TIMEOUT_S = 10.0  # a provider that does not open the data link by then: client dropped
 MAX_LINE = 512
+MAX_PENDING = 32  # clients waiting at once for one provider's data links
 CHUNK = 64 * 1024
 
 
@@ -255,6 +256,8 @@ class RelayServer:
     async def _forward(
         self, r: _Reservation, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        if len(r.waiting) >= MAX_PENDING:
+            return  # more clients waiting for this provider than it would open links for
         token = secrets.token_hex(16)
         waiter = asyncio.get_running_loop().create_future()
         r.waiting[token] = waiter
