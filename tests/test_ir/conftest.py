@@ -79,6 +79,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     from ir.export import build_package
 
     cache: dict[tuple[Any, ...], Any] = {}
+    kept: list[Any] = []  # the models cached: alive, so that no other model gets their id()
 
     def _build(model: Any, n_stages: int, **options: Any) -> Any:
         key = (id(model), n_stages, tuple(sorted((k, repr(v)) for k, v in options.items())))
@@ -88,6 +89,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
                 warnings.simplefilter("ignore")
                 manifest = build_package(model, n_stages, Path(out), name="test", **options)
             cache[key] = (manifest, Path(out))
+            kept.append(model)
         return cache[key]
 
     return _build
