@@ -1,4 +1,5 @@
-"""The lab's fixtures: one lab (a cone, a symmetric and a UPnP home) for the module, and a way
+"""The lab's fixtures: one lab (homes behind a cone, a symmetric and a UPnP router, and a
+client's home behind another cone) for the module, and a way
 to run the probes in its namespaces. Without root or the network tools the lab tests are
 skipped with the reason, except under CI=true, where that is a failure."""
 
@@ -29,7 +30,7 @@ def need_lab() -> None:
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
     need_lab()
-    with Lab(["cone", "symmetric", "upnp"]) as built:
+    with Lab(["cone", "symmetric", "upnp", "cone"]) as built:  # the last: a client's home
         yield built
 
 

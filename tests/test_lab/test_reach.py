@@ -42,7 +42,7 @@ def test_the_broker_reports_what_each_home_allows(
     lab: Lab, spawn: Callable[..., Proc], tmp_path: Path
 ) -> None:
     broker, addr = start_broker(lab, spawn, tmp_path / "broker")
-    cone, symmetric, upnp = lab.homes
+    cone, symmetric, upnp = lab.homes[:3]
     # a port forwarded by hand on the cone home's router, announced by its provider
     forward = ["-i", "wan", "-p", "tcp", "--dport", "4100", "-j", "DNAT"]
     to = ["--to-destination", f"{cone.host_ip}:4100"]

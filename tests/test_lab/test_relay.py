@@ -61,7 +61,7 @@ asyncio.run(main())
 def test_providers_behind_nat_serve_a_generation_through_the_relay(
     lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
 ) -> None:
-    cone, symmetric, elsewhere = lab.homes
+    cone, symmetric, elsewhere = lab.homes[0], lab.homes[1], lab.homes[3]
     broker = spawn(
         ["ip", "netns", "exec", lab.broker, *fusionai(
             "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
