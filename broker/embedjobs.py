@@ -364,8 +364,8 @@ class EmbedJobs:
         peers = [await self.calls.pick(job, pos, avoid) for pos in stages]
         tasks = []
         for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
-            due = self.verifier.due(model.unit_key(model.units[pos]))
-            nth = self.verifier.count(peer)
+            key = model.unit_key(model.units[pos])
+            due, nth = self.verifier.due(key), self.verifier.count(peer, key)
             tasks.append((pos, peer, nth if due else 0))
 
         async def one(pos: int, peer: str, hidden: Array, nth: int) -> Array:

@@ -108,6 +108,7 @@ class Verifier:
         }
         self.phase: dict[str, float] = {}  # stage key -> checks owed, in [0, 1)
         self.answered: dict[str, int] = {}  # peer -> FORWARD tasks given since this broker started
+        self.answered_stage: dict[tuple[str, str], int] = {}  # (peer, stage key) -> the same
         self.on_quarantine = on_quarantine
         self._local: OrderedDict[str, OrtExecutor] = OrderedDict()
         self._local_lock = asyncio.Lock()
@@ -116,9 +117,11 @@ class Verifier:
     def quarantined(self, peer: str) -> bool:
         return peer in self.registry.quarantined
 
-    def count(self, peer: str) -> int:
-        """One more task given to `peer`; its number (`caught_at` counts in these)."""
-        self.answered[peer] = n = self.answered.get(peer, 0) + 1
+    def count(self, peer: str, key: str) -> int:
+        """One more task of stage `key` given to `peer`; its number among that stage's tasks
+        given to it (`caught_at` counts in these: the spot checks' schedule is per stage)."""
+        self.answered[peer] = self.answered.get(peer, 0) + 1
+        self.answered_stage[(peer, key)] = n = self.answered_stage.get((peer, key), 0) + 1
         return n
 
     def due(self, key: str) -> bool:
@@ -144,7 +147,7 @@ class Verifier:
             log.warning("cannot check %s on %s: %s", key, peer, exc)
             self.events.emit("check_skipped", peer=peer, stage=key, reason=str(exc))
             return out, peer
-        nth[who] = self.answered.get(who, 0)
+        nth[who] = self.answered_stage.get((who, key), 0)
         ok, diff = agree(out, second, self.config.verify_rtol, self.config.verify_atol)
         if ok:
             self._count(peer, True)
@@ -190,7 +193,7 @@ class Verifier:
             except (RemoteError, RequestTimeout, P2PError) as exc:
                 log.info("a spot check on %s failed (%s); trying elsewhere", other, exc)
                 continue
-            self.count(other)
+            self.count(other, key)
             second = answer.outputs.get("hidden_states_out")
             if second is not None:
                 try:
@@ -252,7 +255,7 @@ class Verifier:
         except (RemoteError, RequestTimeout, P2PError) as exc:
             log.info("probe of %s on %s failed: %s", key, peer, exc)
             return None
-        self.count(peer)
+        self.count(peer, key)
         tensor = answer.outputs.get("hidden_states_out") if answer is not None else None
         try:
             theirs: Array | None = tensor.to_numpy() if tensor is not None else None
@@ -272,7 +275,7 @@ class Verifier:
                 peer,
                 f"its answer for {key} to the broker's probe differs from the broker's by "
                 f"{diff:.3g}",
-                self.answered[peer],
+                self.answered_stage[(peer, key)],
             )
         return good
 
@@ -307,7 +310,7 @@ class Verifier:
 
     def quarantine(self, peer: str, reason: str, caught_at: int | None = None) -> None:
         """Take `peer` out of the pool for good and redo its recent work (`caught_at`: which
-        of its answers since this broker started was found wrong)."""
+        of its answers for the stage found wrong, since this broker started, it was)."""
         if self.quarantined(peer):
             return
         r = self.reputation.setdefault(peer, Reputation())

@@ -91,7 +91,8 @@ def test_wrong_output_provider_is_caught_quarantined_and_its_work_redone(
     _, job = api(b.http, "POST", "/v1/jobs", {"model": "minilm", "texts": batch, "microbatch": 2})
 
     caught = b.proc.wait_for("provider_quarantined", lambda e: e["peer"] == bad_id, timeout=120)
-    assert caught["caught_at"] <= math.ceil(1 / FRACTION), caught  # within 4 of its answers
+    # within 4 of its answers for the stage checked (it may serve both: each has its schedule)
+    assert caught["caught_at"] <= math.ceil(1 / FRACTION), caught
     assert "differs from the broker's" in caught["reason"]
     assert early["id"] in caught["redo"]  # its finished work is redone too
     done = wait_job(b.http, job["id"])
