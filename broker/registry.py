@@ -12,6 +12,7 @@ provider the moment it is declared lost. Time is the broker's injected monotonic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -175,6 +176,8 @@ class Registry:
             self.events.emit("join_refused", peer=peer, reason=reason)
             return JoinReply(accepted=False, reason=reason)
         self.profiles[peer] = profile
+        if profile.relayed:
+            hw = self._through_relay(hw)
         if self.reachability is not None:
             self.reachability.check(peer, profile)
         # A provider we thought alive joining again restarted (unless it is the same process,
@@ -198,6 +201,15 @@ class Registry:
             heartbeat_s=self.config.heartbeat_s,
             relay_port=self.relay_port(),
         )
+
+    def _through_relay(self, hw: HardwareProfile) -> HardwareProfile:
+        """A relayed provider as the cost model sees it: every exchange crosses the relay
+        leg too (about its own round trip to the broker, where the relay runs, again), and
+        its bandwidth is at most its share of the relay's cap."""
+        relayed = sum(1 for p in self.profiles.values() if p.relayed)
+        cap = self.config.relay_rate_bytes_s
+        bandwidth = min(hw.net_bandwidth, cap / max(1, relayed)) if cap > 0 else hw.net_bandwidth
+        return dataclasses.replace(hw, rtt=2 * hw.rtt, net_bandwidth=max(1.0, bandwidth))
 
     async def on_heartbeat(self, peer: str, msg: Heartbeat) -> HeartbeatAck:
         known = self.alive(peer)

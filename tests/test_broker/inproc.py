@@ -162,7 +162,13 @@ class Swarm:
 
 async def swarm(root: Path, **config: Any) -> Swarm:
     """A started broker (heartbeats every 5 s on its own clock; the test sends them)."""
-    settings = {"http_port": 0, "verify_fraction": 0.0, "relay": "chain", **config}
+    settings = {
+        "http_port": 0,
+        "verify_fraction": 0.0,
+        "relay": "chain",
+        "relay_port": None,  # (an in-memory network: no relay of TCP bytes)
+        **config,
+    }
     net, clock = MemoryNetwork(), Clock()
     return Swarm(net, clock, root, await _broker(net, clock, root, settings), settings)
 

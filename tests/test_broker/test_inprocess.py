@@ -206,3 +206,41 @@ async def test_an_embedding_job_over_the_int8_wire(
         assert cosine.min() >= 0.999 and np.abs(rows - fp32).max() > 1e-4  # int8 did travel
     finally:
         await s.close()
+
+
+async def test_a_relayed_provider_costs_its_relay_leg(tmp_path: Path) -> None:
+    """A join announcing a relayed address: the cost model doubles its round trip (the relay
+    leg) and gives it at most its share of the relay's cap."""
+    import time
+
+    import msgspec
+
+    from proto.join import ExecutorInfo, JoinProfile
+
+    s = await swarm(tmp_path, relay_rate_bytes_s=2e6)
+    try:
+        for i, relayed in enumerate(([], ["/ip4/203.0.113.10/tcp/40000/p2p/x"])):
+            identity = Identity.ephemeral()
+            profile = JoinProfile(
+                gpu=None,
+                cpu="cpu",
+                cpu_cores=2,
+                executors=[ExecutorInfo("ort", "cpu", {"float32": 5e10}, 1e10, 8 << 30, 8 << 30)],
+                executor="ort",
+                memory_limit_bytes=2 << 30,
+                net_up_bytes_s=1e8,
+                rtt_s=0.05,
+                version="test",
+                relayed=relayed,
+            )
+            body, stamp = msgspec.json.encode(profile), time.time()
+            signature = identity.sign(
+                signed_join_bytes(body, s.broker.peer_id, stamp), domain=JOIN_DOMAIN
+            )
+            join = Join(profile=body, signature=signature, broker=s.broker.peer_id, timestamp=stamp)
+            assert (await s.broker.registry.on_join(identity.peer_id, join)).accepted
+            seen = s.broker.registry.core.pool.providers[identity.peer_id].profile
+            want = (0.05, 1e8) if i == 0 else (0.1, 2e6)  # the only relayed one: all the cap
+            assert (seen.rtt, seen.net_bandwidth) == pytest.approx(want)
+    finally:
+        await s.close()
