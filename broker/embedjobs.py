@@ -365,7 +365,7 @@ class EmbedJobs:
         tasks = []
         for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
             key = model.unit_key(model.units[pos])
-            due, nth = self.verifier.due(key), self.verifier.count(peer, key)
+            due, nth = self.verifier.due(key, peer), self.verifier.count(peer, key)
             tasks.append((pos, peer, nth if due else 0))
 
         async def one(pos: int, peer: str, hidden: Array, nth: int) -> Array:

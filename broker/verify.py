@@ -9,9 +9,9 @@ the stage itself as the referee, and every provider whose answer differs from th
 is quarantined: it leaves the pool (its backup takes over), its joins are refused from then
 on, and the results it computed in the last `verify_redo_s` seconds are redone.
 
-Which tasks are checked: for each stage, one in every 1/fraction, from a random phase. A
-provider cannot tell which of its answers are checked, and one that answers wrongly is
-caught within ceil(1/fraction) tasks of its stage.
+Which tasks are checked: of each provider's tasks of each stage, one in every 1/fraction,
+from a random phase. A provider cannot tell which of its answers are checked, and one that
+answers wrongly is caught within ceil(1/fraction) of its tasks of a stage.
 
 Reputation (checks, agreements, disagreements, quarantine and its reason) is kept in SQLite
 and shown in `GET /v1/providers` and the dashboard.
@@ -106,7 +106,7 @@ class Verifier:
         registry.quarantined = {
             p: r.reason for p, r in self.reputation.items() if r.quarantined is not None
         }
-        self.phase: dict[str, float] = {}  # stage key -> checks owed, in [0, 1)
+        self.phase: dict[tuple[str, str], float] = {}  # (stage key, peer) -> checks owed, in [0, 1)
         self.answered: dict[str, int] = {}  # peer -> FORWARD tasks given since this broker started
         self.answered_stage: dict[tuple[str, str], int] = {}  # (peer, stage key) -> the same
         self.on_quarantine = on_quarantine
@@ -124,13 +124,15 @@ class Verifier:
         self.answered_stage[(peer, key)] = n = self.answered_stage.get((peer, key), 0) + 1
         return n
 
-    def due(self, key: str) -> bool:
-        """Whether this task of stage `key` is checked (one in every 1/fraction)."""
+    def due(self, key: str, peer: str) -> bool:
+        """Whether this task of stage `key` on `peer` is checked: one in every 1/fraction of
+        each provider's tasks of each stage (a provider serving a stage beside replicas is
+        checked as often as one serving it alone)."""
         fraction = self.config.verify_fraction
         if fraction <= 0:
             return False
-        owed = self.phase.get(key, self.rng.random()) + fraction
-        self.phase[key] = owed % 1.0 if owed >= 1.0 else owed
+        owed = self.phase.get((key, peer), self.rng.random()) + fraction
+        self.phase[(key, peer)] = owed % 1.0 if owed >= 1.0 else owed
         return owed >= 1.0
 
     async def check(
