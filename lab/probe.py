@@ -40,22 +40,12 @@ def serve(port: int) -> None:
         send the bytes asked for (a download: "D" and a size)."""
         mode = conn.recv(1)
         if mode == b"D":
-            size = struct.unpack("!Q", _exactly(conn, 8))[0]
-            block, sent = os.urandom(1 << 16), 0
-            while sent < size:
-                sent += conn.send(block[: min(len(block), size - sent)])
+            _send(conn, struct.unpack("!Q", _exactly(conn, 8))[0])
             conn.close()
             return
-        total, first, last = 0, 0.0, 0.0
-        while chunk := conn.recv(1 << 16):
-            last = time.monotonic()
-            if not total:
-                first = last
-            total += len(chunk)
-        seconds = max(last - first, 1e-9)
+        rate = _receive(conn)
         conn.close()
-        print(json.dumps({"bytes": total, "seconds": seconds, "mbit_s": total * 8 / seconds / 1e6}),
-              flush=True)  # fmt: skip
+        print(json.dumps(rate), flush=True)
 
     threading.Thread(target=echo, daemon=True).start()
     print(json.dumps({"ready": port}), flush=True)
@@ -74,17 +64,28 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def pull(host: str, port: int, size: int) -> dict[str, float]:
-    s = socket.create_connection((host, port), timeout=30)
-    s.sendall(b"D" + struct.pack("!Q", size))
+def _send(conn: socket.socket, size: int) -> None:
+    block, sent = os.urandom(1 << 16), 0
+    while sent < size:
+        sent += conn.send(block[: min(len(block), size - sent)])
+
+
+def _receive(conn: socket.socket) -> dict[str, float]:
+    """Read until the other side closes: bytes, and the rate from first to last byte."""
     total, first, last = 0, 0.0, 0.0
-    while chunk := s.recv(1 << 16):
+    while chunk := conn.recv(1 << 16):
         last = time.monotonic()
         if not total:
             first = last
         total += len(chunk)
     seconds = max(last - first, 1e-9)
     return {"bytes": total, "seconds": seconds, "mbit_s": total * 8 / seconds / 1e6}
+
+
+def pull(host: str, port: int, size: int) -> dict[str, float]:
+    s = socket.create_connection((host, port), timeout=30)
+    s.sendall(b"D" + struct.pack("!Q", size))
+    return _receive(s)
 
 
 def rtt(host: str, port: int, n: int) -> dict[str, float]:
@@ -106,12 +107,11 @@ def rtt(host: str, port: int, n: int) -> dict[str, float]:
 def bulk(host: str, port: int, size: int) -> dict[str, float]:
     s = socket.create_connection((host, port), timeout=30)
     s.sendall(b"U")
-    block, sent, start = os.urandom(1 << 16), 0, time.monotonic()
-    while sent < size:
-        sent += s.send(block[: min(len(block), size - sent)])
+    start = time.monotonic()
+    _send(s, size)
     s.shutdown(socket.SHUT_WR)
     s.recv(1)  # until the sink closes: everything arrived
-    return {"bytes": sent, "seconds": time.monotonic() - start}
+    return {"bytes": size, "seconds": time.monotonic() - start}
 
 
 def dial(host: str, port: int) -> dict[str, object]:

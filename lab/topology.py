@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,14 +263,3 @@ table inet nat {
         self.names.clear()
         self.procs.clear()
         self.homes.clear()
-
-
-def wait_for(check: Any, what: str, timeout: float = 10.0) -> Any:
-    """Poll `check()` until it returns something true."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise LabError(f"no {what} within {timeout:g} s")

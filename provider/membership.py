@@ -172,6 +172,7 @@ class Membership:
         assert self.host is not None and self.profile is not None
         await self.host.connect(self.config.broker)
         up, rtt = await self.measure_network()
+        addrs, relayed = self._announced(), self._relayed()
         profile = JoinProfile(
             gpu=self.profile.gpu,
             cpu=self.profile.cpu,
@@ -192,9 +193,9 @@ class Membership:
             net_up_bytes_s=up,
             rtt_s=rtt,
             version=version(),
-            addrs=self._announced(),
-            mapped=[a for a in mapped(self._announced()) if a not in self._relayed()],
-            relayed=self._relayed(),
+            addrs=addrs,
+            mapped=[a for a in mapped(addrs) if a not in relayed],
+            relayed=relayed,
         )
         body = msgspec.json.encode(profile)
         stamp = time.time()
