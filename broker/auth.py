@@ -1,10 +1,19 @@
-"""API keys, artifact download tokens, and TLS certificates for the broker's HTTP API.
+"""API keys and their roles, artifact download tokens, and TLS certificates for the broker's
+HTTP API.
 
 With API keys set, every route but `/healthz`, the dashboard page and `/openapi.json` needs
-`Authorization: Bearer KEY` (or `X-API-Key: KEY`); others get 401. Keys are compared by their
-SHA-256 in constant time. Providers have no API key: their assignments (sent over the
-authenticated p2p channel) carry artifact URLs with a token, an HMAC of the artifact's hash
-under a secret kept in the broker's data directory, so a URL works only for what it names.
+`Authorization: Bearer KEY` or `X-API-Key: KEY`; others get 401. Adding or replacing a model
+and uploading artifacts needs an admin key (`--admin-key`, or `admin` after a key in a keys
+file); an ordinary key gets 403 there. Keys are compared by their SHA-256 in constant time.
+
+Providers have no API key. Each assignment (sent to one provider over the authenticated p2p
+channel) carries an artifact URL `.../v1/artifacts/SHA?peer=PEER&token=EXPIRY.MAC`, MAC an
+HMAC-SHA256 of the artifact's hash, the provider's peer id and the expiry under a secret kept
+in the broker's data directory: a URL names one artifact for one provider, and works while
+that provider is a live member of the swarm and until it expires (`TOKEN_RATE`: long enough
+for a slow download of the artifact; a download that outlives it fails and the stage is
+placed again). HTTP cannot prove who asks: a leaked URL is good for that artifact, for that
+time, while its provider is alive. The URLs are never logged (`files.private.redact`).
 
 `self_signed(dir, hosts)` makes (or reuses) an ECDSA certificate and key with `cryptography`;
 its SHA-256 fingerprint goes to providers with each assignment, so they can pin it.
@@ -16,8 +25,10 @@ import datetime as dt
 import hashlib
 import hmac
 import ipaddress
+import math
 import secrets
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from files.atomic import write_atomic
@@ -27,24 +38,25 @@ class KeyFileError(ValueError):
     """A keys file cannot be read; the message says where and why."""
 
 
-def load_keys(path: Path) -> list[str]:
-    """API keys from a file: one per line (anything after the key is a comment, and so are
-    lines starting with '#'). Keys are at least 16 characters."""
+def load_keys(path: Path) -> tuple[list[str], list[str]]:
+    """(ordinary keys, admin keys) from a file: one key per line, the word `admin` after it
+    for an admin key; anything after that is a comment, and so are lines starting with '#'.
+    Keys are at least 16 characters."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise KeyFileError(f"cannot read keys file {path}: {exc.strerror}") from None
-    keys = []
+    keys: list[str] = []
+    admin: list[str] = []
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+        words = line.split()
+        if not words or words[0].startswith("#"):
             continue
-        key = line.split()[0]
-        check_key(key, f"{path}:{n}")
-        keys.append(key)
-    if not keys:
+        check_key(words[0], f"{path}:{n}")
+        (admin if words[1:2] == ["admin"] else keys).append(words[0])
+    if not keys and not admin:
         raise KeyFileError(f"keys file {path} holds no key")
-    return keys
+    return keys, admin
 
 
 def check_key(key: str, where: str = "--api-key") -> None:
@@ -57,29 +69,52 @@ def new_key() -> str:
 
 
 class Keys:
-    """The accepted API keys (none: the API is open)."""
+    """The accepted API keys (none: the API is open) and, among them, the admin keys."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+    def __init__(self, keys: Iterable[str], admin: Iterable[str] = ()) -> None:
+        self._admin = [_digest(k) for k in admin]
+        self._digests = [_digest(k) for k in keys] + self._admin
 
     @property
     def required(self) -> bool:
         return bool(self._digests)
 
+    @property
+    def has_admin(self) -> bool:
+        return bool(self._admin)
+
     def valid(self, key: str | None) -> bool:
-        if key is None:
-            return False
-        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-        found = False
-        for d in self._digests:  # compare with every key: the time does not tell which matched
-            found |= hmac.compare_digest(d, digest)
-        return found
+        return key is not None and _among(self._digests, key)
+
+    def admin(self, key: str | None) -> bool:
+        """Whether `key` may add models and upload artifacts (any caller may on an open API)."""
+        return not self.required or (key is not None and _among(self._admin, key))
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def _among(digests: list[bytes], key: str) -> bool:
+    digest = _digest(key)
+    found = False
+    for d in digests:  # compare with every key: the time does not tell which matched
+        found |= hmac.compare_digest(d, digest)
+    return found
+
+
+TOKEN_RATE = 1e6  # an artifact link lives its base lifetime plus its size at this rate; B/s
 
 
 class ArtifactTokens:
-    """Tokens in artifact URLs: HMAC-SHA256(secret, sha256) in hex."""
+    """Tokens in artifact URLs: `EXPIRY.MAC`, EXPIRY in Unix seconds and MAC the hex
+    HMAC-SHA256(secret, "SHA|PEER|EXPIRY"). `lifetime_s` is how long a token lives, plus a
+    second per `TOKEN_RATE` bytes of its artifact; `clock` gives Unix seconds (tokens outlive
+    a restart of the broker: its secret is kept)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(
+        self, data_dir: Path, lifetime_s: float = 900.0, clock: Callable[[], float] = time.time
+    ) -> None:
         path = data_dir / "artifact-secret"
         try:
             secret = path.read_bytes()
@@ -89,20 +124,34 @@ class ArtifactTokens:
             secret = secrets.token_bytes(32)
             write_atomic(path, secret, mode=0o600)
         self._secret = secret
+        self.lifetime_s = lifetime_s
+        self._clock = clock
 
-    def token(self, sha: str) -> str:
-        return hmac.new(self._secret, sha.encode("utf-8", "surrogateescape"), "sha256").hexdigest()
+    def token(self, sha: str, peer: str, size: int = 0) -> str:
+        """A token for `peer` to download `sha` (`size` bytes)."""
+        expiry = math.ceil(self._clock() + self.lifetime_s + size / TOKEN_RATE)
+        return f"{expiry}.{self._mac(sha, peer, expiry)}"
 
-    def valid(self, sha: str, token: str | None) -> bool:
+    def valid(self, sha: str, peer: str, token: str | None) -> bool:
+        """Whether `token` was made for `peer` and `sha` by this broker, and is unexpired."""
         if token is None:
             return False
-        given = token.encode("utf-8", "surrogateescape")  # any bytes: compared, never decoded
-        return hmac.compare_digest(self.token(sha).encode(), given)
+        stamp, _, mac = token.partition(".")
+        if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 12):
+            return False
+        given = mac.encode("utf-8", "surrogateescape")  # any bytes: compared, never decoded
+        right = hmac.compare_digest(self._mac(sha, peer, int(stamp)).encode(), given)
+        return right and int(stamp) >= self._clock()
+
+    def _mac(self, sha: str, peer: str, expiry: int) -> str:
+        signed = f"{sha}|{peer}|{expiry}".encode("utf-8", "surrogateescape")
+        return hmac.new(self._secret, signed, "sha256").hexdigest()
 
 
 def self_signed(directory: Path, hosts: Iterable[str]) -> tuple[Path, Path]:
-    """A self-signed certificate and its key in `directory` (made once, then reused), valid
-    for `hosts` (names or IP addresses) for 825 days."""
+    """A self-signed certificate and its key in `directory` (made once, then reused, both
+    owner-only), valid for `hosts` (names or IP addresses) for 825 days."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
     if cert_path.exists() and key_path.exists():
         return cert_path, key_path
@@ -136,7 +185,7 @@ def self_signed(directory: Path, hosts: Iterable[str]) -> tuple[Path, Path]:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     write_atomic(key_path, pem, mode=0o600)
-    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o600)
     return cert_path, key_path
 
 

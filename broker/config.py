@@ -29,6 +29,15 @@ class BrokerConfig:
     join_token: str | None = None  # providers must present it to join (None: open)
     allow: frozenset[str] = frozenset()  # peer ids allowed to join (empty: anyone)
     deny: frozenset[str] = frozenset()  # peer ids refused
+    trust_claims: bool = False  # believe joining providers' hardware profiles: no hardware
+    # check at join, and a newcomer may take served blocks before its stage times are seen
+    # (tests of placement; a swarm of machines the operator knows)
+    check_s: float = 0.25  # a joining provider's hardware check lasts this long at the speed
+    # it claims; seconds
+    claim_factor: float = 4.0  # claimed FLOP/s above this times what the check showed are
+    # capped there (every speed figure of the profile scaled down alike)
+    allow_link_local: bool = False  # accept announced link-local and cloud-metadata addresses
+    # (169.254.0.0/16, fe80::/10, 169.254.169.254, ...): a lab on one link
     heartbeat_s: float = 5.0  # providers send a heartbeat this often; seconds
     missed_heartbeats: int = 3  # heartbeats missed in a row before a provider is dead
     queue_policy: str = "fifo"  # "fifo" or "sjf-bsbf"
@@ -46,6 +55,13 @@ class BrokerConfig:
     max_body_bytes: int = 64 * 1024**2  # JSON request bodies; bytes
     max_artifact_bytes: int = 16 * 1024**3  # one uploaded artifact; bytes
     api_keys: tuple[str, ...] = ()  # HTTP clients must present one (empty: the API is open)
+    admin_keys: tuple[str, ...] = ()  # keys that may also add or replace models and upload
+    # artifacts (with api_keys or admin_keys set, other keys get 403 there)
+    artifact_token_s: float = 900.0  # an artifact link given to a provider lives this long,
+    # plus a second per MB of the artifact (a download at 1 MB/s); seconds
+    http_idle_s: float = 20.0  # an HTTP connection that has not sent a whole request head
+    # this long after it opened or after its last answer is closed (slow or idle); seconds
+    # (more than the 15 s an aiohttp client keeps an idle one: none reuses a closing one)
     tls_cert: Path | None = None  # PEM certificate for HTTPS (with tls_key)
     tls_key: Path | None = None  # its PEM private key
     verify_fraction: float = 0.05  # stage tasks of batch jobs and embedding requests run
@@ -54,6 +70,8 @@ class BrokerConfig:
     verify_atol: float = 1e-3  # atol + rtol * (largest magnitude of the reference)
     verify_redo_s: float = 3600.0  # a quarantined provider's results this recent are redone
     max_interactive: int = 64  # embedding and completion requests served at once (then 429)
+    max_work_tokens: int = 2_000_000  # tokens of interactive work at once (then 429)
+    max_reading_bytes: int = 256 * 1024**2  # bytes of JSON bodies read at once (then 429)
     rebalance_every_s: float = 600.0  # how often idle models are checked for a better placement
     trace: Path | None = None  # record the decision core's inputs and actions here (JSON lines)
 
@@ -84,4 +102,5 @@ class BrokerConfig:
             queue_policy=self.queue_policy,
             restart_grace_s=self.grace_s,
             rebalance_every_s=self.rebalance_every_s,
+            observe_before_moving=0 if self.trust_claims else 1,
         )

@@ -2,7 +2,8 @@
 
 A job's story is the events that name it; the swarm's is all of them. Each event is also
 logged and handed to the sinks (the `--json` stdout printer, the metrics); streams wait
-for the next one.
+for the next one. Text fields never carry an artifact link's token (a provider's failure
+reason may quote its link): it is redacted.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from broker.schema import EventRow
 from broker.store import Store
+from files.private import redact
 
 log = logging.getLogger("fusionai.broker")
 
@@ -30,6 +32,7 @@ class EventLog:
     def emit(
         self, kind: str, *, job: str | None = None, peer: str | None = None, **data: Any
     ) -> EventRow:
+        data = {k: redact(v) if isinstance(v, str) else v for k, v in data.items()}  # (links)
         row = self.store.add_event(kind, data, job=job, peer=peer)
         log.info("%s %s", kind, json.dumps(row.to_json(), default=str, sort_keys=True))
         for sink in self.sinks:

@@ -30,9 +30,10 @@ import numpy as np
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 
+from broker.admission import Admission, Limits, tokens_of_texts
 from broker.config import BrokerConfig
 from broker.embedjobs import EmbedJobs
-from broker.errors import NotFound, TooBusy, Unavailable
+from broker.errors import NotFound, Unavailable
 from broker.events import EventLog
 from broker.httpkit import answer, event_stream, sse
 from broker.jobkinds import JobError
@@ -45,7 +46,7 @@ from broker.verify import Verifier
 from client.errors import GenerationError
 from client.sampling import Sampler
 from client.session import GenerationSession, generate
-from client.stages import ClientStageError, ClientStages
+from client.stages import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, ClientStageError, ClientStages
 from client.text import TextStream
 from ir.chat import ChatError, render
 from p2p import Host
@@ -110,14 +111,15 @@ class BrokerRouter:
 class Gateway:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.running = 0  # interactive requests in progress
-
-    def _admit(self) -> None:
-        if self.running >= self.parts.config.max_interactive:
-            raise TooBusy(
-                f"{self.running} embedding and completion requests are in progress "
-                f"(limit {self.parts.config.max_interactive}); try again shortly"
+        config = parts.config
+        self.admission = Admission(
+            Limits(
+                config.max_interactive,
+                config.max_reading_bytes,
+                config.max_work_tokens,
+                config.max_body_bytes,
             )
+        )
 
     # ---- embeddings ------------------------------------------------------------------------
 
@@ -125,14 +127,11 @@ class Gateway:
         model = body.model
         texts, ids = parse_input(body.input, "input")
         fmt, dims = body.encoding_format or "float", body.dimensions
-        self._admit()
-        self.running += 1
-        start = time.perf_counter()
-        try:
+        work = (
+            tokens_of_texts(texts, DEFAULT_MAX_TOKENS) if texts else sum(len(i) for i in ids or [])
+        )
+        with self._interactive("embeddings", work):
             vectors, tokens = await self.parts.embeds.embed_now(model, texts, ids)
-        finally:
-            self.running -= 1
-            self.parts.metrics.interactive("embeddings", time.perf_counter() - start)
         if dims is not None and dims != vectors.shape[1]:
             raise JobError("dimensions", f"{model} gives {vectors.shape[1]} dimensions only")
         data = []
@@ -179,24 +178,28 @@ class Gateway:
         return req
 
     @contextlib.contextmanager
-    def _interactive(self, kind: str) -> Iterator[None]:
-        self._admit()
-        self.running += 1
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self.parts.metrics.interactive(kind, time.perf_counter() - start)
+    def _interactive(self, kind: str, tokens: int) -> Iterator[None]:
+        """Admitted with at most `tokens` tokens of work (else `TooBusy`), and timed."""
+        with self.admission.working(tokens):
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.parts.metrics.interactive(kind, time.perf_counter() - start)
 
     async def completions(
         self, request: web.Request, body: oa.CompletionRequest
     ) -> web.StreamResponse:
         req = parse_completion(body)
         client = await self._decoder(req.model)
-        prompts = await asyncio.to_thread(self._prompt_ids, client, req)
-        req = self._fitted(req, client, prompts)
-        with self._interactive("completions"):
+        context = _context(client)
+        for i, text in enumerate(req.prompts or []):
+            _check_chars(text, context, f"prompt[{i}]" if len(req.prompts or []) > 1 else "prompt")
+        many = len(req.prompts or req.prompt_ids or [])
+        work = tokens_of_texts(req.prompts or [], context) + sum(map(len, req.prompt_ids or []))
+        with self._interactive("completions", work + many * (req.max_tokens or context)):
+            prompts = await asyncio.to_thread(self._prompt_ids, client, req)
+            req = self._fitted(req, client, prompts)
             cid = "cmpl-" + uuid.uuid4().hex[:24]
             created = int(time.time())
             if req.stream:
@@ -226,17 +229,21 @@ class Gateway:
             raise JobError(
                 "model", f"{req.model} has no chat template: use /v1/completions with a prompt"
             )
-        try:
-            text = await asyncio.to_thread(
-                render, manifest.chat_template, messages, manifest.special_tokens
+        context = _context(client)
+        with self._interactive("chat", context + (req.max_tokens or context)):
+            try:
+                text = await asyncio.to_thread(
+                    render, manifest.chat_template, messages, manifest.special_tokens
+                )
+            except ChatError as exc:
+                raise JobError("messages", str(exc)) from None
+            _check_chars(text, context, "messages")
+            prompt = await asyncio.to_thread(
+                lambda: client.tokenizer.encode(text, add_special_tokens=False).ids
             )
-        except ChatError as exc:
-            raise JobError("messages", str(exc)) from None
-        prompt = client.tokenizer.encode(text, add_special_tokens=False).ids
-        if not prompt:
-            raise JobError("messages", "the conversation renders to no tokens")
-        req = self._fitted(req, client, [prompt])
-        with self._interactive("chat"):
+            if not prompt:
+                raise JobError("messages", "the conversation renders to no tokens")
+            req = self._fitted(req, client, [prompt])
             cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
             if req.stream:
                 return await self._stream(request, req, client, [prompt], cid, created, chat=True)
@@ -361,6 +368,21 @@ class Gateway:
             await sse(resp, None, "[DONE]")
 
         return await event_stream(request, body)
+
+
+def _context(client: ClientStages) -> int:
+    """The model's context in tokens (the client stages' cut when the model names none)."""
+    return int(client.manifest.config.get("max_positions", 0) or 0) or client.max_tokens
+
+
+def _check_chars(text: str, context: int, field: str) -> None:
+    """Refuse, before tokenizing, a text longer than any that fits the model's context."""
+    if len(text) > context * CHARS_PER_TOKEN:
+        raise JobError(
+            field,
+            f"{len(text)} characters: more than fit the model's context of {context} tokens "
+            f"(at most {context * CHARS_PER_TOKEN} characters)",
+        )
 
 
 def _usage(prompt: int, completion: int) -> oa.Usage:

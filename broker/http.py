@@ -4,13 +4,13 @@
     GET  /v1/swarm                        providers (pool, hardware, load) and models
     GET  /v1/providers                    the providers alone
     GET  /v1/models                       models and whether they are served
-    POST /v1/models                       register a model: its manifest.json as the body
+    POST /v1/models                       register a model: its manifest.json (admin key)
     GET  /v1/models/{name}                its stages and route (providers, addresses, backups)
     GET  /v1/models/{name}/route          the same, for a client opening interactive sessions
     GET  /v1/models/{name}/manifest       its manifest.json (clients fetch their stages by it)
     POST /v1/models/{name}/pick           a provider for one stage of a client's session
     POST /v1/providers/{peer}/report      a client's request to this provider failed
-    PUT  /v1/artifacts/{sha256}           upload an artifact (verified against its name)
+    PUT  /v1/artifacts/{sha256}           upload an artifact, verified by its name (admin key)
     GET  /v1/artifacts/{sha256}           download one (range requests supported)
     POST /v1/jobs                         submit a job: {"model", "texts" | "token_ids", ...}
     GET  /v1/jobs                         recent jobs
@@ -31,10 +31,12 @@
     GET  /                                the dashboard (static files in broker/dashboard/)
 
 With API keys configured, everything but `/healthz`, `/openapi.json` and the dashboard's
-static files needs `Authorization: Bearer KEY` (`broker.auth`). Errors are JSON
-`{"error": {"message", "field"?}}` with 400 (bad input, naming the field), 401 (no valid key),
-404 (unknown model or job), 409 (not yet possible), 413 (too large), 429 (too many requests
-in progress) or 503 (no provider serves the model in time).
+static files needs `Authorization: Bearer KEY` or `X-API-Key: KEY`, and adding a model or
+uploading an artifact an admin key (`broker.auth`); providers download artifacts with the
+token of their assignment's link instead. Errors are JSON `{"error": {"message", "field"?}}`
+with 400 (bad input, naming the field), 401 (no valid key), 403 (not an admin key), 404
+(unknown model or job), 409 (not yet possible), 413 (too large), 429 (too many requests in
+progress) or 503 (no provider serves the model in time).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from broker.events import EventLog
 from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
 from broker.httpkit import (
+    ADMISSION,
     DASHBOARD,
     Handler,
     answer,
@@ -85,6 +88,17 @@ from proto import api
 from proto.api import openai as oa
 
 log = logging.getLogger("fusionai.broker")
+ADMIN = frozenset((op.method, op.path) for op in OPS if op.admin)  # (an admin key's alone)
+KEY_NEEDED = "a valid API key is needed: Authorization: Bearer KEY (or X-API-Key: KEY)"
+LINK_REFUSED = (
+    "this artifact link has expired, or is not this provider's, or its provider has left the "
+    "swarm; the broker sends a fresh link with each assignment"
+)
+ADMIN_NEEDED = "adding or replacing models and uploading artifacts needs an admin key"
+NO_ADMIN_KEY = (
+    f"{ADMIN_NEEDED}, and this broker has none: start it with --admin-key KEY, or put "
+    "`admin` after a key in its --api-keys-file"
+)
 
 
 @dataclass(frozen=True)
@@ -135,19 +149,27 @@ def make_app(parts: ApiParts) -> web.Application:
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not keys.required or public_path(request.path) or request.method == "OPTIONS":
             return await handler(request)
-        sha = request.match_info.get("sha")
-        download = request.method in ("GET", "HEAD") and sha is not None  # by a provider
-        if download and tokens.valid(sha or "", request.query.get("token")):
-            return await handler(request)
-        if not keys.valid(presented_key(request)):
-            response = error(401, "a valid API key is needed: Authorization: Bearer KEY")
+        sha, query = request.match_info.get("sha"), request.query
+        link = request.method in ("GET", "HEAD") and sha is not None and "token" in query
+        if link:  # a provider's download: its own link, unexpired, while it is a member
+            peer = query.get("peer", "")
+            if tokens.valid(sha or "", peer, query["token"]) and parts.registry.alive(peer):
+                return await handler(request)
+        key = presented_key(request)
+        if not keys.valid(key):
+            response = error(401, LINK_REFUSED if link else KEY_NEEDED)
             response.headers["WWW-Authenticate"] = 'Bearer realm="fusionai"'
             return response
+        route = request.match_info.route.resource
+        needs_admin = route is not None and (request.method, route.canonical) in ADMIN
+        if needs_admin and not keys.admin(key):
+            return error(403, ADMIN_NEEDED if keys.has_admin else NO_ADMIN_KEY)
         return await handler(request)
 
     app = web.Application(
         middlewares=[measure, errors, auth], client_max_size=parts.config.max_body_bytes
     )
+    app[ADMISSION] = parts.gateway.admission  # bodies read at once, bounded in bytes
     store, serving = parts.store, parts.serving
     sessions = SessionRoutes(
         serving,

@@ -5,7 +5,9 @@ error middleware, server-sent events, request bodies and query parameters decode
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +17,7 @@ import numpy as np
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse, sse_response
 
+from broker.admission import Admission
 from broker.errors import Conflict, NotFound, TooBusy, Unavailable
 from broker.jobkinds import JobError, refusal
 from broker.models import ModelStoreError
@@ -123,25 +126,45 @@ async def sse(response: EventSourceResponse, event: str | None, data: Any) -> No
     await response.send(text, event=event)
 
 
+# a \uXXXX escape of a UTF-16 surrogate: JSON text may pair them, never leave one alone
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _parse(raw: bytes, kind: Any) -> Any:
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         raise refusal(exc) from None
     except msgspec.DecodeError as exc:
+        if _SURROGATE.search(raw):  # (msgspec's own words for it say "truncated")
+            raise JobError(
+                "body",
+                f"not valid JSON text: it escapes an unpaired UTF-16 surrogate ({exc}); "
+                f"send text as UTF-8, or escape characters outside the BMP as a surrogate pair",
+            ) from None
         raise JobError("body", f"not valid JSON: {exc}") from None
     except RecursionError:
         raise JobError("body", "JSON nested too deeply") from None
 
 
+ADMISSION = web.AppKey("admission", Admission)  # the bytes of bodies being read, bounded
+
+
 async def body_as(request: web.Request, kind: type[T]) -> T:
     """The request's JSON body as `kind` (a `proto.api` struct); `JobError` naming the field
-    at fault. Over the size limit: 413, answered by the middleware."""
-    raw = await request.read()
-    if len(raw) > BIG_BODY:
-        value: T = await asyncio.to_thread(_parse, raw, kind)
-    else:
-        value = _parse(raw, kind)
+    at fault. Over the size limit: 413, answered by the middleware. While the broker reads
+    and decodes more bodies than its `Admission` allows in bytes: 429, before reading."""
+    admission = request.app.get(ADMISSION)
+    reading: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if admission is not None:  # a chunked body counts as the largest it may be
+        reading = admission.reading(request.content_length or admission.limits.largest_body)
+    with reading:
+        raw = await request.read()
+        if len(raw) > BIG_BODY:
+            value: T = await asyncio.to_thread(_parse, raw, kind)
+        else:
+            value = _parse(raw, kind)
+        del raw
     return value
 
 

@@ -4,12 +4,14 @@ Artifacts live in `data_dir/artifacts/<sha256>` whatever model they belong to, s
 sharing a stage store it once. An upload streams to a temporary file, is hashed on the way and
 renamed into place only if the hash matches. A model is registered from its manifest once every
 file it names is present; the package is then validated as a whole (IR validation: standard
-ONNX operators only, hashes, sizes), so providers are never sent a stage the broker has not
-checked.
+ONNX operators only, hashes, sizes; each stage's inputs, outputs, dtypes, shapes and opset
+against its file and the stage before it; the tokenizer a tokenizer), so providers are never
+sent a stage the broker has not checked.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -20,14 +22,18 @@ from pathlib import Path
 
 from client.stages import ClientStages
 from dag.model import ModelSpec
+from files.atomic import write_atomic
 from files.cache import ArtifactCache, ArtifactError
 from files.digest import is_sha256
 from ir.errors import IRError
 from ir.manifest import ModelManifest
 from ir.package import load_package
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+log = logging.getLogger(__name__)
+
+# Whole names: `\Z`, unlike `$`, matches no trailing newline ("minilm\n" is refused).
+NAME_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+FILE_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 
 
 class ModelStoreError(ValueError):
@@ -87,7 +93,7 @@ class ModelStore:
         self.packages = root / "models"
         self.incoming = root / "incoming"
         for d in (self.packages, self.incoming):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_artifact_bytes = max_artifact_bytes
         self.models: dict[str, StoredModel] = {}
         self._clients: dict[str, ClientStages] = {}
@@ -120,13 +126,20 @@ class ModelStore:
             manifest = ModelManifest.from_json(manifest_bytes)
         except IRError as exc:
             raise ModelStoreError(f"manifest: {exc}") from None
-        if not NAME_RE.match(manifest.name):
+        if not NAME_RE.fullmatch(manifest.name):
             raise ModelStoreError(
                 f"model name {manifest.name!r}: use 1-64 letters, digits, '.', '_' or '-'"
             )
-        files = {s.file: s.sha256 for s in manifest.stages}
+        named = [(s.file, s.sha256) for s in manifest.stages]
         if manifest.tokenizer is not None and manifest.tokenizer_sha256 is not None:
-            files[manifest.tokenizer] = manifest.tokenizer_sha256
+            named.append((manifest.tokenizer, manifest.tokenizer_sha256))
+        files: dict[str, str] = {}
+        for file, sha in named:
+            if files.setdefault(file, sha) != sha:
+                raise ModelStoreError(
+                    f"model {manifest.name}: the manifest names two different artifacts "
+                    f"{file!r}; give each file its own name (the export tools use <sha256>.onnx)"
+                )
         missing = sorted(sha for sha in files.values() if self.artifact_path(sha) is None)
         if missing:
             raise ModelStoreError(
@@ -134,7 +147,7 @@ class ModelStore:
                 f"{', '.join(missing)}"
             )
         for file in files:
-            if not FILE_RE.match(file) or file == "manifest.json":
+            if not FILE_RE.fullmatch(file) or file == "manifest.json":
                 raise ModelStoreError(
                     f"manifest names the file {file!r}: use a plain name of letters, digits, "
                     f"'.', '_' or '-' (the export tools use <sha256>.onnx), not manifest.json"
@@ -143,7 +156,7 @@ class ModelStore:
         try:
             for file, sha in files.items():
                 os.link(self.cache.path(sha), staging / file)
-            (staging / "manifest.json").write_bytes(manifest_bytes)
+            write_atomic(staging / "manifest.json", manifest_bytes, mode=0o600, sync=False)
             try:
                 load_package(staging)
             except IRError as exc:
@@ -166,11 +179,16 @@ class ModelStore:
         return stored
 
     def load(self, name: str, manifest_bytes: bytes) -> StoredModel | None:
-        """A model registered before a restart (None if its package has gone)."""
+        """A model registered before a restart (None if its package has gone, or if its
+        manifest fails this release's checks)."""
         directory = self.packages / name
         if not (directory / "manifest.json").is_file():
             return None
-        manifest = ModelManifest.from_json(manifest_bytes)
+        try:
+            manifest = ModelManifest.from_json(manifest_bytes)
+        except IRError as exc:  # kept by a release that checked less: add the model again
+            log.warning("model %s is not served: its manifest is refused now: %s", name, exc)
+            return None
         created = (directory / "manifest.json").stat().st_mtime
         stored = StoredModel(manifest, manifest_bytes, directory, created)
         self.models[name] = stored

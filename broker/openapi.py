@@ -38,6 +38,7 @@ class Op:
     query: Any = None
     streams: bool = False  # it may answer with server-sent events instead (`stream: true`)
     public: bool = False  # no API key needed
+    admin: bool = False  # an admin key needed (with keys configured; 403 for other keys)
     errors: tuple[int, ...] = (400, 401, 404)
 
 
@@ -65,8 +66,9 @@ OPS: tuple[Op, ...] = (
     Op("GET", "/v1/events", "swarm", "The event log", common.EventList, query=common.EventsQuery),
     Op("GET", "/v1/models", "models", "The models, in OpenAI's list shape, with whether the "
        "swarm serves each", swarm.ModelList, errors=(401,)),
-    Op("POST", "/v1/models", "models", "Register a model: its manifest.json, once its files "
-       "are uploaded", swarm.Model, status=201, body=ModelManifest),
+    Op("POST", "/v1/models", "models", "Register (or replace) a model: its manifest.json, once "
+       "its files are uploaded (admin key)", swarm.Model, status=201, body=ModelManifest,
+       admin=True, errors=(400, 401, 403, 404)),
     Op("GET", M, "models", "A model's stages and route", swarm.Model),
     Op("GET", M + "/route", "models", "The providers serving each stage (for clients opening "
        "sessions)", swarm.Model),
@@ -76,10 +78,11 @@ OPS: tuple[Op, ...] = (
        "session (waits for one up to `timeout` s)", swarm.Picked, body=swarm.PickRequest,
        errors=(400, 401, 404, 503)),
     Op("PUT", "/v1/artifacts/{sha}", "models", "Upload an artifact; kept only if its SHA-256 "
-       "matches", common.Stored, status=201, body=bytes, body_media=BINARY,
-       errors=(400, 401, 413)),
+       "matches (admin key)", common.Stored, status=201, body=bytes, body_media=BINARY,
+       admin=True, errors=(400, 401, 403, 413)),
     Op("GET", "/v1/artifacts/{sha}", "models", "Download an artifact (range requests "
-       "supported)", bytes, media=BINARY, query=common.ArtifactQuery),
+       "supported); providers use their assignment's link (`peer` and `token`) instead of a "
+       "key", bytes, media=BINARY, query=common.ArtifactQuery),
     Op("GET", "/v1/jobs", "jobs", "Recent jobs", jobs.JobList, query=jobs.JobsQuery),
     Op("POST", "/v1/jobs", "jobs", "Submit a batch job (`kind`: embed, the default, or "
        "finetune)", jobs.Job, status=201, body=jobs.JobRequest),
@@ -111,7 +114,8 @@ OPS: tuple[Op, ...] = (
 
 PARAMS = {"name": "the model's name", "id": "the job's id", "sha": "SHA-256 (hex)",
           "peer": "the provider's peer id", "path": "a file name"}  # fmt: skip
-WHY = {400: "bad input; `field` names it", 401: "no valid API key", 404: "no such thing",
+WHY = {400: "bad input; `field` names it", 401: "no valid API key",
+       403: "an admin key is needed (this one may only use models)", 404: "no such thing",
        409: "not yet possible", 413: "too large", 429: "too many requests in progress",
        503: "no provider in time"}  # fmt: skip
 
@@ -202,6 +206,8 @@ def document() -> dict[str, Any]:
             entry["requestBody"] = {"required": True, "content": content}
         if op.public:
             entry["security"] = []
+        if op.admin:
+            entry["x-admin"] = True  # (the same schemes; the key must be an admin key)
         paths.setdefault(op.path, {})[op.method.lower()] = entry
     for schema in components.values():
         _tidy(schema)
@@ -214,9 +220,11 @@ def document() -> dict[str, Any]:
             "description": "The broker's HTTP API: the swarm, models, batch jobs, OpenAI-style "
             "embeddings and completions, metrics and the dashboard. With API keys configured "
             "every operation but those with empty `security` needs `Authorization: Bearer "
-            'KEY`. Every error is `{"error": {"message", "field"?}}`.',
+            "KEY` or `X-API-Key: KEY`, and those marked `x-admin` (adding or replacing a "
+            "model, uploading an artifact) an admin key: other keys get 403 there. Every "
+            'error is `{"error": {"message", "field"?}}`.',
         },
-        "security": [{"bearer": []}],
+        "security": [{"bearer": []}, {"apiKey": []}],
         "paths": paths,
         "components": {
             "schemas": components,
@@ -225,9 +233,15 @@ def document() -> dict[str, Any]:
                 "bearer": {
                     "type": "http",
                     "scheme": "bearer",
-                    "description": "an API key given to the broker with --api-key or "
-                    "--api-keys-file",
-                }
+                    "description": "an API key given to the broker with --api-key, "
+                    "--admin-key or --api-keys-file",
+                },
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "the same keys, in this header instead",
+                },
             },
         },
     }

@@ -1,12 +1,15 @@
 """The provider registry: checks joins and turns what providers say into core events.
 
-Joins are checked (signature over the profile, this broker's peer id and a fresh timestamp;
-the join token; allow and deny lists), then become `ProviderJoined` events; heartbeats,
-leaves and silence (a ticker sends `ClockTicked`) become events too. The decision core
-(`broker.core`) decides who is alive and what happens to their stages; the registry answers
-the provider as the core says (`Welcome`, `AskToRejoin`) and keeps what only the shell needs:
-join profiles (addresses), reported load, and the lost flags that abandon requests to a
-provider the moment it is declared lost. Time is the broker's injected monotonic clock.
+Joins are checked (signature over the profile, this broker's peer id and a fresh, finite
+timestamp; the join token; allow and deny lists; the profile's figures within bounds, its
+addresses multiaddrs that are neither link-local nor a cloud's metadata service nor another
+peer's; its FLOP/s against a hardware check, `broker.challenge`, which caps claims beyond what
+it showed), then become `ProviderJoined` events; heartbeats, leaves and silence (a ticker
+sends `ClockTicked`) become events too. The decision core (`broker.core`) decides who is
+alive and what happens to their stages; the registry answers the provider as the core says
+(`Welcome`, `AskToRejoin`) and keeps what only the shell needs: join profiles (addresses),
+reported load, hardware checks, and the lost flags that abandon requests to a provider the
+moment it is declared lost. Time is the broker's injected monotonic clock.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
 import msgspec
 
+from broker.challenge import Checked, CheckFailed, HardwareChecks
 from broker.config import BrokerConfig
 from broker.core import Core
 from broker.core.actions import ProviderLost
@@ -29,12 +34,14 @@ from broker.core.events import (
     ProviderJoined,
     ProviderLeft,
     RebalanceCheck,
+    StageTimed,
 )
 from broker.driver import CoreDriver
 from broker.events import EventLog
 from broker.reach import Reachability
-from dag.cost import HardwareProfile
+from dag.cost import HardwareProfile, Workload
 from p2p import verify
+from p2p.addresses import address_problem
 from proto.api.swarm import Provider, Reputation
 from proto.heartbeat import Heartbeat, HeartbeatAck
 from proto.join import (
@@ -51,6 +58,18 @@ from proto.join import (
 log = logging.getLogger("fusionai.broker")
 
 MAX_PROFILE_BYTES = 64 * 1024
+
+
+def address_refusal(profile: JoinProfile, peer: str, link_local: bool) -> str:
+    """Why the profile's announced addresses are refused ("" if they are not)."""
+    for addr in dict.fromkeys([*profile.addrs, *profile.mapped, *profile.relayed]):
+        problem = address_problem(addr, peer, link_local=link_local)
+        if problem is not None:
+            return (
+                f"an announced address is refused: {problem}; announce (--announce) only "
+                "addresses others can dial"
+            )
+    return ""
 
 
 def hardware(profile: JoinProfile, peer: str) -> HardwareProfile:
@@ -83,7 +102,10 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         reachability: Reachability | None = None,
         relay_port: Callable[[], int] = lambda: 0,
+        checks: HardwareChecks | None = None,
     ) -> None:
+        self.checks = checks  # the hardware check at join (None: claims are believed)
+        self.checked: dict[str, Checked] = {}  # peer -> its last hardware check
         self.reachability = reachability
         self.relay_port = relay_port  # the broker's relay, for providers nobody can dial
         self.config = config
@@ -127,6 +149,13 @@ class Registry:
         if self.alive(peer):
             self.driver.handle(ProviderLeft(peer, self.clock()))
 
+    def timed(self, peer: str, model: str, hidden: tuple[int, ...], seconds: float) -> None:
+        """A stage of `model` took `seconds` on `peer` on hidden states of shape `hidden` (a
+        spot check's second opinion, timed here): its profile is corrected, its speed seen."""
+        if seconds > 0 and len(hidden) >= 2:
+            work = Workload(hidden[0] * hidden[1], hidden[0], hidden[1], dtype="float32")
+            self.driver.handle(StageTimed(peer, model, work, seconds, self.clock()))
+
     def mark_dead(self, peer: str, why: str) -> None:
         if self.alive(peer):
             self.events.emit("provider_unreachable", peer=peer, reason=why)
@@ -143,6 +172,8 @@ class Registry:
             return "this provider is not on the broker's allow list"
         if msg.broker != self.broker_id:
             return "this join is signed for another broker"
+        if not math.isfinite(msg.timestamp):
+            return "the join's timestamp is not a finite number: sign it with the unix time"
         if abs(time.time() - msg.timestamp) > MAX_CLOCK_SKEW_S:
             return (
                 f"the join's timestamp is more than {MAX_CLOCK_SKEW_S:.0f} s from the broker's "
@@ -172,6 +203,13 @@ class Registry:
                 hw = hardware(profile, peer)
             except (msgspec.DecodeError, ValueError) as exc:
                 reason = f"the hardware profile is not valid: {exc}"
+        if profile is not None and not reason:
+            reason = address_refusal(profile, peer, self.config.allow_link_local)
+        if hw is not None and not reason and self.checks is not None:
+            try:
+                hw = await self._check(peer, hw, msg.boot)
+            except CheckFailed as exc:
+                reason = f"the hardware check failed: {exc}"
         if reason or profile is None or hw is None:
             self.events.emit("join_refused", peer=peer, reason=reason)
             return JoinReply(accepted=False, reason=reason)
@@ -201,6 +239,22 @@ class Registry:
             heartbeat_s=self.config.heartbeat_s,
             relay_port=self.relay_port(),
         )
+
+    async def _check(self, peer: str, hw: HardwareProfile, boot: str) -> HardwareProfile:
+        """`hw` capped to what the hardware check showed (raises `CheckFailed`); a check
+        that ran is logged (a re-join of the same process reuses the last)."""
+        assert self.checks is not None
+        hw, checked = await self.checks.check(peer, hw, boot)
+        if self.checked.get(peer) is checked:
+            return hw
+        self.checked[peer] = checked
+        self.events.emit(
+            "provider_checked", peer=peer, claimed_flops=round(checked.claimed),
+            shown_flops=round(checked.shown), capped=checked.capped,
+            scale=round(checked.scale, 4), rounds=checked.rounds,
+            seconds=round(checked.seconds, 3),
+        )  # fmt: skip
+        return hw
 
     def _through_relay(self, hw: HardwareProfile) -> HardwareProfile:
         """A relayed provider as the cost model sees it: every exchange crosses the relay
@@ -279,6 +333,7 @@ class Registry:
                     reputation=reputation_of(peer),
                     reach=reach.kind if reach else "unknown",
                     observed=reach.observed if reach else None,
+                    checked_flops=checked.shown if (checked := self.checked.get(peer)) else None,
                 )
             )
         return out

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from broker.auth import ArtifactTokens, Keys, fingerprint
 from broker.calls import StageCalls
+from broker.challenge import HardwareChecks
 from broker.config import BrokerConfig
 from broker.core import Core
 from broker.core.actions import Notice
@@ -44,6 +45,7 @@ from broker.registry import Registry
 from broker.serving import Serving
 from broker.store import Store
 from broker.verify import Verifier
+from files.private import private_dir
 from p2p import Host, HostConfig
 from p2p.relay import RelayServer
 from proto.assign import STAGE_STATUS
@@ -62,14 +64,18 @@ class HttpArtifacts:
     def __init__(self) -> None:
         self._base = ""
         self._tls = ""
-        self._token: Callable[[str], str] | None = None
+        self._token: Callable[[str, str, int], str] | None = None
 
-    def serve(self, base: str, tls_sha256: str, token: Callable[[str], str] | None) -> None:
+    def serve(
+        self, base: str, tls_sha256: str, token: Callable[[str, str, int], str] | None
+    ) -> None:
         self._base, self._tls, self._token = base, tls_sha256, token
 
-    def url(self, sha: str) -> str:
-        token = self._token(sha) if self._token is not None else ""
-        return f"{self._base}/v1/artifacts/{sha}" + (f"?token={token}" if token else "")
+    def url(self, sha: str, peer: str, size: int) -> str:
+        url = f"{self._base}/v1/artifacts/{sha}"
+        if self._token is None:
+            return url
+        return f"{url}?peer={peer}&token={self._token(sha, peer, size)}"
 
     def tls_sha256(self) -> str:
         return self._tls
@@ -90,6 +96,8 @@ class Broker:
     ) -> None:
         self.config = config
         self.clock = clock
+        # Jobs' texts, the link secret, the identity, the models: owner-only.
+        private_dir(config.data_dir, ("artifacts", "models", "incoming", "adapters", "tls"))
         self.rng = rng or random.SystemRandom()  # spot checks must not be predictable
         self.store = Store(config.db_path, event_log_size=config.event_log_size)
         self.events = EventLog(self.store)
@@ -99,8 +107,8 @@ class Broker:
         self.driver.carry(
             Notice, lambda n: self.events.emit(n.kind, peer=n.peer, job=n.job, **n.data)
         )
-        self.keys = Keys(config.api_keys)
-        self.tokens = ArtifactTokens(config.data_dir)
+        self.keys = Keys(config.api_keys, config.admin_keys)
+        self.tokens = ArtifactTokens(config.data_dir, config.artifact_token_s)
         self.metrics = Metrics()
         self.events.sinks.append(self.metrics.event)
         self.tls_sha256 = ""  # the certificate's fingerprint when serving HTTPS
@@ -140,6 +148,9 @@ class Broker:
             clock=self.clock,
             reachability=self.reachability,
             relay_port=lambda: self.relay.port if self.relay is not None else 0,
+            checks=None
+            if self.config.trust_claims
+            else HardwareChecks(self.config, self.host.request, self.rng),
         )
         # Assignments name artifact URLs on the HTTP server (`self.links`, once it listens).
         self.serving = Serving(
@@ -239,7 +250,10 @@ class Broker:
             self.peer_id,
             self.addrs,
         )
-        self._runner = web.AppRunner(make_app(api), access_log=None)
+        # (aiohttp's keep-alive timer also runs until a connection's first request head)
+        self._runner = web.AppRunner(
+            make_app(api), access_log=None, keepalive_timeout=self.config.http_idle_s
+        )
         await self._runner.setup()
         site = web.TCPSite(
             self._runner, self.config.http_host, self.config.http_port, ssl_context=context

@@ -58,8 +58,9 @@ class Served:
 class ArtifactLinks(Protocol):
     """Where providers download artifacts: the broker's HTTP server (`broker/service.py`)."""
 
-    def url(self, sha: str) -> str:
-        """The artifact's URL (with a download token when the API needs keys)."""
+    def url(self, sha: str, peer: str, size: int) -> str:
+        """The URL `peer` downloads the artifact (`size` bytes) from (with a download token
+        for it when the API needs keys)."""
         ...
 
     def tls_sha256(self) -> str:
@@ -121,12 +122,12 @@ class Serving:
     def _assign(self, action: AssignStage) -> None:
         model = self.plans[action.model].model
         index = model.units[action.pos]
-        sha = model.manifest.stages[index].sha256
+        stage = model.manifest.stages[index]
         msg = Assign(
             key=action.key,
             manifest=model.manifest_bytes,
             stage=index,
-            url=self.artifacts.url(sha),
+            url=self.artifacts.url(stage.sha256, action.peer_id, stage.size_bytes),
             role=action.role,
             tls_sha256=self.artifacts.tls_sha256(),
         )

@@ -4,7 +4,8 @@ results and the bounded event log.
 Everything a restarted broker needs is here; what providers tell it (membership, loaded
 stages) is soft state they re-announce. Writes are small and happen on the event loop
 thread; each is its own transaction, so a broker killed at any moment leaves a consistent
-file. Nothing is pickled: rows hold JSON text and raw little-endian float32 bytes.
+file. Nothing is pickled: rows hold JSON text and raw little-endian float32 bytes. The file
+(with its -wal and -shm) is its owner's alone (0600): it holds every job's texts and results.
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from broker.schema import EventRow, JobRow, open_schema
+from files.private import private_file
 
 
 class Store:
     """One SQLite connection, used from the event loop thread only."""
 
     def __init__(self, path: Path, *, event_log_size: int = 100_000) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_file(path)  # owner-only; SQLite gives a new -wal and -shm the file's mode
+        for side in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            if side.exists():  # (left by an earlier run)
+                private_file(side)
         self.path = path
         self.event_log_size = event_log_size
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

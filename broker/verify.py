@@ -190,6 +190,7 @@ class Verifier:
         holders.sort(key=lambda p: (state[p].status is not Status.BACKUP, self.rng.random()))
         check = msgspec.structs.replace(msg, check=True)
         for other in holders[:2]:
+            started = time.perf_counter()
             try:
                 answer: ForwardResult = await self._ask(other, FORWARD, check)
             except (RemoteError, RequestTimeout, P2PError) as exc:
@@ -199,9 +200,12 @@ class Verifier:
             second = answer.outputs.get("hidden_states_out")
             if second is not None:
                 try:
-                    return second.to_numpy(), other
+                    hidden = second.to_numpy()
                 except ValueError:
                     pass
+                else:  # its speed is seen (a backup's, too), as timed here
+                    self.registry.timed(other, model, hidden.shape, time.perf_counter() - started)
+                    return hidden, other
             self._count(other, False)  # an answer that is no answer counts against it
         return await self._run_local(model, pos, _arrays(msg)), BROKER
 

@@ -1,5 +1,10 @@
-"""`fusionai model add|list` and `fusionai job submit|status|cancel|story|results`: the SDK
-(`client.AsyncClient`) from the shell. `--json` prints the broker's answer as it is."""
+"""`fusionai model add|list` and `fusionai job submit|list|status|cancel|story|results`: the
+SDK (`client.AsyncClient`) from the shell. `--json` prints the broker's answer as it is.
+
+Calls ride through a broker restart: the SDK tries a broker it cannot reach again, with
+growing pauses, for `--timeout` seconds (`client.http`), and `job submit --wait` goes on
+waiting once the broker is back. A command that gives up prints one line saying what failed
+and what to do, and exits 1."""
 
 from __future__ import annotations
 
@@ -7,21 +12,27 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
-from client import AsyncClient, FusionAIError
+from client import AsyncClient, BrokerUnreachable, FusionAIError, JobFailed, JobTimeout
 from ir.errors import IRError
 
 T = TypeVar("T")
+RETRY_S = 30.0  # seconds a call keeps retrying an unreachable broker without --timeout
 
 
 def _run(args: argparse.Namespace, call: Callable[[AsyncClient], Awaitable[T]]) -> T:
+    retry_s = RETRY_S if args.timeout is None else args.timeout
+
     async def main() -> T:
-        async with AsyncClient(args.broker, args.api_key, cacert=args.cacert, timeout=60) as fa:
+        async with AsyncClient(
+            args.broker, args.api_key, cacert=args.cacert, timeout=60, retry_s=retry_s
+        ) as fa:
             return await call(fa)
 
     return asyncio.run(main())
@@ -36,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         ("model", "add"): model_add,
         ("model", "list"): model_list,
         ("job", "submit"): job_submit,
+        ("job", "list"): job_list,
         ("job", "status"): job_status,
         ("job", "cancel"): job_cancel,
         ("job", "story"): job_story,
@@ -46,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     except IRError as exc:  # a package whose manifest is not readable
         print(f"error: {getattr(args, 'directory', '')}: {exc}", file=sys.stderr)
         return 2
+    except BrokerUnreachable as exc:
+        print(f"error: {exc}; is it running? (--timeout waits longer)", file=sys.stderr)
+        return 1
     except (FusionAIError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -95,22 +110,42 @@ def job_submit(args: argparse.Namespace) -> int:
     if args.microbatch:
         body["microbatch"] = args.microbatch
 
+    start = time.monotonic()
+
+    def progress(job: Any) -> None:
+        if not args.json:
+            print(f"\r{job.id}: {job.state} {job.progress:.0%}", end="", file=sys.stderr)
+
     async def submit(fa: AsyncClient) -> Any:
         job = await fa.submit(body)
-        while args.wait and not job.finished:
+        if not args.wait:
+            return job
+        left = None if args.timeout is None else max(args.timeout - time.monotonic() + start, 0)
+        try:
+            return await fa.wait(job.id, timeout=left, progress=progress)
+        except JobFailed as exc:  # printed below, as a job that ended
+            return exc.job
+        finally:
             if not args.json:
-                print(f"\r{job.id}: {job.state} {job.progress:.0%}", end="", file=sys.stderr)
-            job = await fa.job(job.id, wait=10)  # answered on a change
-        return job
+                print(file=sys.stderr)
 
-    job = _run(args, submit)
+    try:
+        job = _run(args, submit)
+    except JobTimeout as exc:
+        print(f"error: {exc}; it goes on: see `fusionai job status`", file=sys.stderr)
+        return 1
     if not args.wait:
         _print(args, job, job.id)
         return 0
-    if not args.json:
-        print(file=sys.stderr)
     _print(args, job, _job_line(job))
     return 0 if job.state == "succeeded" else 1
+
+
+def job_list(args: argparse.Namespace) -> int:
+    jobs = _run(args, lambda fa: fa.jobs(limit=args.limit))
+    lines = [f"{_job_line(j)}  {j.model}  {j.done}/{j.microbatches}" for j in jobs]
+    _print(args, {"jobs": jobs}, "\n".join(lines) or "no jobs")
+    return 0
 
 
 def job_status(args: argparse.Namespace) -> int:

@@ -22,6 +22,12 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cacert", help="trust this certificate for https (default: $FUSIONAI_CACERT)")
 
 
+RETRY_HELP = (
+    "seconds to keep retrying a broker that cannot be reached or answers 502/503/504, as "
+    "while it restarts (default 30)"
+)
+
+
 def add_parsers(sub: Any, dispatch: Any) -> None:
     broker = sub.add_parser("broker", help="run a broker: providers join it, clients use it")
     bsub = broker.add_subparsers(dest="broker_command", required=True, metavar="SUBCOMMAND")
@@ -47,6 +53,23 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--join-token", help="providers must present this token to join")
     start.add_argument("--allow", action="append", default=[], help="peer id allowed to join")
     start.add_argument("--deny", action="append", default=[], help="peer id refused")
+    start.add_argument(
+        "--trust-claims",
+        action="store_true",
+        help="believe providers' hardware profiles: no hardware check at join, and newcomers "
+        "may take served blocks at once (machines you know; tests of placement)",
+    )
+    start.add_argument(
+        "--claim-factor",
+        type=float,
+        default=4.0,
+        help="cap claimed FLOP/s at this times what the join's hardware check showed",
+    )
+    start.add_argument(
+        "--allow-link-local",
+        action="store_true",
+        help="accept announced link-local and cloud-metadata addresses (a lab on one link)",
+    )
     start.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat interval")
     start.add_argument("--missed-heartbeats", type=int, default=3, help="missed before dead")
     start.add_argument("--queue", choices=["fifo", "sjf-bsbf"], default="fifo")
@@ -77,7 +100,18 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument(
         "--api-key", action="append", default=[], help="HTTP clients must present this key"
     )
-    start.add_argument("--api-keys-file", help="a file of API keys, one per line")
+    start.add_argument(
+        "--admin-key",
+        action="append",
+        default=[],
+        help="this key may also add or replace models and upload artifacts (other keys only "
+        "use them)",
+    )
+    start.add_argument(
+        "--api-keys-file",
+        help="a file of API keys, one per line; `KEY admin` for an admin key (anything after "
+        "is a comment)",
+    )
     start.add_argument("--tls-cert", help="serve HTTPS with this PEM certificate (and --tls-key)")
     start.add_argument("--tls-key", help="the certificate's PEM private key")
     start.add_argument(
@@ -95,13 +129,19 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
 
     model = sub.add_parser("model", help="models stored by a broker")
     msub = model.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
-    add = msub.add_parser("add", help="upload a model package (a directory from `ir export`)")
+    add = msub.add_parser(
+        "add",
+        help="upload a model package (a directory from `ir export`); on a broker with API "
+        "keys, --api-key must be an admin key",
+    )
     add.add_argument("directory")
     _client_options(add)
+    add.add_argument("--timeout", type=float, help=RETRY_HELP)
     add.add_argument("--json", action="store_true")
     add.set_defaults(func=dispatch, group="model", cmd="add")
     lst = msub.add_parser("list", help="models and their routes")
     _client_options(lst)
+    lst.add_argument("--timeout", type=float, help=RETRY_HELP)
     lst.add_argument("--json", action="store_true")
     lst.set_defaults(func=dispatch, group="model", cmd="list")
 
@@ -112,6 +152,13 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     submit.add_argument("--texts", required=True, help="a file with one text per line")
     submit.add_argument("--microbatch", type=int)
     submit.add_argument("--wait", action="store_true", help="wait for the job, with progress")
+    submit.add_argument(
+        "--timeout",
+        type=float,
+        help="give up after this many seconds (the job goes on); until then a broker that "
+        "restarts is waited for (default: wait for the job as long as it runs, and retry an "
+        "unreachable broker for 30 s)",
+    )
     _client_options(submit)
     submit.add_argument("--json", action="store_true")
     submit.set_defaults(func=dispatch, group="job", cmd="submit")
@@ -124,10 +171,17 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
         p = jsub.add_parser(name, help=text)
         p.add_argument("id")
         _client_options(p)
+        p.add_argument("--timeout", type=float, help=RETRY_HELP)
         p.add_argument("--json", action="store_true")
         if name == "results":
             p.add_argument("--out", help="write to this file instead of stdout")
         p.set_defaults(func=dispatch, group="job", cmd=name)
+    jobs = jsub.add_parser("list", help="the broker's most recent jobs")
+    jobs.add_argument("--limit", type=int, default=20, help="at most this many (default 20)")
+    _client_options(jobs)
+    jobs.add_argument("--timeout", type=float, help=RETRY_HELP)
+    jobs.add_argument("--json", action="store_true")
+    jobs.set_defaults(func=dispatch, group="job", cmd="list")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,13 +218,19 @@ def start(args: argparse.Namespace) -> int:
         return 2
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     try:
-        keys = list(args.api_key)
+        keys, admin = list(args.api_key), list(args.admin_key)
         for key in keys:
             check_key(key)
+        for key in admin:
+            check_key(key, "--admin-key")
         if args.api_keys_file:
-            keys += load_keys(Path(args.api_keys_file))
+            more, more_admin = load_keys(Path(args.api_keys_file))
+            keys, admin = keys + more, admin + more_admin
     except KeyFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.claim_factor >= 1:
+        print("error: --claim-factor is at least 1", file=sys.stderr)
         return 2
     if not 0 <= args.verify_fraction <= 1 or not args.verify_tolerance >= 0:
         print("error: --verify-fraction is 0 to 1, --verify-tolerance at least 0", file=sys.stderr)
@@ -203,6 +263,9 @@ def start(args: argparse.Namespace) -> int:
         join_token=args.join_token,
         allow=frozenset(args.allow),
         deny=frozenset(args.deny),
+        trust_claims=args.trust_claims,
+        claim_factor=args.claim_factor,
+        allow_link_local=args.allow_link_local,
         heartbeat_s=args.heartbeat_s,
         missed_heartbeats=args.missed_heartbeats,
         queue_policy=args.queue,
@@ -213,6 +276,7 @@ def start(args: argparse.Namespace) -> int:
         verify_rtol=args.verify_tolerance,
         max_body_bytes=int(args.max_body_mb * 1024**2),
         api_keys=tuple(keys),
+        admin_keys=tuple(admin),
         tls_cert=cert,
         tls_key=key_file,
         trace=Path(args.trace) if args.trace else None,
@@ -252,7 +316,10 @@ def start(args: argparse.Namespace) -> int:
                     if broker.tls_sha256:
                         print(f"  TLS certificate SHA-256: {broker.tls_sha256} ({cert})")
                     if broker.keys.required:
-                        print(f"  API keys: {len(keys)} (clients send Authorization: Bearer KEY)")
+                        print(
+                            f"  API keys: {len(keys) + len(admin)}, {len(admin)} of them admin "
+                            "(clients send Authorization: Bearer KEY)"
+                        )
                 while not stop.is_set():
                     try:
                         await asyncio.wait_for(stop.wait(), 30.0)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import json
 import os
-import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,15 +33,10 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from client.errors import (
-    BrokerUnreachable,
-    FusionAIError,
-    JobFailed,
-    JobTimeout,
-    for_status,
-)
+from client.errors import BrokerUnreachable, FusionAIError, JobFailed, JobTimeout
 from client.finetuning import FinetuneMethods
 from client.generating import GenerationMethods
+from client.http import BrokerHttp, Retry
 from client.routing import quote_part
 from client.stages import ClientStages
 from client.types import Job, long_poll_s
@@ -81,13 +74,16 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         *,
         cacert: str | None = None,
         timeout: float = 30.0,
+        retry_s: float = 30.0,
         cache_dir: Path | str | None = None,
         listen: str = "/ip4/127.0.0.1/tcp/0",
     ) -> None:
         """`broker_url` defaults to `$FUSIONAI_BROKER_URL`, then http://127.0.0.1:7371;
         `api_key` to `$FUSIONAI_API_KEY`; `cacert` (a PEM file to trust for https) to
         `$FUSIONAI_CACERT`. `timeout` is the per-request deadline in seconds, including each
-        generation step on a provider."""
+        generation step on a provider. `retry_s` is how long, in seconds, a call keeps trying
+        a broker it cannot reach or that answers 502, 503 or 504 (a restart), with growing
+        pauses (`client.http`); 0 makes every failure final."""
         url = broker_url or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"broker_url must be an http:// or https:// URL, got {url!r}")
@@ -99,7 +95,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         self.timeout = timeout
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.listen = listen
-        self._http: Any = None  # aiohttp.ClientSession, made on first use (inside a loop)
+        self._http = BrokerHttp(self.url, self.api_key, self.cacert, retry_s)
         self._host: Any = None  # p2p.Host, started by the first generation
         self._host_lock: asyncio.Lock | None = None
         self._stages: dict[str, ClientStages] = {}
@@ -116,27 +112,13 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
 
     async def aclose(self) -> None:
         host, self._host = self._host, None
-        http, self._http = self._http, None
         try:
             if host is not None:
                 await host.close()
         finally:
-            if http is not None:
-                await http.close()
+            await self._http.close()
 
     # ---- HTTP --------------------------------------------------------------------------
-
-    def _session(self) -> Any:
-        if self._http is None:
-            import aiohttp
-
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            ctx = ssl.create_default_context(cafile=self.cacert) if self.cacert else None
-            self._http = aiohttp.ClientSession(
-                headers=headers,
-                connector=aiohttp.TCPConnector(ssl=ctx) if ctx is not None else None,
-            )
-        return self._http
 
     async def _request(
         self,
@@ -146,29 +128,16 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         *,
         timeout: float | None = None,
         raw: bool = False,
-        data: Any = None,
+        data: bytes | Path | None = None,
+        retry: Retry | None = None,
+        deadline: float | None = None,
     ) -> Any:
-        """The JSON answer to one call (or its bytes with `raw`); typed errors otherwise.
-        `body` is sent as JSON (a `proto.api` struct, or JSON-able data), `data` (bytes or a
-        binary file) as it is."""
-        import aiohttp
-
-        wait = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.timeout)
-        headers = None
-        if isinstance(body, msgspec.Struct):
-            body, data = None, msgspec.json.encode(body)
-            headers = {"Content-Type": "application/json"}
-        try:
-            async with self._session().request(
-                method, self.url + path, json=body, data=data, timeout=wait, headers=headers
-            ) as resp:
-                data = await resp.read()
-                if resp.status >= 400:
-                    raise _error(resp.status, data, resp.headers.get("Retry-After"))
-                return data if raw else json.loads(data)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-            why = str(exc) or type(exc).__name__
-            raise BrokerUnreachable(f"cannot reach the broker at {self.url}: {why}") from None
+        """The JSON answer to one call (or its bytes with `raw`); typed errors otherwise,
+        after the retries `retry` allows (`client.http.BrokerHttp.request`)."""
+        return await self._http.request(
+            method, path, body, timeout=timeout if timeout is not None else self.timeout,
+            raw=raw, data=data, retry=retry, deadline=deadline,
+        )  # fmt: skip
 
     async def _call(
         self, method: str, path: str, answer: type[T], body: Any = None, **options: Any
@@ -202,7 +171,8 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
     ) -> api.Model:
         """Upload a model package (a directory from `fusionai ir split`): its artifacts, then
         its manifest; the broker places it. `progress(file, index, count)` is called before
-        each upload. Returns the model as `model()` does."""
+        each upload. Returns the model as `model()` does. On a broker with API keys this
+        client's key must be an admin key (others get `AuthenticationError`, 403)."""
         directory = Path(directory)
         data = await asyncio.to_thread((directory / "manifest.json").read_bytes)
         manifest = ModelManifest.from_json(data)
@@ -212,8 +182,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         for i, (file, sha) in enumerate(files, 1):
             if progress is not None:
                 progress(file, i, len(files))
-            with (directory / file).open("rb") as f:  # aiohttp reads it in chunks
-                await self._request("PUT", f"/v1/artifacts/{sha}", data=f, timeout=3600)
+            await self._request("PUT", f"/v1/artifacts/{sha}", data=directory / file, timeout=3600)
         return await self._call("POST", "/v1/models", api.Model, data=data, timeout=300)
 
     async def manifest(self, name: str) -> ModelManifest:
@@ -302,7 +271,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         for start in range(0, len(items), EMBED_CHUNK):
             chunk: list[Any] = items[start : start + EMBED_CHUNK]
             body = EmbeddingRequest(name, chunk, encoding_format="base64")
-            out = await self._call("POST", "/v1/embeddings", EmbeddingList, body)
+            out = await self._call("POST", "/v1/embeddings", EmbeddingList, body, retry="any")
             for d in sorted(out.data, key=lambda d: d.index):
                 if not isinstance(d.embedding, str):
                     raise FusionAIError("the broker sent floats where base64 was asked for")
@@ -326,24 +295,42 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
 
     async def submit(self, job: Mapping[str, Any] | api.JobRequest) -> Job:
         """Submit a batch job: `{"model", "texts" | "token_ids", "microbatch"?, ...}` (or
-        `proto.api.EmbedJobRequest`, `FinetuneJobRequest`)."""
+        `proto.api.EmbedJobRequest`, `FinetuneJobRequest`). It is tried again only while the
+        broker cannot be connected to: a connection that breaks once the job was sent raises
+        `BrokerUnreachable` with `sent` True (the job may have been queued: see `jobs()`)."""
         body = job if isinstance(job, msgspec.Struct) else dict(job)
-        return await self._call("POST", "/v1/jobs", Job, body)
+        try:
+            return await self._call("POST", "/v1/jobs", Job, body, retry="unsent")
+        except BrokerUnreachable as exc:
+            if not exc.sent:
+                raise
+            raise BrokerUnreachable(
+                f"{exc}; the job may have been queued: look for it among the broker's jobs "
+                f"(`fusionai job list`) before submitting it again"
+            ) from None
+
+    async def jobs(self, *, limit: int = 100) -> list[Job]:
+        """The broker's most recent jobs (at most `limit`, up to 1000), newest first."""
+        return (await self._call("GET", f"/v1/jobs?limit={limit}", api.JobList)).jobs
 
     async def job(self, job_id: str, *, wait: float = 0.0) -> Job:
         """A job's state and progress. With `wait` (at most 30 s), a job still going is
         answered once its state or progress changes, or after `wait` seconds."""
+        return await self._job(job_id, wait, None)
+
+    async def _job(self, job_id: str, wait: float, deadline: float | None) -> Job:
+        """`job`, retried through a broker restart until `deadline` at the latest."""
         path = f"/v1/jobs/{quote_part(job_id)}"
         if wait > 0:
             path += f"?wait={wait:.3f}"
-        return await self._call("GET", path, Job, timeout=self.timeout + wait)
+        return await self._call("GET", path, Job, timeout=self.timeout + wait, deadline=deadline)
 
     async def story(self, job_id: str) -> api.Story:
         """The job and the events that tell what happened to it."""
         return await self._call("GET", f"/v1/jobs/{quote_part(job_id)}/story", api.Story)
 
     async def cancel(self, job_id: str) -> Job:
-        return await self._call("POST", f"/v1/jobs/{quote_part(job_id)}/cancel", Job)
+        return await self._call("POST", f"/v1/jobs/{quote_part(job_id)}/cancel", Job, retry="any")
 
     async def wait(
         self,
@@ -358,11 +345,12 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
 
         The broker answers as soon as the job's state or progress changes (a long poll), so
         the end is seen at once; `poll` (at most 30 s) is the longest one request waits, and
-        so the longest between two calls of `progress`."""
+        so the longest between two calls of `progress`. A broker that restarts meanwhile is
+        waited for (`retry_s`, and never past `timeout`), and the wait goes on."""
         deadline = None if timeout is None else time.monotonic() + timeout
         hold = 0.0  # the first answer comes at once
         while True:
-            job = await self.job(job_id, wait=hold)
+            job = await self._job(job_id, hold, deadline)
             if progress is not None:
                 progress(job)
             if job.finished:
@@ -375,7 +363,8 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
             hold = long_poll_s(poll, left)
 
     async def results(self, job_id: str, *, page: int = 10_000) -> Array:
-        """A succeeded job's embeddings, one row per input, fetched page by page."""
+        """A succeeded job's embeddings, one row per input, fetched page by page (a page
+        that fails is asked for again from the same offset: no row twice)."""
         rows: list[list[float]] = []
         while True:
             path = f"/v1/jobs/{quote_part(job_id)}/results?offset={len(rows)}&limit={page}"
@@ -384,14 +373,3 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
             if not out.embeddings or len(rows) >= out.total:
                 break
         return np.asarray(rows, dtype=np.float32)
-
-
-def _error(status: int, data: bytes, retry_after: str | None) -> FusionAIError:
-    message, field_name = data.decode(errors="replace")[:500], None
-    try:
-        err = json.loads(data)["error"]
-        message, field_name = str(err["message"]), err.get("field")
-    except (ValueError, KeyError, TypeError):
-        pass
-    retry = float(retry_after) if retry_after and retry_after.isdigit() else None
-    return for_status(status, message, field_name, retry)

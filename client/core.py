@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from client.http import Retry
 from client.stages import ClientStages
 from client.types import Job
 from ir.manifest import ModelManifest
@@ -33,7 +34,9 @@ class ClientCore:
             *,
             timeout: float | None = None,
             raw: bool = False,
-            data: Any = None,
+            data: bytes | Path | None = None,
+            retry: Retry | None = None,
+            deadline: float | None = None,
         ) -> Any: ...
         async def _call(
             self, method: str, path: str, answer: type[T], body: Any = None, **options: Any
@@ -47,6 +50,7 @@ class ClientCore:
         async def manifest(self, name: str) -> ModelManifest: ...
         async def submit(self, job: Mapping[str, Any]) -> Job: ...
         async def job(self, job_id: str, *, wait: float = 0.0) -> Job: ...
+        async def _job(self, job_id: str, wait: float, deadline: float | None) -> Job: ...
         async def wait(
             self,
             job_id: str,

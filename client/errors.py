@@ -10,7 +10,14 @@ class FusionAIError(Exception):
 
 
 class BrokerUnreachable(FusionAIError):
-    """The broker did not answer at all (refused, unreachable, TLS failure, timed out)."""
+    """The broker did not answer at all (refused, unreachable, TLS failure, timed out), also
+    after the SDK tried again for its `retry_s`. `sent` is False when the request surely did
+    not reach it; True when it may have (the connection broke after it was sent): a job
+    submission may then have been queued."""
+
+    def __init__(self, message: str, *, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 class APIError(FusionAIError):

@@ -71,7 +71,7 @@ class FinetuneMethods(ClientCore):
         deadline = None if timeout is None else time.monotonic() + timeout
         hold = 0.0
         while True:
-            current = await self.job(job.id, wait=hold)
+            current = await self._job(job.id, hold, deadline)
             done = await self._steps(job.id, seen, current.microbatches)
             for s in done:
                 if progress is not None:

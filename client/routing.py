@@ -36,7 +36,9 @@ class RouterClient(Protocol):
 
 class HttpRouter:
     """Providers for a client's generation session, named by the broker over HTTP
-    (`client.session.Router`). The client connects to each provider it is given."""
+    (`client.session.Router`). The client connects to each provider it is given. Its calls
+    are never tried again by the SDK's HTTP layer: a pick has its own deadline and patience,
+    and a 503 (no other provider) is an answer here."""
 
     def __init__(self, client: RouterClient, model: str) -> None:
         self.client = client
@@ -57,7 +59,7 @@ class HttpRouter:
             try:
                 out = await self.client._call(
                     "POST", f"/v1/models/{quote_part(self.model)}/pick", Picked, body,
-                    timeout=left + 5,
+                    timeout=left + 5, retry="never",
                 )  # fmt: skip
             except FusionAIError as exc:
                 raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
@@ -77,7 +79,7 @@ class HttpRouter:
         try:
             await self.client._call(
                 "POST", f"/v1/providers/{quote_part(peer)}/report", Report,
-                ReportRequest(reason[:1000] or "failed"),
+                ReportRequest(reason[:1000] or "failed"), retry="never",
             )  # fmt: skip
         except FusionAIError:
             pass  # best effort: the broker's heartbeats notice a dead provider anyway
@@ -90,7 +92,7 @@ class HttpRouter:
         body = PickRequest(pos, sorted(avoid), check=True)
         try:
             out = await self.client._call(
-                "POST", f"/v1/models/{quote_part(self.model)}/pick", Picked, body
+                "POST", f"/v1/models/{quote_part(self.model)}/pick", Picked, body, retry="never"
             )
         except UnavailableError:
             return None  # no one else holds the stage
@@ -106,6 +108,7 @@ class HttpRouter:
                 f"/v1/providers/{quote_part(peer)}/report",
                 Report,
                 ReportRequest(reason[:1000] or "disagreed", wrong_output=key),
+                retry="never",
             )
         except FusionAIError:
             return False  # unresolved: the session raises VerificationError

@@ -22,6 +22,10 @@ from ir.package import load_package
 Array = np.ndarray[Any, Any]
 
 
+DEFAULT_MAX_TOKENS = 512  # longest input sequence the client stages take by default; tokens
+CHARS_PER_TOKEN = 32  # texts are cut at this many characters per token before tokenizing
+
+
 class ClientStageError(ValueError):
     """The input cannot be run through this model's client stages; the message says why."""
 
@@ -29,7 +33,7 @@ class ClientStageError(ValueError):
 class ClientStages:
     """A package's client-side stages (validated ONNX) and its tokenizer, if it ships one."""
 
-    def __init__(self, directory: Path, *, max_tokens: int = 512) -> None:
+    def __init__(self, directory: Path, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         manifest = ModelManifest.from_json((directory / "manifest.json").read_bytes())
         client = [s.index for s in manifest.stages if s.placement == "client"]
         package = load_package(directory, stages=client)
@@ -66,7 +70,12 @@ class ClientStages:
                 self.tokenizer = Tokenizer.from_file(str(directory / manifest.tokenizer))
 
     def tokenize(self, texts: Sequence[str]) -> tuple[Array, Array]:
-        """(input_ids, attention_mask), padded to the longest text, cut at `max_tokens`."""
+        """(input_ids, attention_mask), padded to the longest text, cut at `max_tokens`.
+
+        A text is first cut at `CHARS_PER_TOKEN` characters per token it may keep, so the
+        tokenizer's work is bounded by the cut, not by the text: only a text whose first
+        `max_tokens` tokens average more than that many characters each (words hundreds of
+        characters long) is read shorter than the tokenizer alone would read it."""
         if self.tokenizer is None:
             why = (
                 "it ships no tokenizer"
@@ -76,7 +85,8 @@ class ClientStages:
             raise ClientStageError(
                 f"model {self.manifest.name} cannot take texts: {why}; send token ids instead"
             )
-        encodings = self.tokenizer.encode_batch(list(texts))
+        chars = self.max_tokens * CHARS_PER_TOKEN
+        encodings = self.tokenizer.encode_batch([t[:chars] for t in texts])
         ids = [e.ids[: self.max_tokens] for e in encodings]
         return self.pad(ids)
 

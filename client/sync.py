@@ -169,6 +169,9 @@ class Client:
     def submit(self, job: Mapping[str, Any] | api.JobRequest) -> Job:
         return self._run(self._async.submit(job))
 
+    def jobs(self, *, limit: int = 100) -> list[Job]:
+        return self._run(self._async.jobs(limit=limit))
+
     def job(self, job_id: str, *, wait: float = 0.0) -> Job:
         return self._run(self._async.job(job_id, wait=wait))
 

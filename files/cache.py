@@ -12,7 +12,8 @@ Layout: `objects/<sha256>` holds verified files only (renamed into place after t
 matched, so a crash never leaves a half file there); `partial/<sha256>` holds a download in
 progress, resumed with an HTTP range request; `index.json` records each object's size and
 modification time when it was last verified, so `check()` re-hashes only what changed.
-Files in use are pinned and never evicted.
+Files in use are pinned and never evicted. Everything is owner-only (files 0600, folders
+0700), and messages show a URL's token as REDACTED (`files.private.redact`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import msgspec
 
 from files.atomic import atomic_file, move_atomic, write_atomic
 from files.digest import CHUNK, SHA256_RE, sha256_file
+from files.private import redact
 
 if TYPE_CHECKING:  # aiohttp loads on the first download: importing the cache stays cheap
     import aiohttp
@@ -74,8 +76,8 @@ class ArtifactCache:
         self.timeout_s = timeout_s
         self.pinned: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
-        self.objects.mkdir(parents=True, exist_ok=True)
-        self.partial.mkdir(parents=True, exist_ok=True)
+        for folder in (root, self.objects, self.partial):  # (owner-only, as the files)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._index: dict[str, _Entry] = self._read_index()
 
     # ---- index -----------------------------------------------------------------------------
@@ -92,7 +94,8 @@ class ArtifactCache:
 
     def _write_index(self) -> None:
         # a cache: lost in a crash, every file is verified again
-        write_atomic(self.root / "index.json", msgspec.json.encode(self._index), sync=False)
+        index = msgspec.json.encode(self._index)
+        write_atomic(self.root / "index.json", index, mode=0o600, sync=False)
 
     def _record(self, sha: str) -> None:
         st = (self.objects / sha).stat()
@@ -184,7 +187,7 @@ class ArtifactCache:
                 async for _ in chunks:
                     pass
                 return target.stat().st_size
-            with atomic_file(target) as out:  # moved into place only if it checks out
+            with atomic_file(target, mode=0o600) as out:  # moved in only if it checks out
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > max_bytes:
@@ -208,7 +211,7 @@ class ArtifactCache:
         target = self.objects / sha
         if not target.is_file():
             self._make_room(len(data), keep=sha)
-            write_atomic(target, data)
+            write_atomic(target, data, mode=0o600)
         self._record(sha)
         return target
 
@@ -284,15 +287,16 @@ class ArtifactCache:
                     await self._resume(session, sha, url, size, progress, pin)
         except transient as exc:
             raise ArtifactError(
-                f"could not download {sha[:12]} from {url} after {self.attempts} attempts: "
-                f"{exc}; the partial file is kept and the next attempt resumes it"
+                f"could not download {sha[:12]} from {redact(url)} after {self.attempts} "
+                f"attempts: {redact(str(exc))}; the partial file is kept and the next attempt "
+                "resumes it"
             ) from None
         digest = await asyncio.to_thread(sha256_file, part)
         if digest != sha:
             _remove(part)
             raise ArtifactError(
-                f"artifact from {url} has SHA-256 {digest}, not {sha}: the server sent a "
-                f"different or corrupt file; it was deleted"
+                f"artifact from {redact(url)} has SHA-256 {digest}, not {sha}: the server sent "
+                f"a different or corrupt file; it was deleted"
             )
         # fsyncing gigabytes takes a while: not on the event loop
         await asyncio.to_thread(move_atomic, part, self.objects / sha)
@@ -326,7 +330,7 @@ class ArtifactCache:
                 sha[:12],
                 got,
                 size,
-                exc,
+                redact(str(exc)),
             )
             raise
 
@@ -349,20 +353,22 @@ class ArtifactCache:
                 ssl = aiohttp.Fingerprint(bytes.fromhex(pin))
             except ValueError as exc:
                 raise ArtifactError(f"bad certificate fingerprint {pin!r}: {exc}") from None
+        shown = redact(url)  # (a link's token is never logged)
         async with session.get(url, headers=headers, ssl=ssl) as resp:
             if resp.status == 404:
-                raise ArtifactError(f"{url} does not have this artifact (HTTP 404)")
+                raise ArtifactError(f"{shown} does not have this artifact (HTTP 404)")
             if resp.status not in (200, 206):
-                raise ArtifactError(f"{url} answered HTTP {resp.status}: {resp.reason}")
+                raise ArtifactError(f"{shown} answered HTTP {resp.status}: {resp.reason}")
             if resp.status == 200 and have:
                 have = 0  # the server ignored the range: start over
             mode = "ab" if have else "wb"
             done = have
-            with open(part, mode) as f:  # noqa: ASYNC230 - appends of 1 MiB blocks, no waits
+            # (owner-only, as everything in the cache; appends of 1 MiB blocks, no waits)
+            with open(part, mode, opener=_private) as f:  # noqa: ASYNC230
                 async for block in resp.content.iter_chunked(CHUNK):
                     if done + len(block) > size:
                         raise ArtifactError(
-                            f"{url} sent more than the {size} bytes expected: refused"
+                            f"{shown} sent more than the {size} bytes expected: refused"
                         )
                     f.write(block)
                     done += len(block)
@@ -396,6 +402,10 @@ class ArtifactCache:
                 f"no room for {size} more bytes in the artifact cache (limit {self.limit} "
                 f"bytes, {used} held by stages this provider has loaded); raise the cache size"
             )
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
 
 
 def _checked(sha256: str) -> str:

@@ -6,7 +6,7 @@ import hashlib
 import re
 from pathlib import Path
 
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+SHA256_RE = re.compile(r"\A[0-9a-f]{64}\Z")  # \Z: no trailing newline
 CHUNK = 1 << 20
 
 
@@ -20,4 +20,4 @@ def sha256_file(path: Path, chunk: int = CHUNK) -> str:
 
 
 def is_sha256(text: str) -> bool:
-    return bool(SHA256_RE.match(text))
+    return bool(SHA256_RE.fullmatch(text))

@@ -11,6 +11,7 @@ from typing import Literal
 
 import msgspec
 
+from ir.consistency import check_manifest
 from ir.errors import ManifestError
 
 FORMAT = "fusionai.model"
@@ -22,7 +23,7 @@ Dim = int | str  # a fixed size, or a symbol such as "batch", "sequence", "past"
 
 class TensorInfo(msgspec.Struct, frozen=True):
     name: str
-    dtype: str  # "float32", "float16", "int64", ...
+    dtype: str  # "float32", "float16", "int64", ...: one of `ir.consistency.DTYPES`
     shape: list[Dim]
 
 
@@ -53,7 +54,7 @@ class StageInfo(msgspec.Struct, frozen=True):
     kv_bytes_per_token: int  # KV-cache bytes this stage keeps per token of context
     layers: list[int] | None = None  # [first, last + 1] of the model's blocks
     adapters: list[AdapterInfo] = msgspec.field(default_factory=list)
-    weight_dtype: str = "float32"
+    weight_dtype: str = "float32"  # one of `ir.consistency.WEIGHT_DTYPES`
 
 
 LONGROPE_KEY = "longrope_original_max_positions"
@@ -87,6 +88,8 @@ class ModelManifest(msgspec.Struct, frozen=True):
             raise ManifestError(f"invalid manifest: {exc}") from None
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise ManifestError(f"manifest is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ManifestError("manifest is not valid: its JSON is nested too deeply") from None
         if manifest.format != FORMAT:
             raise ManifestError(f"not a model manifest (format {manifest.format!r})")
         if manifest.version > VERSION:
@@ -101,8 +104,7 @@ class ModelManifest(msgspec.Struct, frozen=True):
         vocab = manifest.config.get("vocab_size")
         if isinstance(vocab, int) and any(not 0 <= t < vocab for t in manifest.stop_token_ids):
             raise ManifestError(f"stop_token_ids {manifest.stop_token_ids} leave 0..{vocab - 1}")
-        if [s.index for s in manifest.stages] != list(range(len(manifest.stages))):
-            raise ManifestError("stage indices must be 0, 1, 2, ... in order")
+        check_manifest(manifest)  # figures, dtypes, layer ranges, each stage fed by the last
         return manifest
 
     def cache_valid_until(self) -> int | None:

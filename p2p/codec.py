@@ -32,8 +32,8 @@ HEADER = struct.Struct("!IBBQ")
 HEADER_SIZE = HEADER.size
 FLAG_MORE = 0x01
 MAX_CHUNK = 1024 * 1024  # largest frame payload any peer may send; bytes
-_PROTOCOL_RE = re.compile(r"^/fusionai/[a-z0-9][a-z0-9_.-]*/[0-9]+(\.[0-9]+)*$")
-_TAG_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.]*/[0-9]+$")
+_PROTOCOL_RE = re.compile(r"\A/fusionai/[a-z0-9][a-z0-9_.-]*/[0-9]+(\.[0-9]+)*\Z")
+_TAG_RE = re.compile(r"\A[A-Za-z][A-Za-z0-9_.]*/[0-9]+\Z")
 
 
 class Kind(IntEnum):

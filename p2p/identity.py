@@ -141,7 +141,7 @@ class Identity:
         """
         directory = Path(data_dir) if data_dir is not None else default_data_dir()
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = filelock.FileLock(str(directory / LOCK_FILE), timeout=0)
+        lock = filelock.FileLock(str(directory / LOCK_FILE), timeout=0, mode=0o600)
         try:
             lock.acquire()
         except filelock.Timeout:

@@ -6,16 +6,24 @@ joins again and re-announces what it has loaded.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from p2p.codec import Message, ProtocolSpec
 
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]
+Keys = Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=4096)]
+
 
 class Heartbeat(Message, frozen=True, tag="Heartbeat/1"):
-    seq: int
-    loaded: list[str] = msgspec.field(default_factory=list)  # stages loaded (serving or standby)
-    queued: int = 0  # requests waiting or running
-    kv_bytes: int = 0  # KV-cache memory held by generation sessions
+    """Every figure is bounded and not negative (a negative queue would draw all requests)."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+    loaded: Keys = msgspec.field(default_factory=list)  # stages loaded (serving or standby)
+    queued: Count = 0  # requests waiting or running
+    kv_bytes: Bytes = 0  # KV-cache memory held by generation sessions
     draining: bool = False  # leaving: finishing what it has, taking nothing new
 
 

@@ -4,9 +4,15 @@ The profile travels as msgspec-encoded bytes with the provider's Ed25519 signatu
 `signed_join_bytes(...)`: the profile, the broker's peer id and a timestamp, so a signed join
 cannot be replayed to another broker or much later. A provider that joins again (after the
 broker restarted, or after a network cut) lists the stages it still has loaded.
+
+Every figure of a profile is finite and within bounds no real machine reaches (a profile
+with NaN, infinity or a negative figure does not decode); the broker checks further what a
+type cannot say (the join's timestamp, the addresses, the FLOP/s against a hardware check).
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 
@@ -15,41 +21,50 @@ from p2p.codec import Message, ProtocolSpec
 JOIN_DOMAIN = "fusionai/join/1"
 MAX_CLOCK_SKEW_S = 300.0  # a join signed further from the broker's clock is refused
 
+# Bounds of a profile's figures, far above any machine's (a type refuses NaN and infinity too)
+Flops = Annotated[float, msgspec.Meta(ge=0, le=1e18)]  # FLOP/s
+Rate = Annotated[float, msgspec.Meta(ge=0, le=1e14)]  # bytes/s
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Addr = Annotated[str, msgspec.Meta(max_length=512)]
+Addrs = Annotated[list[Addr], msgspec.Meta(max_length=32)]
+Keys = Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=4096)]
+
 
 class ExecutorInfo(msgspec.Struct, frozen=True):
     """One executor on one device, as the provider measured it."""
 
-    executor: str  # "ort" or "torch"
-    device: str  # "CPUExecutionProvider", "CUDAExecutionProvider", "cuda:0", "cpu", ...
-    flops: dict[str, float]  # dense matmul FLOP/s per dtype
-    mem_bandwidth: float  # bytes/s
-    memory_bytes: int  # device memory total
-    memory_free_bytes: int  # device memory free when measured
+    executor: Name  # "ort" or "torch"
+    device: Name  # "CPUExecutionProvider", "CUDAExecutionProvider", "cuda:0", "cpu", ...
+    flops: Annotated[dict[Name, Flops], msgspec.Meta(max_length=16)]  # matmul FLOP/s per dtype
+    mem_bandwidth: Rate  # bytes/s
+    memory_bytes: Bytes  # device memory total
+    memory_free_bytes: Bytes  # device memory free when measured
 
 
 class JoinProfile(msgspec.Struct, frozen=True):
-    gpu: str | None
-    cpu: str
-    cpu_cores: int
-    executors: list[ExecutorInfo]
-    executor: str  # the executor this provider runs stages with ("ort" or "torch")
-    memory_limit_bytes: int  # most memory its stages may use (the --max-memory budget)
-    net_up_bytes_s: float  # measured upload bandwidth towards the broker
-    rtt_s: float  # measured round trip to the broker
-    version: str  # fusionai version
-    addrs: list[str] = msgspec.field(default_factory=list)  # multiaddrs clients can dial
+    gpu: Name | None
+    cpu: Name
+    cpu_cores: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    executors: Annotated[list[ExecutorInfo], msgspec.Meta(max_length=16)]
+    executor: Name  # the executor this provider runs stages with ("ort" or "torch")
+    memory_limit_bytes: Bytes  # most memory its stages may use (the --max-memory budget)
+    net_up_bytes_s: Rate  # measured upload bandwidth towards the broker
+    rtt_s: Annotated[float, msgspec.Meta(ge=0, le=600)]  # measured round trip to the broker; s
+    version: Name  # fusionai version
+    addrs: Addrs = msgspec.field(default_factory=list)  # multiaddrs clients can dial
     # those of `addrs` a router forwards to it (a UPnP mapping, a forwarded port), not its own
-    mapped: list[str] = msgspec.field(default_factory=list)
-    relayed: list[str] = msgspec.field(default_factory=list)  # of `addrs`, a relay's port
+    mapped: Addrs = msgspec.field(default_factory=list)
+    relayed: Addrs = msgspec.field(default_factory=list)  # of `addrs`, a relay's port
 
 
 class Join(Message, frozen=True, tag="Join/1"):
     profile: bytes  # msgspec JSON of a JoinProfile
     signature: bytes  # Ed25519 over signed_join_bytes(profile, broker, timestamp)
     broker: str  # the broker's peer id this join is meant for
-    timestamp: float  # unix time of signing
+    timestamp: float  # unix time of signing (the broker refuses one that is not finite)
     token: str | None = None  # the broker's join token, if it requires one
-    loaded: list[str] = msgspec.field(default_factory=list)  # stages still loaded (re-join)
+    loaded: Keys = msgspec.field(default_factory=list)  # stages still loaded (re-join)
     boot: str = ""  # random per provider process: a join with the same boot as the broker
     # knows is that process joining again (a missed heartbeat), not a restart
 

@@ -2,9 +2,10 @@
 background, promote a backup, unassign; the broker hears "ready" or "failed, why".
 
 An assignment is acknowledged at once when the memory budget has room (it is reserved while
-the stage loads); the same assignment sent again while loading is a no-op, a different one
-under the same key replaces it. The artifact is pinned in the cache while the stage is
-loaded, so it is never evicted under a running stage.
+the stage loads); the same assignment sent again while loading is a no-op (its artifact link
+may be a fresh one), a different one under the same key replaces it. The artifact is pinned
+in the cache while the stage is loaded, so it is never evicted under a running stage. The
+link's token is never logged, nor sent back in a failure's reason.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import msgspec
 
 from files.cache import ArtifactCache, human_bytes
+from files.private import redact
 from p2p import ConnectionLost, Host, P2PError, RemoteError, RequestTimeout
 from proto.assign import STAGE_STATUS, Assign, AssignAck, Promote, StageStatus, Unassign
 from provider.config import ProviderConfig
@@ -78,8 +81,8 @@ class Assignments:
             self._spawn_status(StageStatus(key=request.key, state="ready", role=request.role))
             return AssignAck(accepted=True)
         pending = self._pending.get(request.key)
-        if pending is not None and pending == request:
-            return AssignAck(accepted=True)  # the same assignment, still loading
+        if pending is not None and msgspec.structs.replace(pending, url=request.url) == request:
+            return AssignAck(accepted=True)  # the same assignment (a fresh link), still loading
         self._cancel_load(request.key)  # a different assignment under this key replaces it
         replaced = existing.info.sha256 if existing is not None else None
         need = memory_needed(info, self.config.executor.kind)
@@ -103,7 +106,7 @@ class Assignments:
         self._pending.pop(key, None)
 
     async def _load(self, request: Assign) -> None:
-        event("assigned", key=request.key, role=request.role, url=request.url)
+        event("assigned", key=request.key, role=request.role, url=redact(request.url))
         progress = throttled_progress(f"stage {request.key}")
         me = asyncio.current_task()
         try:
@@ -120,6 +123,7 @@ class Assignments:
             raise
         except Exception as exc:  # any failure: the broker hears it, with the reason
             reason = str(exc) if isinstance(exc, StageRefused) else f"{type(exc).__name__}: {exc}"
+            reason = redact(reason)  # (an error may quote the link: its token stays here)
             event("stage_failed", key=request.key, reason=reason)
             await self._report(StageStatus(key=request.key, state="failed", reason=reason))
             return

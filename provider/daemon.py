@@ -22,8 +22,10 @@ from typing import Any
 import aiohttp
 
 from files.cache import ArtifactCache, human_bytes
+from files.private import private_dir
 from p2p import Host, HostConfig, P2PError
 from proto.assign import ASSIGN
+from proto.challenge import CHALLENGE
 from proto.forward import FORWARD
 from proto.join import JOIN, Leave
 from proto.ping import PING, Ping, Pong
@@ -32,6 +34,7 @@ from proto.snapshot import SHARD, SNAPSHOT
 from proto.train import TRAIN
 from provider.addresses import broker_peer_id, dialable
 from provider.assignments import Assignments
+from provider.challenge import Checks
 from provider.config import ProviderConfig
 from provider.events import add_event_sink, event, onnxruntime_distributions
 from provider.membership import Membership
@@ -60,11 +63,13 @@ class Provider:
             fault=config.fault,
             compute_slots=config.compute_slots,
         )
+        private_dir(config.data_dir, ["artifacts"])  # its identity key and artifacts: owner-only
         self.cache = ArtifactCache(config.data_dir / "artifacts", config.cache_bytes)
         self.host: Host | None = None
         self.broker_id = broker_peer_id(config.broker)
         boot = secrets.token_hex(8)  # this process: joining again is not a restart
         self.membership = Membership(config, self.server, self.broker_id, boot)
+        self.membership.checks = Checks(config.executor, self.broker_id)
         self.ports = PortMapper(f"fusionai provider {self.config.data_dir.name}")
         self.assignments = Assignments(config, self.server, self.cache, self.broker_id)
         self.training = Training(self.server, self.broker_id, self._training_module)
@@ -187,6 +192,8 @@ class Provider:
         host.add_control_handler(PING, self._on_ping)
         host.add_compute_handler(SESSION, self.server.session)
         host.add_control_handler(ASSIGN, self.assignments.on_assign)
+        if self.membership.checks is not None:  # the broker's hardware check at join
+            host.add_compute_handler(CHALLENGE, self.membership.checks.on_challenge)
         host.add_compute_handler(TRAIN, self.training.train)
         host.add_compute_handler(SHARD, self.training.shard)
         host.add_control_handler(SNAPSHOT, self.training.snapshot)

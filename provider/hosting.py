@@ -18,9 +18,10 @@ import aiohttp
 import onnx
 
 from files.cache import ArtifactCache, ArtifactError, Progress
-from ir.errors import ExecutorError, IRError
+from ir.errors import ExecutorError, IRError, ManifestError
 from ir.executors.base import Executor
 from ir.manifest import ModelManifest, StageInfo
+from ir.package import check_stage_file
 from ir.validate import validate_onnx_file
 from proto.assign import Assign
 from provider.stage import LoadedStage
@@ -129,11 +130,10 @@ async def host(
             package_dir=path.parent,
             weight_dtype=info.weight_dtype,
         )
-        names = [i.name for i in model.graph.input]
-        if names != [i.name for i in info.inputs]:
-            raise StageRefused(
-                f"stage {assign.key}: the artifact's inputs {names} differ from the manifest's"
-            )
+        try:  # (the file is sound, the manifest is wrong about it: the file is kept)
+            check_stage_file(info, model, path)
+        except ManifestError as exc:
+            raise StageRefused(f"stage {assign.key}: {exc}") from None
         executor = await asyncio.to_thread(make_executor, choice, model, info)
     except ExecutorError as exc:  # this machine could not load it: the file is fine, keep it
         cache.pinned.discard(info.sha256)

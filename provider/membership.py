@@ -3,8 +3,10 @@ reached or has forgotten us.
 
 Joining sends the measured hardware profile, signed with the provider's identity, plus the
 measured round trip and bandwidth to the broker, and the stages still loaded (a broker that
-restarted learns what we have). A heartbeat reports what is loaded, the queue, the KV-cache
-bytes, and whether we are draining; the broker answers whether it knows us.
+restarted learns what we have). While it decides, the broker may check the profile's FLOP/s
+(`provider.challenge`: prepared before the join is sent, released once it is answered). A
+heartbeat reports what is loaded, the queue, the KV-cache bytes, and whether we are draining;
+the broker answers whether it knows us.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from proto.heartbeat import HEARTBEAT, Heartbeat
 from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, signed_join_bytes
 from proto.ping import PING, Ping
 from provider.addresses import announced, dialable, mapped
+from provider.challenge import Checks
 from provider.config import ProviderConfig
 from provider.events import event, version
 from provider.portmap import wants_mapping
@@ -33,6 +36,7 @@ from provider.serving import Server
 log = logging.getLogger("fusionai.provider")
 
 FAST_RETRY_S = 30.0  # seconds of an outage during which joins are retried about every second
+JOIN_TIMEOUT_S = 60.0  # a join's answer may take this long (the broker's hardware check runs)
 
 
 class Rejoin(Exception):
@@ -61,6 +65,7 @@ class Membership:
         self.told_draining = asyncio.Event()  # the broker acknowledged we are draining
         self.extra_addrs: list[str] = []  # announced first: a router's mapping to us
         self.relay: RelayClient | None = None  # our port at the broker's relay, if we need one
+        self.checks: Checks | None = None  # answers the broker's hardware check
         self._seq = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -198,24 +203,33 @@ class Membership:
             relayed=relayed,
         )
         body = msgspec.json.encode(profile)
+        if self.checks is not None:
+            try:
+                await asyncio.to_thread(self.checks.prepare)
+            except Exception as exc:  # the broker's check will fail and say so
+                event("warning", message=f"the hardware check cannot run here: {exc}")
         stamp = time.time()
         signature = self.host.identity.sign(
             signed_join_bytes(body, self.broker_id, stamp), domain=JOIN_DOMAIN
         )
-        reply = await self.host.request(
-            self.broker_id,
-            JOIN,
-            Join(
-                profile=body,
-                signature=signature,
-                broker=self.broker_id,
-                timestamp=stamp,
-                token=self.config.join_token,
-                loaded=sorted(self.server.stages),
-                boot=self.boot,
-            ),
-            timeout=15.0,
-        )
+        try:
+            reply = await self.host.request(
+                self.broker_id,
+                JOIN,
+                Join(
+                    profile=body,
+                    signature=signature,
+                    broker=self.broker_id,
+                    timestamp=stamp,
+                    token=self.config.join_token,
+                    loaded=sorted(self.server.stages),
+                    boot=self.boot,
+                ),
+                timeout=JOIN_TIMEOUT_S,
+            )
+        finally:
+            if self.checks is not None:
+                await asyncio.to_thread(self.checks.release)
         if not reply.accepted:
             raise Refused(reply.reason or "the broker refused the join")
         self.heartbeat_s = max(0.2, reply.heartbeat_s)

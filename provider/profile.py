@@ -381,7 +381,7 @@ def load_or_measure(
                 return cached, False
     profile = measure(executor, device)
     # atomic: a crash leaves the old cache or the new, never half
-    write_atomic(path, msgspec.json.format(msgspec.json.encode(profile), indent=2))
+    write_atomic(path, msgspec.json.format(msgspec.json.encode(profile), indent=2), mode=0o600)
     return profile, True
 
 

@@ -123,9 +123,17 @@ def fusionai(*args: str) -> list[str]:
 
 
 def broker_command(
-    data_dir: Path, *extra: str, port: int = 0, http_port: int = 0, heartbeat_s: float = 0.5
+    data_dir: Path,
+    *extra: str,
+    port: int = 0,
+    http_port: int = 0,
+    heartbeat_s: float = 0.5,
+    check_hardware: bool = False,
 ) -> list[str]:
-    """A broker on 127.0.0.1 printing its events as JSON lines (microbatches of 8)."""
+    """A broker on 127.0.0.1 printing its events as JSON lines (microbatches of 8). It
+    believes providers' hardware profiles unless `check_hardware` (`--trust-claims`: the check
+    at join costs each provider a second of matmuls on this 2-core machine; its own tests,
+    `tests/test_broker/test_challenge.py`, and the demo's run with it)."""
     return fusionai(
         "broker",
         "start",
@@ -140,6 +148,7 @@ def broker_command(
         "--microbatch",
         "8",
         "--json",
+        *(() if check_hardware else ("--trust-claims",)),
         *extra,
     )
 

@@ -128,11 +128,10 @@ def record_two_models(out: Path, work: Path) -> None:
     minilm, llama = build_packages(work / "packages")
     trace = work / "two-models.jsonl"
     procs: list[Proc] = []
-    broker = Proc(
-        broker_command(
-            work / "broker", "--queue", "sjf-bsbf", "--verify-fraction", "0", "--trace", str(trace)
-        )
-    )
+    # (claims trusted, as `broker_command` has it: the provider that joins during a job takes
+    # its share once the job ends)
+    flags = ("--queue", "sjf-bsbf", "--verify-fraction", "0")
+    broker = Proc(broker_command(work / "broker", *flags, "--trace", str(trace)))
     procs.append(broker)
     try:
         http = broker.wait_for("broker_started", timeout=60)["http"]

@@ -12,7 +12,11 @@ them over is ranked by `broker.core.pool.promotion_order` (warm first, flapping 
 take-over path: `PromoteBackup` when the successor has the stage loaded, else `Replan`. A
 newcomer becomes a backup or spare (`on_join`); a full re-placement happens only when it pays
 (`should_rebalance`, after rescoring the current placement with today's corrections) and the
-model is idle; one put off while it was busy happens once it is idle.
+model is idle; one put off while it was busy happens once it is idle. A re-placement moves
+served blocks only onto providers already serving the model or whose stage times have been
+seen (`CoreConfig.observe_before_moving`: as servers, or as backups giving spot checks' second
+opinions): a newcomer's claimed profile never displaces a working placement, and so never
+leaves a model unserved while it loads (or never loads: a fake). Newcomers stand by in it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from broker.core.placement import Placement, PlacementError, place
 from broker.core.plans import Plan, placement_fields, range_key
 from broker.core.pool import PoolState, Status, promotion_order
 from broker.core.reconcile import Reconciler
-from broker.core.replan import on_leave, rescored, should_rebalance
+from broker.core.replan import on_join, on_leave, rescored, should_rebalance
 from dag.cost import Correction, HardwareProfile
 
 
@@ -223,13 +227,36 @@ class Planner(Reconciler):
         plan.rebalance_due = False
         profiles = self.candidates(plan)
         try:
-            candidate = place(plan.spec, profiles, self.config.placement)
+            candidate = self._rebalanced(plan, profiles)
         except PlacementError:
             return
         current = rescored(plan.placement, plan.spec, profiles, self.config.placement)
         if should_rebalance(current, candidate, self.config.rebalance_threshold):
             before = round(current.throughput, 1)
             self._adopt(plan, candidate, "rebalanced", before_tokens_s=before)
+
+    def observed(self, plan: Plan, peer: str) -> bool:
+        """Whether a re-placement of `plan` may move served blocks onto `peer`: it serves the
+        model already, or it has been seen taking `observe_before_moving` stage times."""
+        need = self.config.observe_before_moving
+        if need <= 0 or (plan.placement is not None and peer in plan.placement.providers()):
+            return True
+        p = self.pool.providers.get(peer)
+        return p is not None and p.correction.samples >= need
+
+    def _rebalanced(self, plan: Plan, profiles: Candidates) -> Placement:
+        """A fresh placement over the providers whose speed is known (`observed`); the others
+        stand by in it as newcomers do (`on_join`: a backup where a stage has none, else a
+        spare). Raises `PlacementError` when they cannot hold the model."""
+        config = self.config.placement
+        if self.config.observe_before_moving <= 0:
+            return place(plan.spec, profiles, config)
+        seen = {peer: profiles[peer] for peer in profiles if self.observed(plan, peer)}
+        candidate = place(plan.spec, seen, config)
+        for peer in profiles:
+            if peer not in seen:
+                candidate = on_join(candidate, peer, plan.spec, profiles, config)
+        return candidate
 
     def _idle(self, model: str) -> None:
         """Something stopped using `model`: a rebalance put off while it was busy happens now

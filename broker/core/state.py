@@ -33,6 +33,9 @@ class CoreConfig:
     # afresh pays (the service and the simulator send `RebalanceCheck` this often)
     rebalance_threshold: float = REBALANCE_THRESHOLD  # re-place when current throughput is
     # below this share of a fresh placement's
+    observe_before_moving: int = 0  # stage times a provider must have been seen taking before
+    # a rebalance moves served blocks onto it (0: its profile is trusted at once, as the
+    # simulator's catalog machines are; the broker asks 1 unless told to trust claims)
 
     def __post_init__(self) -> None:
         policy_named(self.queue_policy)  # raises on an unknown policy

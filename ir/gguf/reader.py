@@ -19,7 +19,7 @@ import numpy as np
 
 from ir.errors import IRError
 
-SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SHARD = re.compile(r"\A(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf\Z")
 CHUNK_ELEMENTS = 1 << 24  # de-quantize this many values at a time (64 MB of float32)
 
 

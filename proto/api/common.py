@@ -73,9 +73,16 @@ class ArtifactQuery(msgspec.Struct, frozen=True):
             str,
             msgspec.Meta(
                 max_length=256,
-                description="a download token from an assignment "
-                "(providers use it instead of an API key)",
+                description="the download token of an assignment's link (providers use it "
+                "instead of an API key): good for one artifact, one provider, a limited time",
             ),
+        ]
+        | None
+    ) = None
+    peer: (
+        Annotated[
+            str,
+            msgspec.Meta(max_length=128, description="the provider the link was made for"),
         ]
         | None
     ) = None

@@ -14,17 +14,21 @@ from proto.api.common import ModelName
 MAX_INPUTS = 2048  # texts in one embeddings request, as OpenAI allows
 MAX_PROMPTS = 16  # prompts in one completions request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_TEXT_CHARS = 1_000_000  # one input text or message; longer ones are refused (400)
+MAX_STOP_CHARS = 1000  # one stop string
+
+_Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 
 _Id = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Input = Annotated[
-    str | Annotated[list[str | _Id | list[_Id]], msgspec.Meta(max_length=1_000_000)],
+    _Text | Annotated[list[_Text | _Id | list[_Id]], msgspec.Meta(max_length=1_000_000)],
     msgspec.Meta(
         title="Input",
         description="a string, strings, token ids, or lists of token ids (not mixed)",
         extra_json_schema={
             "oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "string"}},
+                {"type": "string", "maxLength": MAX_TEXT_CHARS},
+                {"type": "array", "items": {"type": "string", "maxLength": MAX_TEXT_CHARS}},
                 {"type": "array", "items": {"type": "integer"}, "minItems": 1},
                 {
                     "type": "array",
@@ -35,7 +39,11 @@ Input = Annotated[
     ),
 ]  # (msgspec allows one list type per union: the broker checks the forms do not mix)
 Stop = Annotated[
-    str | Annotated[list[str], msgspec.Meta(max_length=4)] | None,
+    Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]
+    | Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]], msgspec.Meta(max_length=4)
+    ]
+    | None,
     msgspec.Meta(description="a string or up to 4 strings that end the text"),
 ]
 
@@ -124,7 +132,6 @@ class Completion(msgspec.Struct, frozen=True):
 # ---- chat completions ----------------------------------------------------------------------
 
 MAX_MESSAGES = 1024  # messages in one chat request
-_Text = Annotated[str, msgspec.Meta(max_length=1_000_000)]
 
 
 class TextPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="text"):

@@ -55,6 +55,9 @@ class Provider(msgspec.Struct, frozen=True):
     # can it be dialled: "direct", "mapped" (through its router), "unreachable", "checking"
     reach: str = "unknown"
     observed: str | None = None  # the address the broker sees it connect from
+    # float32 FLOP/s its hardware check at join showed (`flops` are capped at a factor of it);
+    # None: not checked (the broker believes claims)
+    checked_flops: float | None = None
 
 
 class ProviderList(msgspec.Struct, frozen=True):

@@ -12,16 +12,20 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
+
+import msgspec
 
 from broker.config import BrokerConfig
 from broker.core.events import ClockTicked
 from broker.service import Broker
 from p2p import Host, Identity
 from p2p.testing import MemoryHost, MemoryNetwork
+from proto.join import JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, signed_join_bytes
 from provider.config import ProviderConfig
 from provider.daemon import Provider
 from provider.profile import ExecutorProfile, MachineProfile
@@ -71,8 +75,8 @@ class Swarm:
         self.broker.host.identity.close()
         self.broker = await _broker(self.net, self.clock, self.root, self.settings)
 
-    async def provider(self, **config: Any) -> Provider:
-        """A provider daemon on the network, joined."""
+    async def provider(self, profile: MachineProfile = PROFILE, **config: Any) -> Provider:
+        """A provider daemon on the network, joined, claiming `profile`."""
         host = self.net.host()
         await host.start()
         folder = self.root / f"provider-{len(self.providers)}"
@@ -81,7 +85,7 @@ class Swarm:
             ProviderConfig(broker=self.broker.addrs[0], data_dir=folder, **{**settings, **config}),
             host=cast(Host, host),
         )
-        provider.profile = PROFILE
+        provider.profile = profile
         provider.memory_budget = provider.config.max_memory_bytes or 0
         provider.server.kv_budget = provider.memory_budget // 4
         provider.attach(cast(Host, host))
@@ -161,12 +165,15 @@ class Swarm:
 
 
 async def swarm(root: Path, **config: Any) -> Swarm:
-    """A started broker (heartbeats every 5 s on its own clock; the test sends them)."""
+    """A started broker (heartbeats every 5 s on its own clock; the test sends them). It
+    believes the providers' profiles (tests of placement give them made-up ones) unless
+    `trust_claims=False`: then each join is checked on the provider's real executor."""
     settings = {
         "http_port": 0,
         "verify_fraction": 0.0,
         "relay": "chain",
         "relay_port": None,  # (an in-memory network: no relay of TCP bytes)
+        "trust_claims": True,
         **config,
     }
     net, clock = MemoryNetwork(), Clock()
@@ -187,3 +194,29 @@ async def _broker(net: MemoryNetwork, clock: Clock, root: Path, settings: dict[s
 
 def host_of(provider: Provider) -> MemoryHost:
     return cast(MemoryHost, provider.host)
+
+
+def crafted_profile(**fields: Any) -> JoinProfile:
+    """A join profile as a hand-written peer would send it (a 2-core CPU), but for `fields`."""
+    settings: dict[str, Any] = {
+        "gpu": None,
+        "cpu": "cpu",
+        "cpu_cores": 2,
+        "executors": [ExecutorInfo("ort", "cpu", {"float32": 5e10}, 1e10, 8 << 30, 8 << 30)],
+        "executor": "ort",
+        "memory_limit_bytes": 2 << 30,
+        "net_up_bytes_s": 1e8,
+        "rtt_s": 0.05,
+        "version": "test",
+    }
+    return JoinProfile(**{**settings, **fields})
+
+
+def signed_join(
+    identity: Identity, broker: str, profile: JoinProfile | bytes, **fields: Any
+) -> Join:
+    """A join signed with `identity`'s key (now, unless `timestamp` is given)."""
+    body = profile if isinstance(profile, bytes) else msgspec.json.encode(profile)
+    stamp = fields.pop("timestamp", time.time())
+    signature = identity.sign(signed_join_bytes(body, broker, stamp), domain=JOIN_DOMAIN)
+    return Join(profile=body, signature=signature, broker=broker, timestamp=stamp, **fields)

@@ -257,6 +257,61 @@ def test_a_join_during_a_job_is_rebalanced_once_the_model_is_idle() -> None:
     assert {"x", "y", "z"} & {peer for rep in s.placed() for peer in rep}
 
 
+def test_a_newcomer_moves_no_served_block_before_its_stage_times_are_seen() -> None:
+    """With `observe_before_moving` (the broker's default), a newcomer claiming to be 20x
+    faster stands by: the model stays served where it is, at the join and at later checks.
+    Once one of its stage times has been seen (a spot check's second opinion, as a backup),
+    a rebalance may move blocks onto it."""
+    from dataclasses import replace
+
+    from dag.cost import layer_time
+
+    s = Swarm(replace(CONFIG, observe_before_moving=1))
+    s.join("a", "b", profile=gpu(tflops=1.0, memory=5e9))
+    s.add(blocks=4)
+    s.settle()
+    before, route = s.placed(), s.route()
+    fast = gpu(tflops=20.0, memory=5e9)
+    s.join("x", profile=fast)
+    s.settle()
+    s.send(RebalanceCheck(s.t))
+    assert not s.notices("model_rebalanced")
+    assert s.placed() == before and s.route() == route and all(route)
+    plan = s.core.plans["m"]
+    assert plan.placement is not None and "x" in plan.members() | set(plan.placement.spares)
+    seconds = layer_time(plan.spec, fast, WORK)  # as fast as it claims
+    s.send(StageTimed("x", "m", WORK, seconds, s.t))
+    s.send(RebalanceCheck(s.t))
+    assert s.notices("model_rebalanced")
+    assert "x" in {peer for rep in s.placed() for peer in rep}
+
+
+@pytest.mark.parametrize("observe", [1, 0])
+def test_a_newcomer_that_comes_and_goes_leaves_a_served_model_served(observe: int) -> None:
+    """Two models, one served by a and b, one waiting for room. A newcomer claiming 20x their
+    speed joins, then leaves. Trusting its claim (0), the broker moves the first model onto
+    it, gives a and b to the second, and when it leaves the first is left unplaced. Waiting to
+    see its speed (1), the first stays where it is; the newcomer serves the waiting one."""
+    from dataclasses import replace
+
+    s = Swarm(replace(CONFIG, observe_before_moving=observe))
+    s.join("a", "b", profile=gpu(tflops=1.0, memory=5e9))
+    s.add("m", blocks=8)  # needs both
+    s.add("m2", blocks=4)  # no room: waits
+    s.settle()
+    route = s.route("m")
+    assert all(route) and s.core.plans["m2"].placement is None
+    s.join("x", profile=gpu(tflops=20.0, memory=10e9))
+    s.settle()
+    s.send(ProviderLeft("x", s.t))
+    s.settle()
+    if observe:
+        assert s.route("m") == route and not s.notices("model_rebalanced")
+        assert s.notices("model_placed")[-1]["model"] == "m2"  # x served it while it was here
+    else:
+        assert s.notices("model_rebalanced") and s.core.plans["m"].placement is None
+
+
 def test_the_current_placement_is_rescored_with_observed_times_and_unseen_twins_get_the_prior(
 ) -> None:  # fmt: skip
     s = Swarm()

@@ -298,7 +298,8 @@ def test_api_keys_tls_body_limit_and_provider_downloads(
 ) -> None:
     key = "fai-test-key-0123456789"
     keys_file = tmp_path / "keys"
-    keys_file.write_text(f"# team keys\n{key} alice\n")
+    admin = "fai-test-admin-key-0123456789"
+    keys_file.write_text(f"# team keys\n{key} alice\n{admin} admin ops\n")
     b: BrokerProc = broker(
         "--api-keys-file", str(keys_file), "--tls-self-signed", "--max-body-mb", "1"
     )
@@ -337,7 +338,7 @@ def test_api_keys_tls_body_limit_and_provider_downloads(
     p = provider(b.addr)
     p.wait_for("listening", timeout=60)
     provider(b.addr).wait_for("listening", timeout=60)
-    env_cli = ["--api-key", key, "--cacert", str(cert)]
+    env_cli = ["--api-key", admin, "--cacert", str(cert)]  # (adding a model: an admin key)
     add_model(b.http, minilm_package, *env_cli)
     status, body = call("/v1/models/minilm", key)
     assert status == 200
@@ -350,12 +351,13 @@ def test_api_keys_tls_body_limit_and_provider_downloads(
     other = json.loads((minilm_package / "manifest.json").read_text())["stages"][2]["sha256"]
     from broker.auth import ArtifactTokens
 
-    token = ArtifactTokens(tmp_path / "broker").token(sha)  # as the broker signs assignments
+    peer = json.loads(call("/v1/providers", key)[1])["providers"][0]["peer_id"]
+    link = f"peer={peer}&token=" + ArtifactTokens(tmp_path / "broker").token(sha, peer)
     assert call(f"/v1/artifacts/{sha}")[0] == 401
-    assert call(f"/v1/artifacts/{sha}?token=0000")[0] == 401
-    assert call(f"/v1/artifacts/{other}?token={token}")[0] == 401  # a token names one artifact
-    assert call(f"/v1/artifacts/{sha}?token=%C3%A9%FF")[0] == 401
-    status, body = call(f"/v1/artifacts/{sha}?token={token}")
+    assert call(f"/v1/artifacts/{sha}?peer={peer}&token=0000")[0] == 401
+    assert call(f"/v1/artifacts/{other}?{link}")[0] == 401  # a token names one artifact
+    assert call(f"/v1/artifacts/{sha}?peer={peer}&token=%C3%A9%FF")[0] == 401
+    status, body = call(f"/v1/artifacts/{sha}?{link}")  # (as the broker signs assignments)
     assert (
         status == 200
         and len(body)

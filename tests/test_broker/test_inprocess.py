@@ -219,8 +219,9 @@ async def test_a_relayed_provider_costs_its_relay_leg(tmp_path: Path) -> None:
 
     s = await swarm(tmp_path, relay_rate_bytes_s=2e6)
     try:
-        for i, relayed in enumerate(([], ["/ip4/203.0.113.10/tcp/40000/p2p/x"])):
+        for i, relay in enumerate((False, True)):
             identity = Identity.ephemeral()
+            relayed = [f"/ip4/203.0.113.10/tcp/40000/p2p/{identity.peer_id}"] if relay else []
             profile = JoinProfile(
                 gpu=None,
                 cpu="cpu",

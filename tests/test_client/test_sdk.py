@@ -99,7 +99,10 @@ def test_embeddings_jobs_and_typed_errors(
         with pytest.raises(JobFailed, match="cancelled"):
             fa.wait(big.id)
     assert issubclass(UnavailableError, FusionAIError)
-    with Client("http://127.0.0.1:9", timeout=5) as gone, pytest.raises(BrokerUnreachable):
+    with (
+        Client("http://127.0.0.1:9", timeout=5, retry_s=0) as gone,
+        pytest.raises(BrokerUnreachable),
+    ):
         gone.swarm()
 
 

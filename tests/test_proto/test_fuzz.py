@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 import proto.assign
+import proto.challenge
 import proto.forward
 import proto.heartbeat
 import proto.join
@@ -36,6 +37,7 @@ SPECS: list[ProtocolSpec] = [
     spec
     for module in (
         proto.assign,
+        proto.challenge,
         proto.forward,
         proto.heartbeat,
         proto.join,
