@@ -20,6 +20,9 @@ Control lines (provider to relay, on the relay's control port):
     relay   PING                                   (every KEEPALIVE_S: keeps NAT state alive)
 Data lines (provider to relay, a new connection to the same port):
     peer    DATA <token>                           (then raw bytes both ways)
+Observation (anyone, a new connection to the same port; for hole punching, `p2p.punch`):
+    peer    OBSERVE
+    relay   SEEN <ip> <port>                       (where the connection came from; then closes)
 """
 
 from __future__ import annotations
@@ -190,6 +193,10 @@ class RelayServer:
             first = await _line(reader, 10.0)
             if first.startswith("DATA "):
                 return self._data(first[5:], reader, writer)
+            if first == "OBSERVE":
+                ip, port = writer.get_extra_info("peername")[:2]
+                writer.write(f"SEEN {ip} {port}\n".encode())
+                return False
             parts = first.split()
             if len(parts) != 3 or parts[0] != "RESERVE":
                 raise RelayError("expected RESERVE or DATA")
