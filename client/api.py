@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +46,8 @@ from files.cache import ArtifactCache, ArtifactError
 from ir.manifest import ModelManifest
 from proto import api
 from proto.api.openai import EmbeddingList, EmbeddingRequest
+
+log = logging.getLogger(__name__)
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
@@ -97,6 +100,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         self.listen = listen
         self._http = BrokerHttp(self.url, self.api_key, self.cacert, retry_s)
         self._host: Any = None  # p2p.Host, started by the first generation
+        self._puncher: Any = None  # p2p.punch.Puncher on that host
         self._host_lock: asyncio.Lock | None = None
         self._stages: dict[str, ClientStages] = {}
         self._loading: dict[str, asyncio.Lock] = {}  # one download of a model's stages at once
@@ -285,11 +289,22 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         async with self._host_lock:
             if self._host is None:
                 from p2p import Host, HostConfig
+                from p2p.punch import Puncher
 
                 host = Host(HostConfig(listen=(self.listen,), request_timeout=self.timeout))
                 await host.start()
+                self._puncher = Puncher(host)
                 self._host = host
         return self._host
+
+    async def _direct(self, peer: str) -> None:
+        """Just connected to provider `peer`: when it is reachable only through a relay and
+        both NATs allow it, move to a direct connection (`p2p.punch`; otherwise, and for a
+        provider that is reachable directly, the connection stays as it is)."""
+        if self._puncher is not None:
+            punched = await self._puncher.punch(peer)
+            if punched.direct:
+                log.info("provider %s: direct at %s (hole punched)", peer, punched.direct)
 
     # ---- batch jobs ------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ class RouterClient(Protocol):
 
     async def _p2p(self) -> Any: ...
 
+    async def _direct(self, peer: str) -> None: ...
+
 
 class HttpRouter:
     """Providers for a client's generation session, named by the broker over HTTP
@@ -67,8 +69,11 @@ class HttpRouter:
             if peer in tried and time.monotonic() < patience:
                 await asyncio.sleep(0.2)
                 continue
+            fresh = peer not in host.connected_peers()
             reason = await _dial(host, peer, out.addrs, deadline)
             if reason is None:
+                if fresh:  # before the session's first call: a punch closes a relayed one
+                    await self.client._direct(peer)
                 return peer
             await self.failed(pos, peer, f"cannot connect: {reason}")
             if peer in tried:  # the broker had no other: give it a moment to notice

@@ -18,8 +18,9 @@ On success the initiator closes the relayed connection; new streams use the dire
 A public address is the IP and port a relay saw a connection from our listening port come
 from: behind a cone NAT (Linux MASQUERADE keeps the port, and the mapping is the same for
 every destination) the other peer reaches that port; behind a symmetric NAT the port differs
-per destination, the punch fails, and the peers stay relayed. A punch dials only the address
-the other peer gave and observes at most one observer per punch, over TCP.
+per destination and a punch cannot work: a NAT that changed our listening port is taken for
+one (`PunchConfig.only_kept_ports`), no try is made, and the peers stay relayed. A punch
+dials only the address the other peer gave, and observes at one observer, over TCP.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Hello(Message, frozen=True, tag="PunchHello/1"):
 
 class Ready(Message, frozen=True, tag="PunchReady/1"):
     observer: str = ""  # /ip4/IP/tcp/PORT that answers OBSERVE ("": the responder has none)
-    addr: str = ""  # the responder's public /ip4/IP/tcp/PORT ("": unknown, no punch)
+    addr: str = ""  # the responder's public /ip4/IP/tcp/PORT ("": no punch, `reason` says why)
+    reason: str = ""
 
 
 class Connect(Message, frozen=True, tag="PunchConnect/1"):
@@ -79,6 +81,10 @@ class PunchConfig:
     pause: float = 0.5
     # Deadline of each coordination message and of the observation; seconds.
     message_timeout: float = 10.0
+    # Try only when both NATs kept our listening port as the public one (a NAT that changes
+    # it most likely maps each destination anew, symmetric, where every try fails and costs
+    # attempt_timeout); False tries with the observed port whatever it is.
+    only_kept_ports: bool = True
 
 
 @dataclass(frozen=True)
@@ -146,32 +152,39 @@ class Puncher:
                 return endpoint[1]
         raise P2PError("the host listens on no TCP port to punch from")
 
-    async def _mine(self, observer: tuple[str, int] | None) -> str:
+    async def _mine(self, observer: tuple[str, int] | None) -> tuple[str, str]:
+        """Our public address to punch from, or "" and why not."""
         if observer is None:
-            return ""
+            return "", "it knows no public address of its own (no observer)"
         try:
-            return await observe(self._port(), observer, self.config.message_timeout)
+            port = self._port()
+            mine = await observe(port, observer, self.config.message_timeout)
         except (OSError, TimeoutError, P2PError) as exc:
             log.info("punch: could not observe our address at %s:%d: %s", *observer, exc)
-            return ""
+            return "", f"it could not observe its address: {exc}"
+        seen = tcp_endpoint(mine)
+        if self.config.only_kept_ports and (seen is None or seen[1] != port):
+            return "", f"its NAT changed its port {port} to {mine} (symmetric, most likely)"
+        return mine, ""
 
     async def _serve(self, peer_id: str, msg: Message) -> Message:
         if isinstance(msg, Hello):
-            mine = self.observer()
-            where = f"/ip4/{mine[0]}/tcp/{mine[1]}" if mine else ""
-            return Ready(observer=where, addr=await self._mine(mine))
+            observer = self.observer()
+            where = f"/ip4/{observer[0]}/tcp/{observer[1]}" if observer else ""
+            addr, why = await self._mine(observer)
+            return Ready(observer=where, addr=addr, reason=why)
         if isinstance(msg, Connect):
             if tcp_endpoint(msg.addr) is None:
                 raise ValueError(f"{msg.addr!r} is not an /ip4/IP/tcp/PORT address")
             self._offers[peer_id] = msg.addr
             return Ack()
         if isinstance(msg, Sync):
-            addr = self._offers.get(peer_id)
-            if addr is None:
+            offer = self._offers.get(peer_id)
+            if offer is None:
                 raise ValueError("Sync before Connect")
             runtime, core = self.host._running()
             port, limit = self._port(), self.config.attempt_timeout
-            direct = await runtime.run(_punch.dial, core, peer_id, addr, port, False, limit)
+            direct = await runtime.run(_punch.dial, core, peer_id, offer, port, False, limit)
             return Outcome(direct=direct)
         raise ValueError(f"unexpected {type(msg).__name__}")
 
@@ -198,15 +211,12 @@ class Puncher:
             ready = await self.host.request(peer_id, PUNCH, Hello(), timeout=cfg.message_timeout)
         except P2PError as exc:
             return failed(f"the peer does not punch: {exc}")
-        theirs = ready.addr if isinstance(ready, Ready) else ""
-        observer = self.observer() or (
-            tcp_endpoint(ready.observer) if isinstance(ready, Ready) else None
-        )
-        if not theirs or observer is None:
-            return failed("the peer knows no public address of its own")
-        mine = await self._mine(observer)
+        if not isinstance(ready, Ready) or not ready.addr:
+            return failed(f"the peer: {getattr(ready, 'reason', '') or 'no address'}")
+        theirs = ready.addr
+        mine, why = await self._mine(self.observer() or tcp_endpoint(ready.observer))
         if not mine:
-            return failed("we could not observe our public address")
+            return failed(f"this peer: {why}")
         runtime, core = self.host._running()
         port = self._port()
         for attempt in range(1, cfg.attempts + 1):

@@ -24,6 +24,7 @@ import aiohttp
 from files.cache import ArtifactCache, human_bytes
 from files.private import private_dir
 from p2p import Host, HostConfig, P2PError
+from p2p.punch import Puncher
 from proto.assign import ASSIGN
 from proto.challenge import CHALLENGE
 from proto.forward import FORWARD
@@ -197,6 +198,8 @@ class Provider:
         host.add_compute_handler(TRAIN, self.training.train)
         host.add_compute_handler(SHARD, self.training.shard)
         host.add_control_handler(SNAPSHOT, self.training.snapshot)
+        # a client that reached us through our relay may punch a direct connection
+        self.puncher = Puncher(host, self.membership.relay_endpoint)
 
     async def detach(self) -> None:
         """Stop loading, close the artifact downloads' session, forget the host."""

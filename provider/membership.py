@@ -138,6 +138,10 @@ class Membership:
             return announced(self.config.announce, self.host.peer_id)
         return [*self.extra_addrs, *self._relayed(), *dialable(self.host.addrs)]
 
+    def relay_endpoint(self) -> tuple[str, int] | None:
+        """The relay we hold a port at: its control port tells a punch our public address."""
+        return self.relay.relay if self.relay is not None and self.relay.alive else None
+
     def _relayed(self) -> list[str]:
         return [self.relay.address] if self.relay is not None and self.relay.alive else []
 
