@@ -131,15 +131,19 @@ class Puncher:
     """Serves `/fusionai/punch/1` on `host` and punches to its peers.
 
     `observer` gives the (ip, port) of a relay control port to observe our public address at
-    (None: we have none, and ask the peer for its). Punches to one peer run one at a time."""
+    (None: we have none, and ask the peer for its). `origin` maps the far end of a relayed
+    connection (as our listener sees it) to the IP the relay saw its client come from
+    (`RelayClient.origin`): when given, a peer may only make us dial its own IP, so a punch
+    cannot make us dial anyone else. Punches to one peer run one at a time."""
 
     def __init__(
         self,
         host: Host,
         observer: Callable[[], tuple[str, int] | None] = lambda: None,
         config: PunchConfig | None = None,
+        origin: Callable[[str], str | None] | None = None,
     ) -> None:
-        self.host, self.observer = host, observer
+        self.host, self.observer, self.origin = host, observer, origin
         self.config = config or PunchConfig()
         self._offers: dict[str, str] = {}  # initiator peer -> its public address
         self._locks: dict[str, asyncio.Lock] = {}
@@ -174,12 +178,17 @@ class Puncher:
             addr, why = await self._mine(observer)
             return Ready(observer=where, addr=addr, reason=why)
         if isinstance(msg, Connect):
-            if tcp_endpoint(msg.addr) is None:
+            endpoint = tcp_endpoint(msg.addr)
+            if endpoint is None:
                 raise ValueError(f"{msg.addr!r} is not an /ip4/IP/tcp/PORT address")
+            if self.origin is not None:
+                came = {self.origin(a) for a in self.remote_addrs(peer_id)}
+                if endpoint[0] not in came:
+                    raise ValueError(f"{endpoint[0]} is not where your connection comes from")
             self._offers[peer_id] = msg.addr
             return Ack()
         if isinstance(msg, Sync):
-            offer = self._offers.get(peer_id)
+            offer = self._offers.pop(peer_id, None)  # one dial per Connect
             if offer is None:
                 raise ValueError("Sync before Connect")
             runtime, core = self.host._running()

@@ -16,7 +16,7 @@ Control lines (provider to relay, on the relay's control port):
     relay   FUSIONAI-RELAY/1 <challenge hex>
     peer    RESERVE <peer id> <signature hex>      (over the challenge and the relay's port)
     relay   OK <public port> | ERR <reason>
-    relay   OPEN <token>                           (a client is waiting: open a data link)
+    relay   OPEN <token> <client ip>               (a client is waiting: open a data link)
     relay   PING                                   (every KEEPALIVE_S: keeps NAT state alive)
 Data lines (provider to relay, a new connection to the same port):
     peer    DATA <token>                           (then raw bytes both ways)
@@ -269,7 +269,8 @@ class RelayServer:
         waiter = asyncio.get_running_loop().create_future()
         r.waiting[token] = waiter
         try:
-            r.control.write(f"OPEN {token}\n".encode())
+            origin = writer.get_extra_info("peername")[0]
+            r.control.write(f"OPEN {token} {origin}\n".encode())
             await r.control.drain()
             data = await asyncio.wait_for(waiter, OPEN_TIMEOUT_S)
         except (TimeoutError, OSError, asyncio.CancelledError):
@@ -298,6 +299,7 @@ class RelayClient:
         self.port: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._links: set[asyncio.Task[None]] = set()
+        self._origins: dict[int, str] = {}  # our end's port of a spliced link -> client IP
 
     @property
     def address(self) -> str:
@@ -335,7 +337,9 @@ class RelayClient:
                 if line == "PING":
                     writer.write(b"PONG\n")
                 elif line.startswith("OPEN "):
-                    task = asyncio.ensure_future(self._open(line[5:]))
+                    parts = line.split()
+                    origin = parts[2] if len(parts) > 2 else ""
+                    task = asyncio.ensure_future(self._open(parts[1], origin))
                     self._links.add(task)
                     task.add_done_callback(self._links.discard)
         except (TimeoutError, RelayError, OSError):
@@ -343,7 +347,15 @@ class RelayClient:
         finally:
             writer.close()
 
-    async def _open(self, token: str) -> None:
+    def origin(self, addr: str) -> str | None:
+        """The client IP (as the relay saw it) of a relayed connection that our libp2p
+        listener sees coming from `addr` (/ip4/127.0.0.1/tcp/PORT: our end of the splice)."""
+        parts = addr.split("/")
+        if len(parts) < 5 or parts[2] != self.local[0] or not parts[4].isdigit():
+            return None
+        return self._origins.get(int(parts[4])) or None
+
+    async def _open(self, token: str, origin: str = "") -> None:
         try:
             remote = await asyncio.wait_for(asyncio.open_connection(*self.relay), 10.0)
             await _line(remote[0], 10.0)  # its greeting
@@ -352,7 +364,12 @@ class RelayClient:
         except (TimeoutError, OSError, RelayError) as exc:
             log.info("relay: could not open a data link: %s", exc)
             return
-        await splice(remote, local)
+        port = local[1].get_extra_info("sockname")[1]
+        self._origins[port] = origin
+        try:
+            await splice(remote, local)
+        finally:
+            self._origins.pop(port, None)
 
     async def close(self) -> None:
         for task in [self._task, *self._links]:

@@ -199,7 +199,8 @@ class Provider:
         host.add_compute_handler(SHARD, self.training.shard)
         host.add_control_handler(SNAPSHOT, self.training.snapshot)
         # a client that reached us through our relay may punch a direct connection
-        self.puncher = Puncher(host, self.membership.relay_endpoint)
+        m = self.membership
+        self.puncher = Puncher(host, m.relay_endpoint, origin=m.relay_origin)
 
     async def detach(self) -> None:
         """Stop loading, close the artifact downloads' session, forget the host."""

@@ -142,6 +142,10 @@ class Membership:
         """The relay we hold a port at: its control port tells a punch our public address."""
         return self.relay.relay if self.relay is not None and self.relay.alive else None
 
+    def relay_origin(self, addr: str) -> str | None:
+        """The client IP behind a connection our relay spliced to us (`RelayClient.origin`)."""
+        return self.relay.origin(addr) if self.relay is not None else None
+
     def _relayed(self) -> list[str]:
         return [self.relay.address] if self.relay is not None and self.relay.alive else []
 

@@ -52,8 +52,8 @@ async def main():
     relay, port = (sys.argv[1], int(sys.argv[2])), int(sys.argv[3])
     async with Host(HostConfig(listen=(f"/ip4/0.0.0.0/tcp/{port}",))) as host:
         serve_test_protocols(host)
-        Puncher(host, lambda: relay)
         held = RelayClient(host.identity, relay, ("127.0.0.1", port))
+        Puncher(host, lambda: relay, origin=held.origin)
         print(json.dumps({"event": "relayed", "address": await held.reserve()}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         await held.close()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2p import Host
-from p2p.punch import PunchConfig, Puncher, observe
+from p2p import Host, RemoteError
+from p2p.punch import PUNCH, Ack, Connect, PunchConfig, Puncher, observe
 from p2p.relay import RelayClient, RelayServer
 from p2p.testing import ECHO_CONTROL, LOCAL, Echo, serve_test_protocols
 
@@ -48,6 +48,25 @@ async def test_without_a_public_address_the_peers_stay_on_the_relayed_connection
             assert punched.direct is None and "no public address" in punched.reason, punched
             answer = await client.request(server.peer_id, ECHO_CONTROL, Echo(n=1), timeout=10)
             assert answer.n == 2 and puncher.remote_addrs(server.peer_id) == relayed
+            await held.close()
+    finally:
+        await relay.close()
+
+
+async def test_a_peer_can_only_make_us_dial_the_ip_its_relayed_connection_came_from() -> None:
+    relay = RelayServer("127.0.0.1", 0)
+    await relay.start()
+    try:
+        async with Host(LOCAL) as server, Host(LOCAL) as client:
+            endpoint = ("127.0.0.1", relay.port)
+            held = RelayClient(server.identity, endpoint, ("127.0.0.1", port_of(server)))
+            Puncher(server, lambda: endpoint, origin=held.origin)
+            Puncher(client)
+            peer = await client.connect(await held.reserve())
+            ok = await client.request(peer, PUNCH, Connect(addr="/ip4/127.0.0.1/tcp/9"))
+            assert isinstance(ok, Ack)
+            with pytest.raises(RemoteError, match="not where your connection comes from"):
+                await client.request(peer, PUNCH, Connect(addr="/ip4/192.0.2.1/tcp/9"))
             await held.close()
     finally:
         await relay.close()
