@@ -54,6 +54,7 @@ T = TypeVar("T")
 
 DEFAULT_URL = "http://127.0.0.1:7371"
 EMBED_CHUNK = 256  # texts per embeddings request
+PUNCH_LIMIT_S = 15.0  # longest a hole punch may hold up a session's start; seconds
 
 
 def default_cache_dir() -> Path:
@@ -301,10 +302,16 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         """Just connected to provider `peer`: when it is reachable only through a relay and
         both NATs allow it, move to a direct connection (`p2p.punch`; otherwise, and for a
         provider that is reachable directly, the connection stays as it is)."""
-        if self._puncher is not None:
-            punched = await self._puncher.punch(peer)
-            if punched.direct:
-                log.info("provider %s: direct at %s (hole punched)", peer, punched.direct)
+        if self._puncher is None:
+            return
+        try:
+            async with asyncio.timeout(PUNCH_LIMIT_S):
+                punched = await self._puncher.punch(peer)
+        except TimeoutError:
+            log.info("provider %s: no direct connection within %g s", peer, PUNCH_LIMIT_S)
+            return
+        if punched.direct:
+            log.info("provider %s: direct at %s (hole punched)", peer, punched.direct)
 
     # ---- batch jobs ------------------------------------------------------------------------
 
