@@ -21,6 +21,12 @@ every destination) the other peer reaches that port; behind a symmetric NAT the 
 per destination and a punch cannot work: a NAT that changed our listening port is taken for
 one (`PunchConfig.only_kept_ports`), no try is made, and the peers stay relayed. A punch
 dials only the address the other peer gave, and observes at one observer, over TCP.
+
+The two SYNs must each leave their own router before the other's arrives there: the start
+skew must stay under the one-way delay between the homes. A router that answers an early SYN
+with a reset (Linux does) keeps that connection's conntrack entry for its close timeout
+(10 s), and its NAT then gives our peer's next SYN another port: measured in the lab, 20 of
+20 direct with 25 ms per access link, but 2 of 5 with 0 ms links (no delay to hide the skew).
 """
 
 from __future__ import annotations
