@@ -1,11 +1,13 @@
 """The relay in the lab: providers in a cone home and a symmetric home, whom nobody can dial,
 hold ports at the broker's relay; a client in a third home generates through them with the
 tokens of a local run, and what the relay forwarded never holds a marker sent through it.
-A relay that answers clients itself instead of forwarding is refused."""
+A relay that answers clients itself instead of forwarding is refused; a session whose relay
+dies goes on through the ports the providers reserve when it is back."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -156,3 +158,55 @@ def test_a_relay_that_answers_instead_of_forwarding_is_refused(lab: Lab) -> None
     said = lab.run(lab.homes[3].host, sys.executable, "-c", DIAL, address, timeout=60)
     assert said.startswith("refused:"), said
     assert fake.stdout.readline().strip() == "answered"  # the client did reach the fake
+
+
+PAUSED = """
+import json, sys, time
+from client import Client
+with Client(sys.argv[1], timeout=30) as fa:
+    fa.add_model(sys.argv[2])
+    end = time.monotonic() + 120
+    while not fa.model("tiny-llama").ready:
+        assert time.monotonic() < end, "the model was never served"
+        time.sleep(0.5)
+    stream = fa.generate(sys.argv[3], 12, model="tiny-llama")
+    for n, _ in enumerate(stream, 1):
+        if n == 3:
+            print("paused", flush=True)
+            sys.stdin.readline()  # the test kills the broker and its relay, then starts it again
+            while not fa.model("tiny-llama").ready:
+                time.sleep(0.5)
+    r = stream.result
+    print(json.dumps({"tokens": r.tokens, "failovers": [f.reason for f in r.failovers]}))
+"""
+
+
+def test_a_session_recovers_when_its_relay_dies(
+    lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
+) -> None:
+    """Both stages are served by relayed providers; mid-generation the broker, and with it
+    the relay every step crosses, is killed and started again: the providers reserve new
+    ports there, and the client's session goes on through them with a local run's tokens."""
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker")
+    for home in lab.homes[:2]:
+        proc = start_provider(spawn, home.host, addr, tmp_path / home.kind,
+                              "--listen", "/ip4/0.0.0.0/tcp/4750", "--no-upnp")  # fmt: skip
+        assert proc.wait_for("relay", timeout=120)["held"] is True
+    tokens, _ = local_greedy(llama_package, PROMPT, 12)
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "cwd": ROOT}
+    client = lab.spawn(lab.homes[3].host, sys.executable, "-c", PAUSED,
+                       f"http://{BROKER_IP}:7371", str(llama_package), PROMPT, **pipes)  # fmt: skip
+    assert client.stdout is not None and client.stdin is not None
+    assert client.stdout.readline().strip() == "paused"
+    broker.signal(signal.SIGKILL)
+    broker.wait(timeout=10)
+    broker, _ = start_broker(lab, spawn, tmp_path / "broker")  # the same identity and ports
+    back: set[str] = set()  # both providers rejoined, with new ports at the new relay
+    for _ in range(2):
+        back.add(broker.wait_for("provider_reach", lambda e: e["reach"] == "relayed"
+                                 and e["peer"] not in back, timeout=120)["peer"])  # fmt: skip
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    answer = json.loads(client.stdout.readline())
+    assert client.wait(timeout=60) == 0
+    assert answer["tokens"] == tokens and answer["failovers"], answer
