@@ -173,7 +173,8 @@ def run_route(lab: Lab, tmp: Path, kind: str, package: Path, args: Any) -> dict[
         broker = Proc(["ip", "netns", "exec", lab.broker, *fusionai(
             "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
             "--public-url", f"http://{BROKER_IP}:7371", "--data-dir", str(tmp / f"{kind}-{mode}"),
-            "--heartbeat-s", "1", "--trust-claims", "--json",
+            "--heartbeat-s", "1", "--trust-claims", "--in-flight", str(args.in_flight), "--json",
+            *args.broker_arg,
         )])  # fmt: skip
         procs.append(broker)
         peer = broker.wait_for("broker_started", timeout=60)["peer"]
@@ -231,6 +232,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32, help="generated per timed run")
     parser.add_argument("--microbatches", type=int, default=16, help="of 32 x 128 per job")
+    parser.add_argument(
+        "--in-flight", type=int, default=4, help="the broker's microbatches in flight"
+    )
+    parser.add_argument("--embed-only", action="store_true", help="skip the generation (profiling)")
+    parser.add_argument(
+        "--broker-arg", action="append", default=[], help="more `broker start` flags"
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the lab is torn down
     why = missing()
@@ -254,7 +262,9 @@ def main() -> int:
         routes: dict[str, Any] = {}
         with Lab(["upnp", "upnp", "upnp", "cone"], rate_mbit=20, delay_ms=25) as lab:
             for kind in ("direct", "relayed"):
-                got = run_route(lab, tmp, kind, pkgs["decoder"], args)
+                got = {"token_ms": float("nan"), "placement": ["p0", "p1", "p2"]}
+                if not args.embed_only:
+                    got = run_route(lab, tmp, kind, pkgs["decoder"], args)
                 embed = run_route(lab, tmp, kind, pkgs["minilm"], args)
                 got["texts_s"] = embed["texts_s"]
                 got["placement"] = {"decoder": got["placement"], "minilm": embed["placement"]}
@@ -282,6 +292,7 @@ def main() -> int:
                   "token_bytes": local["token_bytes"], "text_bytes": local["text_bytes"]},
         "tokens": args.tokens,
         "microbatches": args.microbatches,
+        "in_flight": args.in_flight,
     }))  # fmt: skip
     return 0
 
