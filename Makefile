@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/models.py
 	$(PY) benchmarks/quantized.py
+	$(PY) benchmarks/internet.py  # the home-internet lab: needs root, else says why it skipped
 
 # Re-pin every installed package after changing dependencies.
 constraints: $(STAMP)

@@ -76,6 +76,9 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
     start.add_argument("--microbatch", type=int, default=32, help="sequences per microbatch")
     start.add_argument(
+        "--in-flight", type=int, default=4, help="microbatches of one job in the pipeline at once"
+    )
+    start.add_argument(
         "--relay",
         choices=["chain", "star"],
         default="chain",
@@ -271,6 +274,7 @@ def start(args: argparse.Namespace) -> int:
         queue_policy=args.queue,
         replicas=args.replicas or None,
         microbatch=args.microbatch,
+        in_flight=args.in_flight,
         relay=args.relay,
         verify_fraction=args.verify_fraction,
         verify_rtol=args.verify_tolerance,

@@ -346,6 +346,10 @@ class HostCore:
         unblock = getattr(network, "unblock_peer", None)
         if unblock is not None:
             unblock(info.peer_id)
+        # Dial this address: libp2p dials one TCP address per peer, the first it knows, and
+        # what identify taught it may be stale or only valid where the peer runs (a broker
+        # behind a router, restarted, was redialled at an address its providers cannot reach).
+        self._lp.get_peerstore().clear_addrs(info.peer_id)
         try:
             with trio.fail_after(self.config.connect_timeout):
                 await self._lp.connect(info)

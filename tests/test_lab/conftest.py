@@ -1,7 +1,7 @@
 """The lab's fixtures: one lab (homes behind a cone, a symmetric and a UPnP router, and a
-client's home behind another cone) for the module, and a way
-to run the probes in its namespaces. Without root or the network tools the lab tests are
-skipped with the reason, except under CI=true, where that is a failure."""
+client's home behind another cone) for the module, a way to run the probes in its
+namespaces, and a broker and providers started in them. Without root or the network tools
+the lab tests are skipped with the reason, except under CI=true, where that is a failure."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lab.net import missing
-from lab.topology import Lab
-from tests.procs import ROOT
+from lab.topology import BROKER_IP, Lab
+from tests.procs import ROOT, Proc, fusionai
 
 
 def need_lab() -> None:
@@ -52,3 +53,29 @@ def serve(lab: Lab, ns: str, port: int) -> subprocess.Popen[str]:
     )  # fmt: skip
     assert proc.stdout is not None and "ready" in proc.stdout.readline()
     return proc
+
+
+def start_broker(lab: Lab, spawn: Callable[..., Proc], data: Path, *extra: str) -> tuple[Proc, str]:
+    """A broker on the lab's broker host (p2p on port 7370, HTTP for the other hosts at
+    http://BROKER_IP:7371); (its process, the multiaddr providers dial)."""
+    proc = spawn(
+        ["ip", "netns", "exec", lab.broker, *fusionai(
+            "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
+            "--public-url", f"http://{BROKER_IP}:7371", "--data-dir", str(data),
+            "--heartbeat-s", "1", "--json", *extra,
+        )]
+    )  # fmt: skip
+    started = proc.wait_for("broker_started", timeout=60)
+    return proc, f"/ip4/{BROKER_IP}/tcp/7370/p2p/{started['peer']}"
+
+
+def start_provider(
+    spawn: Callable[..., Proc], ns: str, broker: str, data: Path, *extra: str
+) -> Proc:
+    """A provider in namespace `ns` joining `broker` (2 GB of memory; `extra` flags)."""
+    return spawn(
+        ["ip", "netns", "exec", ns, *fusionai(
+            "provider", "start", "--broker", broker, "--data-dir", str(data),
+            "--max-memory", "2", "--json", *extra,
+        )]
+    )  # fmt: skip

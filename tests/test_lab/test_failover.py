@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from lab.topology import BROKER_IP, Lab
-from tests.procs import ROOT, Proc, fusionai
+from tests.procs import ROOT, Proc
 from tests.test_broker.test_gateway import local_greedy
+from tests.test_lab.conftest import start_broker, start_provider
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(420)]
 PROMPT = "Models travel as ONNX"
@@ -49,26 +50,15 @@ def test_a_generation_through_nat_survives_a_provider_death(
     lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
 ) -> None:
     cone, symmetric, upnp, elsewhere = lab.homes
-    broker = spawn(
-        ["ip", "netns", "exec", lab.broker, *fusionai(
-            "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
-            "--public-url", f"http://{BROKER_IP}:7371", "--data-dir", str(tmp_path / "broker"),
-            "--heartbeat-s", "1", "--json",
-        )]
-    )  # fmt: skip
-    addr = f"/ip4/{BROKER_IP}/tcp/7370/p2p/{broker.wait_for('broker_started', timeout=60)['peer']}"
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker")
     procs: dict[str, Proc] = {}
     expect: dict[str, str] = {}
     for i, (home, reach) in enumerate(
         ((cone, "relayed"), (cone, "relayed"), (symmetric, "relayed"), (upnp, "mapped"))
     ):
-        proc = spawn(
-            ["ip", "netns", "exec", home.host, *fusionai(
-                "provider", "start", "--broker", addr, "--data-dir", str(tmp_path / f"p{i}"),
-                "--listen", f"/ip4/0.0.0.0/tcp/{4800 + i}", "--max-memory", "2", "--drain", "5",
-                "--json",
-            )]
-        )  # fmt: skip
+        listen = f"/ip4/0.0.0.0/tcp/{4800 + i}"
+        proc = start_provider(spawn, home.host, addr, tmp_path / f"p{i}",
+                              "--listen", listen, "--drain", "5")  # fmt: skip
         peer = proc.wait_for("listening", timeout=120)["peer_id"]
         procs[peer], expect[peer] = proc, reach
     for peer, reach in expect.items():

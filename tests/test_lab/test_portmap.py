@@ -13,8 +13,7 @@ import pytest
 
 from lab.topology import Lab
 from tests.procs import Proc
-from tests.test_lab.conftest import probe
-from tests.test_lab.test_reach import start_broker, start_provider
+from tests.test_lab.conftest import probe, start_broker, start_provider
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(240)]
 LIST = (
@@ -32,9 +31,9 @@ def test_a_provider_behind_a_upnp_router_maps_a_port_and_removes_it_on_exit(
 ) -> None:
     broker, addr = start_broker(lab, spawn, tmp_path / "broker")
     cone, upnp = lab.homes[0], lab.homes[2]
-    mapped = start_provider(lab, spawn, upnp.host, addr, tmp_path / "upnp",
+    mapped = start_provider(spawn, upnp.host, addr, tmp_path / "upnp",
                             "--listen", "/ip4/0.0.0.0/tcp/4500")  # fmt: skip
-    plain = start_provider(lab, spawn, cone.host, addr, tmp_path / "cone",
+    plain = start_provider(spawn, cone.host, addr, tmp_path / "cone",
                            "--listen", "/ip4/0.0.0.0/tcp/4600")  # fmt: skip
     event = mapped.wait_for("port_mapping", timeout=120)
     assert event["mapped"] is True and event["address"] == f"/ip4/{upnp.wan_ip}/tcp/4500"

@@ -9,33 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from lab.topology import BROKER_IP, RELAY_IP, Lab
-from tests.procs import Proc, fusionai
+from lab.topology import RELAY_IP, Lab
+from tests.procs import Proc
+from tests.test_lab.conftest import start_broker, start_provider
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(240)]
-
-
-def start_broker(lab: Lab, spawn: Callable[..., Proc], data: Path, *extra: str) -> tuple[Proc, str]:
-    """A broker on the lab's broker host; (its process, the multiaddr providers dial)."""
-    proc = spawn(
-        ["ip", "netns", "exec", lab.broker, *fusionai(
-            "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "127.0.0.1:0",
-            "--data-dir", str(data), "--heartbeat-s", "1", "--json", *extra,
-        )]
-    )  # fmt: skip
-    started = proc.wait_for("broker_started", timeout=60)
-    return proc, f"/ip4/{BROKER_IP}/tcp/7370/p2p/{started['peer']}"
-
-
-def start_provider(
-    lab: Lab, spawn: Callable[..., Proc], ns: str, broker: str, data: Path, *extra: str
-) -> Proc:
-    return spawn(
-        ["ip", "netns", "exec", ns, *fusionai(
-            "provider", "start", "--broker", broker, "--data-dir", str(data),
-            "--max-memory", "2", "--json", *extra,
-        )]
-    )  # fmt: skip
 
 
 def test_the_broker_reports_what_each_home_allows(
@@ -56,7 +34,7 @@ def test_the_broker_reports_what_each_home_allows(
         (upnp.host, upnp.wan_ip, ("--listen", "/ip4/0.0.0.0/tcp/4300", "--no-upnp"),
          "unreachable"),
     ):  # fmt: skip
-        proc = start_provider(lab, spawn, ns, addr, tmp_path / ns, *extra)
+        proc = start_provider(spawn, ns, addr, tmp_path / ns, *extra)
         expect[proc.wait_for("listening", timeout=120)["peer_id"]] = (ns, public, reach)
     seen: dict[str, dict[str, str]] = {}
     for _ in expect:

@@ -1,10 +1,13 @@
 """The relay in the lab: providers in a cone home and a symmetric home, whom nobody can dial,
 hold ports at the broker's relay; a client in a third home generates through them with the
-tokens of a local run, and what the relay forwarded never holds a marker sent through it."""
+tokens of a local run, and what the relay forwarded never holds a marker sent through it.
+A relay that answers clients itself instead of forwarding is refused; a session whose relay
+dies goes on through the ports the providers reserve when it is back."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from lab.topology import BROKER_IP, Lab
-from tests.procs import Proc, fusionai
+from lab.topology import BROKER_IP, RELAY_IP, Lab
+from tests.procs import ROOT, Proc
 from tests.test_broker.test_gateway import local_greedy
+from tests.test_lab.conftest import start_broker, start_provider
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(300)]
 PROMPT = "Models travel as ONNX"
@@ -62,23 +66,11 @@ def test_providers_behind_nat_serve_a_generation_through_the_relay(
     lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
 ) -> None:
     cone, symmetric, elsewhere = lab.homes[0], lab.homes[1], lab.homes[3]
-    broker = spawn(
-        ["ip", "netns", "exec", lab.broker, *fusionai(
-            "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
-            "--public-url", f"http://{BROKER_IP}:7371", "--data-dir", str(tmp_path / "broker"),
-            "--heartbeat-s", "1", "--json",
-        )]
-    )  # fmt: skip
-    peer = broker.wait_for("broker_started", timeout=60)["peer"]
-    addr = f"/ip4/{BROKER_IP}/tcp/7370/p2p/{peer}"
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker")
     relayed = {}
     for home in (cone, symmetric):
-        proc = spawn(
-            ["ip", "netns", "exec", home.host, *fusionai(
-                "provider", "start", "--broker", addr, "--data-dir", str(tmp_path / home.kind),
-                "--listen", "/ip4/0.0.0.0/tcp/4700", "--max-memory", "2", "--no-upnp", "--json",
-            )]
-        )  # fmt: skip
+        proc = start_provider(spawn, home.host, addr, tmp_path / home.kind,
+                              "--listen", "/ip4/0.0.0.0/tcp/4700", "--no-upnp")  # fmt: skip
         held = proc.wait_for("relay", timeout=120)
         assert held["held"] is True and held["address"].startswith(f"/ip4/{BROKER_IP}/tcp/")
         relayed[proc.wait_for("listening")["peer_id"]] = held["address"]
@@ -109,3 +101,112 @@ def test_providers_behind_nat_serve_a_generation_through_the_relay(
     seen = capture.read_bytes()
     assert len(seen) > 7000 * 2, "the capture saw the relayed bytes go by"
     assert b"MARKER-TENSOR-" not in seen
+
+
+FAKE_RELAY = """
+import asyncio
+from p2p import Host, HostConfig
+from p2p.relay import RelayServer, splice
+class Answering(RelayServer):  # the relay's control protocol, but it answers clients itself
+    async def _forward(self, r, reader, writer):
+        print("answered", flush=True)
+        await splice((reader, writer), await asyncio.open_connection("127.0.0.1", self.own))
+async def main():
+    async with Host(HostConfig(listen=("/ip4/127.0.0.1/tcp/0",))) as own:
+        relay = Answering("0.0.0.0", 7400)
+        relay.own = int(own.addrs[0].split("/")[4])
+        await relay.start()
+        print("ready", flush=True)
+        await asyncio.sleep(600)
+asyncio.run(main())
+"""
+RESERVE = """
+import asyncio, sys
+from p2p import Host, HostConfig
+from p2p.relay import RelayClient
+async def main():
+    async with Host(HostConfig(listen=("/ip4/0.0.0.0/tcp/0",))) as me:
+        local = ("127.0.0.1", int(me.addrs[0].split("/")[4]))
+        print(await RelayClient(me.identity, (sys.argv[1], 7400), local).reserve(), flush=True)
+        await asyncio.sleep(600)
+asyncio.run(main())
+"""
+DIAL = """
+import asyncio, sys
+from p2p import Host, HostConfig, P2PError
+async def main():
+    async with Host(HostConfig(listen=("/ip4/0.0.0.0/tcp/0",))) as h:
+        try:
+            print("connected to", await h.connect(sys.argv[1]))
+        except (P2PError, ValueError) as exc:
+            print("refused:", exc)
+asyncio.run(main())
+"""
+
+
+def test_a_relay_that_answers_instead_of_forwarding_is_refused(lab: Lab) -> None:
+    """A 'relay' on the Internet takes the cone home's provider's signed reservation, then
+    answers the client itself: the Noise handshake shows its key, not the provider's."""
+    fake = lab.spawn(lab.relay, sys.executable, "-c", FAKE_RELAY,
+                     stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    provider = lab.spawn(lab.homes[0].host, sys.executable, "-c", RESERVE, RELAY_IP,
+                         stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    assert fake.stdout is not None and provider.stdout is not None
+    assert fake.stdout.readline().strip() == "ready"
+    address = provider.stdout.readline().strip()
+    assert address.startswith(f"/ip4/{RELAY_IP}/tcp/")
+    said = lab.run(lab.homes[3].host, sys.executable, "-c", DIAL, address, timeout=60)
+    assert said.startswith("refused:"), said
+    assert fake.stdout.readline().strip() == "answered"  # the client did reach the fake
+
+
+PAUSED = """
+import json, sys, time
+from client import Client
+with Client(sys.argv[1], timeout=30) as fa:
+    fa.add_model(sys.argv[2])
+    end = time.monotonic() + 120
+    while not fa.model("tiny-llama").ready:
+        assert time.monotonic() < end, "the model was never served"
+        time.sleep(0.5)
+    stream = fa.generate(sys.argv[3], 12, model="tiny-llama")
+    for n, _ in enumerate(stream, 1):
+        if n == 3:
+            print("paused", flush=True)
+            sys.stdin.readline()  # the test kills the broker and its relay, then starts it again
+            while not fa.model("tiny-llama").ready:
+                time.sleep(0.5)
+    r = stream.result
+    print(json.dumps({"tokens": r.tokens, "failovers": [f.reason for f in r.failovers]}))
+"""
+
+
+def test_a_session_recovers_when_its_relay_dies(
+    lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
+) -> None:
+    """Both stages are served by relayed providers; mid-generation the broker, and with it
+    the relay every step crosses, is killed and started again: the providers reserve new
+    ports there, and the client's session goes on through them with a local run's tokens."""
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker")
+    for home in lab.homes[:2]:
+        proc = start_provider(spawn, home.host, addr, tmp_path / home.kind,
+                              "--listen", "/ip4/0.0.0.0/tcp/4750", "--no-upnp")  # fmt: skip
+        assert proc.wait_for("relay", timeout=120)["held"] is True
+    tokens, _ = local_greedy(llama_package, PROMPT, 12)
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "cwd": ROOT}
+    client = lab.spawn(lab.homes[3].host, sys.executable, "-c", PAUSED,
+                       f"http://{BROKER_IP}:7371", str(llama_package), PROMPT, **pipes)  # fmt: skip
+    assert client.stdout is not None and client.stdin is not None
+    assert client.stdout.readline().strip() == "paused"
+    broker.signal(signal.SIGKILL)
+    broker.wait(timeout=10)
+    broker, _ = start_broker(lab, spawn, tmp_path / "broker")  # the same identity and ports
+    back: set[str] = set()  # both providers rejoined, with new ports at the new relay
+    for _ in range(2):
+        back.add(broker.wait_for("provider_reach", lambda e: e["reach"] == "relayed"
+                                 and e["peer"] not in back, timeout=120)["peer"])  # fmt: skip
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    answer = json.loads(client.stdout.readline())
+    assert client.wait(timeout=60) == 0
+    assert answer["tokens"] == tokens and answer["failovers"], answer
