@@ -8,9 +8,12 @@ access link at 20 Mbit/s and 25 ms one way (home to home: 50 ms). Each route kin
 fresh broker and the same three providers (one compute thread each):
 
     direct        the providers map a port on their routers (UPnP) and are dialled there
-    relayed       they ask for no mapping (--no-upnp), so they are reached through the
-                  broker's relay (every client and provider-to-provider leg crosses it)
-    hole_punched  not available until hole punching exists (issue #27, another branch)
+    relayed       they ask for no mapping (--no-upnp) and punch no holes (--no-punch), so
+                  they are reached through the broker's relay (every client and
+                  provider-to-provider leg crosses it)
+    hole_punched  no mapping either, but punching on: the client and each provider that
+                  reached a provider through the relay punch a direct connection to it (the
+                  routers are cone NATs underneath), and the traffic goes there
 
 Prints one JSON object: `routes`, an object per route kind with
     token_ms         p50 time per generated token (greedy, batch 1, a 3-stage decoder), the
@@ -27,8 +30,9 @@ Prints one JSON object: `routes`, an object per route kind with
     token_ratio, texts_ratio   the measure over its bound (targets: token_ratio <= 1.3,
                      texts_ratio >= 0.75)
     placement        which provider (p0..p2, by home) serves each stage of each model
-and `hole_punch_success`: the fraction of cone-pair attempts that ended directly connected
-(null while hole punching is not available).
+and `hole_punch_success`: the fraction of the punches tried on the hole-punched route (the
+client's to each provider, and each provider's to the next hop of a chain) that ended in a
+direct connection; `punches` lists them (who, to whom, seconds, or why not).
 """
 
 from __future__ import annotations
@@ -69,12 +73,14 @@ with Client(url, timeout=120) as fa:
         assert time.monotonic() < end, "the model was never served"
         time.sleep(0.5)
     out = {"placement": [s.providers[0].peer_id for s in fa.model(name).stages]}
+    punched = lambda: [(p, o.direct, o.seconds, o.reason) for p, o in fa._async._puncher.outcomes]
     if mode == "generate":
         prompt = list(range(1, 9))
         for _ in range(2):  # connections and sessions warm
             fa.generate(prompt, 5, stream=False, model=name)
         run = fa.generate(prompt, int(tokens), stream=False, model=name)
         out["token_ms"] = float(np.median(np.diff(run.token_times))) * 1e3
+        out["punches"] = punched() if fa._async._puncher else []
     else:
         ids = json.load(open(ids))
         fa.wait(fa.submit({"model": name, "token_ids": ids[:32], "microbatch": 32}).id)
@@ -176,6 +182,8 @@ def run_route(lab: Lab, tmp: Path, kind: str, package: Path, args: Any) -> dict[
             "--heartbeat-s", "1", "--trust-claims", "--in-flight", str(args.in_flight), "--json",
             *args.broker_arg,
         )])  # fmt: skip
+        flags = {"direct": (), "relayed": ("--no-upnp", "--no-punch"),
+                 "hole_punched": ("--no-upnp",)}[kind]  # fmt: skip
         procs.append(broker)
         peer = broker.wait_for("broker_started", timeout=60)["peer"]
         addr = f"/ip4/{BROKER_IP}/tcp/7370/p2p/{peer}"
@@ -183,8 +191,7 @@ def run_route(lab: Lab, tmp: Path, kind: str, package: Path, args: Any) -> dict[
         for i, home in enumerate(lab.homes[:3]):
             proc = Proc(["ip", "netns", "exec", home.host, *fusionai(
                 "provider", "start", "--broker", addr, "--data-dir", str(tmp / f"p{i}"),
-                "--listen", "/ip4/0.0.0.0/tcp/4900", "--max-memory", "2", "--json",
-                *(() if kind == "direct" else ("--no-upnp",)),
+                "--listen", "/ip4/0.0.0.0/tcp/4900", "--max-memory", "2", "--json", *flags,
             )])  # fmt: skip
             procs.append(proc)
             names[proc.wait_for("listening", timeout=180)["peer_id"]] = f"p{i}"
@@ -199,6 +206,17 @@ def run_route(lab: Lab, tmp: Path, kind: str, package: Path, args: Any) -> dict[
                       timeout=900)  # fmt: skip
         answer: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         answer["placement"] = [names.get(p, p) for p in answer["placement"]]
+        answer["punches"] = [
+            {"from": "client", "to": names.get(p, p), "direct": bool(d), "seconds": round(t, 3),
+             "why_not": why} for p, d, t, why in answer.get("punches", [])
+        ]  # fmt: skip
+        for peer, proc in zip(names, procs[1:], strict=True):
+            proc.drain_events()
+            answer["punches"] += [
+                {"from": names[peer], "to": names.get(e["peer"], e["peer"]),
+                 "direct": bool(e["direct"]), "seconds": e["seconds"], "why_not": e["reason"]}
+                for e in proc.events if e["event"] == "punched"
+            ]  # fmt: skip
         return answer
     finally:
         for proc in reversed(procs):  # providers first, so that they remove their mappings
@@ -261,12 +279,13 @@ def main() -> int:
         }
         routes: dict[str, Any] = {}
         with Lab(["upnp", "upnp", "upnp", "cone"], rate_mbit=20, delay_ms=25) as lab:
-            for kind in ("direct", "relayed"):
-                got = {"token_ms": float("nan"), "placement": ["p0", "p1", "p2"]}
+            for kind in ("direct", "relayed", "hole_punched"):
+                got = {"token_ms": float("nan"), "placement": ["p0", "p1", "p2"], "punches": []}
                 if not args.embed_only:
                     got = run_route(lab, tmp, kind, pkgs["decoder"], args)
                 embed = run_route(lab, tmp, kind, pkgs["minilm"], args)
                 got["texts_s"] = embed["texts_s"]
+                punches = [*got["punches"], *embed["punches"]]
                 got["placement"] = {"decoder": got["placement"], "minilm": embed["placement"]}
                 bound = bounds(kind, got["placement"], local, lab)
                 routes[kind] = {
@@ -277,16 +296,15 @@ def main() -> int:
                     "texts_ceiling_s": round(bound["texts_ceiling_s"], 2),
                     "texts_ratio": round(got["texts_s"] / bound["texts_ceiling_s"], 3),
                     "placement": got["placement"],
+                    "punches": punches,
                 }
-        routes["hole_punched"] = {
-            "available": False,
-            "why": "hole punching (issue #27 item 5) is not built on this branch yet",
-        }
+        tried = routes["hole_punched"]["punches"]
+        success = sum(p["direct"] for p in tried) / len(tried) if tried else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({
         "routes": routes,
-        "hole_punch_success": None,
+        "hole_punch_success": success,
         "local": {"token_ms": round(local["token_ms"], 2),
                   "texts_s": {str(k): round(v, 1) for k, v in local["texts_s"].items()},
                   "token_bytes": local["token_bytes"], "text_bytes": local["text_bytes"]},

@@ -5,8 +5,8 @@ connect from (`p2p.reach`).
     direct       an address on the provider's own interface answered
     mapped       an address its router forwards to it answered (UPnP or a forwarded port,
                  which the provider lists as `mapped` in its join profile)
-    relayed      nothing answered, and it holds a port at this broker's relay, which it
-                 announces: clients reach it through the relay
+    relayed      nothing answered, and it holds a port at this broker's relay, or at a
+                 relay a provider offers that answers for it: clients reach it through the relay
     unreachable  nothing answered, and no relay: only the broker's own connection reaches it
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.events import EventLog
-from p2p.reach import answers, candidates
+from p2p.reach import answers, candidates, tcp_endpoint
 from proto.join import JoinProfile
 
 log = logging.getLogger("fusionai.broker")
@@ -38,9 +38,11 @@ class Reachability:
         events: EventLog,
         timeout: float = 3.0,
         relayed: Callable[[str], str | None] = lambda peer: None,
+        relay_ip: Callable[[str], bool] = lambda ip: False,
     ) -> None:
         self.observed = observed
         self.relayed = relayed  # a peer's address at our relay, if it holds one
+        self.relay_ip = relay_ip  # whether an IP is a provider's relay we took (may be dialled)
         self.events = events
         self.timeout = timeout
         self.reach: dict[str, Reach] = {}
@@ -68,6 +70,11 @@ class Reachability:
         at_relay = self.relayed(peer)
         if found.kind == "unreachable" and at_relay and at_relay in profile.relayed:
             found = Reach("relayed", at_relay, observed)
+        for addr in profile.relayed if found.kind == "unreachable" else ():
+            endpoint = tcp_endpoint(addr)
+            if endpoint and self.relay_ip(endpoint[0]) and await answers(addr, self.timeout):
+                found = Reach("relayed", addr, observed)
+                break
         self.reach[peer] = found
         self._tasks.pop(peer, None)
         self.events.emit(

@@ -39,8 +39,9 @@ from broker.core.events import (
 from broker.driver import CoreDriver
 from broker.events import EventLog
 from broker.reach import Reachability
+from broker.relays import Relays
 from dag.cost import HardwareProfile, Workload
-from p2p import verify
+from p2p import Identity, verify
 from p2p.addresses import address_problem
 from proto.api.swarm import Provider, Reputation
 from proto.heartbeat import Heartbeat, HeartbeatAck
@@ -103,6 +104,7 @@ class Registry:
         reachability: Reachability | None = None,
         relay_port: Callable[[], int] = lambda: 0,
         checks: HardwareChecks | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.checks = checks  # the hardware check at join (None: claims are believed)
         self.checked: dict[str, Checked] = {}  # peer -> its last hardware check
@@ -118,6 +120,9 @@ class Registry:
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
         self.quarantined: dict[str, str] = {}  # peer -> why its answers are not trusted
         driver.carry(ProviderLost, self._on_lost)
+        # relays providers offer (signed tickets need our identity); and our own relay's cap
+        own = None if config.relay_port is None else config.relay_rate_bytes_s
+        self.relays = None if identity is None else Relays(identity, own, self.alive, self._live)
 
     @property
     def core(self) -> Core:
@@ -215,7 +220,8 @@ class Registry:
             return JoinReply(accepted=False, reason=reason)
         self.profiles[peer] = profile
         if profile.relayed:
-            hw = self._through_relay(hw)
+            hw = self._through_relay(hw, profile)
+        relay, ticket = await self._relays(peer, profile)
         if self.reachability is not None:
             self.reachability.check(peer, profile)
         # A provider we thought alive joining again restarted (unless it is the same process,
@@ -238,6 +244,8 @@ class Registry:
             pool="backup",
             heartbeat_s=self.config.heartbeat_s,
             relay_port=self.relay_port(),
+            relay=relay,
+            relay_ticket=ticket,
         )
 
     async def _check(self, peer: str, hw: HardwareProfile, boot: str) -> HardwareProfile:
@@ -256,14 +264,33 @@ class Registry:
         )  # fmt: skip
         return hw
 
-    def _through_relay(self, hw: HardwareProfile) -> HardwareProfile:
+    def _through_relay(self, hw: HardwareProfile, profile: JoinProfile) -> HardwareProfile:
         """A relayed provider as the cost model sees it: every exchange crosses the relay
-        leg too (about its own round trip to the broker, where the relay runs, again), and
-        its bandwidth is at most its share of the relay's cap."""
-        relayed = sum(1 for p in self.profiles.values() if p.relayed)
-        cap = self.config.relay_rate_bytes_s
-        bandwidth = min(hw.net_bandwidth, cap / max(1, relayed)) if cap > 0 else hw.net_bandwidth
+        leg too (about its own round trip to the broker, again), and its bandwidth is at most
+        its share of its relay's cap."""
+        if self.relays is not None:
+            share = self.relays.share(profile)
+        else:
+            cap = self.config.relay_rate_bytes_s
+            relayed = sum(1 for p in self._live() if p.relayed)
+            share = cap / max(1, relayed) if cap > 0 else math.inf
+        bandwidth = min(hw.net_bandwidth, share)
         return dataclasses.replace(hw, rtt=2 * hw.rtt, net_bandwidth=max(1.0, bandwidth))
+
+    def _live(self) -> list[JoinProfile]:
+        return [p for peer, p in self.profiles.items() if self.alive(peer)]
+
+    async def _relays(self, peer: str, profile: JoinProfile) -> tuple[str, str]:
+        """Take the relay `peer` offers, if any; (address, ticket) of the provider relay it
+        should hold a port at if it needs one, or ("", "") for ours."""
+        if self.relays is None:
+            return "", ""
+        observed = self.reachability.observed(peer) if self.reachability is not None else None
+        why = await self.relays.offer(peer, observed, profile)
+        if profile.relay_port:
+            self.events.emit("relay_offer", peer=peer, taken=not why, reason=why,
+                             rate=profile.relay_rate)  # fmt: skip
+        return self.relays.choose(peer)
 
     async def on_heartbeat(self, peer: str, msg: Heartbeat) -> HeartbeatAck:
         known = self.alive(peer)

@@ -138,7 +138,7 @@ class Broker:
         await self.host.start()
         self.relay = await self._start_relay()
         self.reachability = Reachability(
-            self.host.observed, self.events, relayed=self._relayed_addr
+            self.host.observed, self.events, relayed=self._relayed_addr, relay_ip=self._relay_ip
         )
         self.registry = Registry(
             self.config,
@@ -151,6 +151,7 @@ class Broker:
             checks=None
             if self.config.trust_claims
             else HardwareChecks(self.config, self.host.request, self.rng),
+            identity=self.host.identity,
         )
         # Assignments name artifact URLs on the HTTP server (`self.links`, once it listens).
         self.serving = Serving(
@@ -374,10 +375,14 @@ class Broker:
             ips[0] if ips else "0.0.0.0",
             self.config.relay_port,
             rate_bytes_s=self.config.relay_rate_bytes_s,
-            allowed=lambda peer: self.registry.alive(peer),
+            allowed=lambda peer, ticket: self.registry.alive(peer),
         )
         await relay.start()
         return relay
+
+    def _relay_ip(self, ip: str) -> bool:
+        relays = self.registry.relays
+        return relays is not None and relays.is_relay(ip)
 
     def _relayed_addr(self, peer: str) -> str | None:
         """`peer`'s address at our relay as it announces it (the IP it dialled us on)."""

@@ -35,6 +35,22 @@ def add_parser(sub: Any, dispatch: Any) -> None:
         help="do not ask the home router for a port mapping (UPnP; asked by default when this "
         "machine has a private address)",
     )
+    start.add_argument(
+        "--offer-relay",
+        type=float,
+        default=0.0,
+        metavar="MBIT",
+        help="run a relay for providers nobody can dial, capped at MBIT Mbit/s (for a machine "
+        "others can reach: a public address or forwarded ports; default 0: none)",
+    )
+    start.add_argument(
+        "--relay-port", type=int, default=0, help="the offered relay's control port (0: any)"
+    )
+    start.add_argument(
+        "--no-punch",
+        action="store_true",
+        help="neither offer nor try hole punching: peers met through a relay stay relayed",
+    )
     start.add_argument("--max-memory", type=float, help="GB of memory stages may use")
     start.add_argument("--cache-size", type=float, default=20.0, help="GB of artifact cache")
     start.add_argument("--executor", choices=["ort", "torch"], default="ort")
@@ -109,6 +125,10 @@ def start(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
+    if not (0 <= args.offer_relay <= 1e6 and 0 <= args.relay_port <= 65535):
+        print("error: --offer-relay takes 0 to 1e6 Mbit/s, --relay-port 0 to 65535",
+              file=sys.stderr)  # fmt: skip
+        return 2
     from p2p import check_multiaddr
 
     for addr in args.announce:
@@ -123,6 +143,9 @@ def start(args: argparse.Namespace) -> int:
         listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/0",),
         announce=tuple(args.announce),
         upnp=not args.no_upnp,
+        punch=not args.no_punch,
+        relay_rate_bytes_s=args.offer_relay * 1e6 / 8,
+        relay_port=args.relay_port,
         executor=ExecutorChoice(args.executor, args.device),
         max_memory_bytes=int(args.max_memory * GB) if args.max_memory else None,
         cache_bytes=int(args.cache_size * GB),

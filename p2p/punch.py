@@ -32,6 +32,7 @@ with a reset (Linux does) keeps that connection's conntrack entry for its close 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -140,7 +141,8 @@ class Puncher:
     (None: we have none, and ask the peer for its). `origin` maps the far end of a relayed
     connection (as our listener sees it) to the IP the relay saw its client come from
     (`RelayClient.origin`): when given, a peer may only make us dial its own IP, so a punch
-    cannot make us dial anyone else. Punches to one peer run one at a time."""
+    cannot make us dial anyone else. Punches to one peer run one at a time;
+    `outcomes` keeps the latest ones, (peer, Punched) each."""
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class Puncher:
         self.config = config or PunchConfig()
         self._offers: dict[str, str] = {}  # initiator peer -> its public address
         self._locks: dict[str, asyncio.Lock] = {}
+        self.outcomes: collections.deque[tuple[str, Punched]] = collections.deque(maxlen=1024)
         host.add_control_handler(PUNCH, self._serve)
 
     def _port(self) -> int:
@@ -213,7 +216,9 @@ class Puncher:
         raises for a punch that fails: the answer says so, and the relayed one stays."""
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         async with lock:
-            return await self._punch(peer_id)
+            punched = await self._punch(peer_id)
+        self.outcomes.append((peer_id, punched))  # the latest punches' outcomes, per peer
+        return punched
 
     async def _punch(self, peer_id: str) -> Punched:
         cfg, start, rtt = self.config, time.monotonic(), 0.0

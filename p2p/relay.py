@@ -14,7 +14,9 @@ when, and how many bytes. Its forwarding rate is capped (`rate_bytes_s`, shared 
 
 Control lines (provider to relay, on the relay's control port):
     relay   FUSIONAI-RELAY/1 <challenge hex>
-    peer    RESERVE <peer id> <signature hex>      (over the challenge and the relay's port)
+    peer    RESERVE <peer id> <signature hex> [<ticket>]
+                                                   (the signature over the challenge and the
+                                                   relay's port; a ticket if the relay asks)
     relay   OK <public port> | ERR <reason>
     relay   OPEN <token> <client ip>               (a client is waiting: open a data link)
     relay   PING                                   (every KEEPALIVE_S: keeps NAT state alive)
@@ -133,13 +135,13 @@ class RelayServer:
         *,
         rate_bytes_s: float = 0.0,
         max_reservations: int = 256,
-        allowed: Callable[[str], bool] = lambda peer: True,
+        allowed: Callable[[str, str], bool] = lambda peer, ticket: True,
         seen: Callable[[bytes], None] | None = None,
     ) -> None:
         self.host, self.port = host, port
         self.bucket = _Bucket(rate_bytes_s)
         self.max_reservations = max_reservations
-        self.allowed = allowed  # e.g. only providers that joined this broker
+        self.allowed = allowed  # (peer, ticket): e.g. only providers that joined this broker
         self.seen = seen  # every forwarded chunk (tests check what a relay could read)
         self.reservations: dict[str, _Reservation] = {}
         self._server: asyncio.Server | None = None
@@ -198,12 +200,12 @@ class RelayServer:
                 writer.write(f"SEEN {ip} {port}\n".encode())
                 return False
             parts = first.split()
-            if len(parts) != 3 or parts[0] != "RESERVE":
+            if len(parts) not in (3, 4) or parts[0] != "RESERVE":
                 raise RelayError("expected RESERVE or DATA")
             peer, signature = parts[1], bytes.fromhex(parts[2])
             if not verify(peer, reserve_bytes(challenge, self.port), signature, domain=DOMAIN):
                 raise RelayError("the signature does not prove that peer id")
-            if not self.allowed(peer):
+            if not self.allowed(peer, parts[3] if len(parts) == 4 else ""):
                 raise RelayError("this relay serves only the providers of its broker")
             if peer not in self.reservations and len(self.reservations) >= self.max_reservations:
                 raise RelayError("the relay is full")
@@ -294,8 +296,11 @@ class RelayClient:
     """A provider's reservation at a relay, kept until `close()`: dialled by clients at
     `address`, each of their connections is spliced to `local` (our libp2p listener)."""
 
-    def __init__(self, identity: Identity, relay: tuple[str, int], local: tuple[str, int]):
+    def __init__(
+        self, identity: Identity, relay: tuple[str, int], local: tuple[str, int], ticket: str = ""
+    ):
         self.identity, self.relay, self.local = identity, relay, local
+        self.ticket = ticket  # what the relay asks for besides our signature, if anything
         self.port: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._links: set[asyncio.Task[None]] = set()
@@ -315,7 +320,8 @@ class RelayClient:
                 raise RelayError("not a relay")
             signed = reserve_bytes(bytes.fromhex(hello[1]), self.relay[1])
             sig = self.identity.sign(signed, domain=DOMAIN)
-            writer.write(f"RESERVE {self.identity.peer_id} {sig.hex()}\n".encode())
+            ticket = f" {self.ticket}" if self.ticket else ""
+            writer.write(f"RESERVE {self.identity.peer_id} {sig.hex()}{ticket}\n".encode())
             answer = (await _line(reader, timeout)).split(maxsplit=1)
             if answer[0] != "OK":
                 raise RelayError(answer[1] if len(answer) > 1 else "refused")

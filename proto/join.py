@@ -17,8 +17,11 @@ from typing import Annotated
 import msgspec
 
 from p2p.codec import Message, ProtocolSpec
+from p2p.identity import verify
 
 JOIN_DOMAIN = "fusionai/join/1"
+RELAY_TICKET_DOMAIN = "fusionai/relay-ticket/1"
+RELAY_TICKET_S = 600.0  # a relay ticket is good for a reservation this long after it is signed
 MAX_CLOCK_SKEW_S = 300.0  # a join signed further from the broker's clock is refused
 
 # Bounds of a profile's figures, far above any machine's (a type refuses NaN and infinity too)
@@ -56,6 +59,10 @@ class JoinProfile(msgspec.Struct, frozen=True):
     # those of `addrs` a router forwards to it (a UPnP mapping, a forwarded port), not its own
     mapped: Addrs = msgspec.field(default_factory=list)
     relayed: Addrs = msgspec.field(default_factory=list)  # of `addrs`, a relay's port
+    # a relay this provider runs for others (p2p.relay) on the IP the broker sees it on: its
+    # control port (0: none) and its bandwidth cap, bytes/s
+    relay_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    relay_rate: Rate = 0.0
 
 
 class Join(Message, frozen=True, tag="Join/1"):
@@ -78,6 +85,8 @@ class JoinReply(Message, frozen=True, tag="JoinReply/1"):
     pool: str = ""  # "active" or "backup" when accepted
     heartbeat_s: float = 5.0  # send a heartbeat this often
     relay_port: int = 0  # the broker's relay (p2p.relay) on its IP, for the unreachable
+    relay: str = ""  # or first a provider's relay, /ip4/IP/tcp/PORT, for the unreachable
+    relay_ticket: str = ""  # that relay asks for it: `relay_ticket(...)`, signed by the broker
     reason: str = ""  # why not, when refused
 
 
@@ -91,3 +100,21 @@ def signed_join_bytes(profile: bytes, broker: str, timestamp: float) -> bytes:
 
 
 JOIN = ProtocolSpec("/fusionai/join/1", request=(Join, Leave), response=(JoinReply, LeaveAck))
+
+
+def relay_ticket_bytes(relay: str, peer: str, expires: int) -> bytes:
+    """What a relay ticket signs: the broker lets `peer` reserve a port at provider `relay`'s
+    relay until `expires` (unix time). The ticket is "EXPIRES.SIGNATURE_HEX"."""
+    return b"\0".join([relay.encode(), peer.encode(), str(expires).encode()])
+
+
+def relay_ticket_ok(broker: str, relay: str, peer: str, ticket: str, now: float) -> bool:
+    """Whether `ticket` ("EXPIRES.SIGNATURE_HEX") is `broker`'s, lets `peer` reserve at
+    provider `relay`'s relay, and has not expired."""
+    expires, _, signature = ticket.partition(".")
+    try:
+        until, sig = int(expires), bytes.fromhex(signature)
+    except ValueError:
+        return False
+    signed = relay_ticket_bytes(relay, peer, until)
+    return until >= now and verify(broker, signed, sig, domain=RELAY_TICKET_DOMAIN)

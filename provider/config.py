@@ -18,6 +18,10 @@ class ProviderConfig:
     announce: tuple[str, ...] = ()  # addresses others dial instead of the listen ones (e.g.
     # a public address forwarded to this machine); /p2p/<peer id> is added when missing
     upnp: bool = True  # ask the home router for a port mapping (UPnP) when behind one
+    relay_rate_bytes_s: float = 0.0  # offer a relay to providers nobody can dial, at this cap
+    # (bytes/s; 0: offer none); the broker takes it only if it reaches the relay's port
+    relay_port: int = 0  # that relay's control port (0: any free one)
+    punch: bool = True  # punch direct connections to peers met through a relay (both ways)
     executor: ExecutorChoice = field(default_factory=ExecutorChoice)
     max_memory_bytes: int | None = None  # None: the device's free memory when profiled
     cache_bytes: int = 20 * 1024**3  # artifact cache size limit, bytes

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import secrets
 import sys
+import time
 from typing import Any
 
 import aiohttp
@@ -24,11 +25,12 @@ import aiohttp
 from files.cache import ArtifactCache, human_bytes
 from files.private import private_dir
 from p2p import Host, HostConfig, P2PError
-from p2p.punch import Puncher
+from p2p.punch import Punched, Puncher
+from p2p.relay import RelayServer
 from proto.assign import ASSIGN
 from proto.challenge import CHALLENGE
 from proto.forward import FORWARD
-from proto.join import JOIN, Leave
+from proto.join import JOIN, Leave, relay_ticket_ok
 from proto.ping import PING, Ping, Pong
 from proto.session import SESSION
 from proto.snapshot import SHARD, SNAPSHOT
@@ -41,11 +43,17 @@ from provider.events import add_event_sink, event, onnxruntime_distributions
 from provider.membership import Membership
 from provider.portmap import PortMapper, wants_mapping
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
+from provider.punching import ChainPunch
 from provider.serving import Server
 from provider.stage import LoadedStage
 from provider.training import Training, torch_threads
 
 __all__ = ["Provider", "ProviderConfig", "add_event_sink"]
+
+
+def _punched(peer: str, punched: Punched) -> None:
+    event("punched", peer=peer, direct=punched.direct, attempts=punched.attempts,
+          seconds=round(punched.seconds, 3), reason=punched.reason)  # fmt: skip
 
 
 class Provider:
@@ -138,12 +146,14 @@ class Provider:
             compute_threads=self.config.compute_slots + 7,
         )
         given = self._given_host
+        offered: RelayServer | None = None
         try:
             async with contextlib.nullcontext(given) if given is not None else Host(config) as h:
                 self.attach(h)
                 event("listening", peer_id=h.peer_id, addrs=h.addrs)
                 left = asyncio.Event()  # membership runs until the drain is over
                 await self._map_port(h)
+                offered = await self._offer_relay(h)
                 tasks: list[asyncio.Task[Any]] = [
                     asyncio.create_task(self.membership.run(left)),
                     asyncio.create_task(self._status_line(stop)),
@@ -165,6 +175,8 @@ class Provider:
                 await asyncio.gather(*pending, return_exceptions=True)
                 self.server.stop()
         finally:
+            if offered is not None:
+                await offered.close()
             await self.ports.close()
             await self.membership.close_relay()
             await self.detach()
@@ -182,6 +194,26 @@ class Provider:
         self.membership.extra_addrs = [f"{mapping.addr}/p2p/{host.peer_id}"]
         event("port_mapping", mapped=True, address=mapping.addr, local=f"{local[0]}:{local[1]}")
 
+    async def _offer_relay(self, host: Host) -> RelayServer | None:
+        """Run a relay for providers nobody can dial (--offer-relay), carrying only those
+        our broker sends (its ticket), and offer it at join."""
+        rate, me = self.config.relay_rate_bytes_s, host.peer_id
+        if rate <= 0:
+            return None
+
+        def allowed(peer: str, ticket: str) -> bool:
+            return relay_ticket_ok(self.broker_id, me, peer, ticket, time.time())
+
+        relay = RelayServer("0.0.0.0", self.config.relay_port, rate_bytes_s=rate, allowed=allowed)
+        try:
+            port = await relay.start()
+        except OSError as exc:
+            event("relay_offer", running=False, error=str(exc))
+            return None
+        self.membership.relay_offer = (port, rate)
+        event("relay_offer", running=True, port=port, mbit=round(rate * 8 / 1e6, 3))
+        return relay
+
     def attach(self, host: Host) -> None:
         """Serve on `host` (started): stage requests, pings, assignments, training."""
         self.host = self.membership.host = self.assignments.host = self.training.host = host
@@ -198,9 +230,13 @@ class Provider:
         host.add_compute_handler(TRAIN, self.training.train)
         host.add_compute_handler(SHARD, self.training.shard)
         host.add_control_handler(SNAPSHOT, self.training.snapshot)
-        # a client that reached us through our relay may punch a direct connection
-        m = self.membership
-        self.puncher = Puncher(host, m.relay_endpoint, origin=m.relay_origin)
+        # a peer that reached us through our relay may punch a direct connection, and we
+        # punch to the next hop of a chained request that we reached through its relay
+        if self.config.punch:
+            m = self.membership
+            self.puncher = Puncher(host, m.relay_endpoint, origin=m.relay_origin)
+            chains = ChainPunch(host, self.puncher, asyncio.get_running_loop(), _punched)
+            self.server.before_relay = chains.before_relay
 
     async def detach(self) -> None:
         """Stop loading, close the artifact downloads' session, forget the host."""

@@ -23,7 +23,15 @@ from p2p import Host, P2PError
 from p2p.reach import tcp_endpoint
 from p2p.relay import RelayClient, RelayError
 from proto.heartbeat import HEARTBEAT, Heartbeat
-from proto.join import JOIN, JOIN_DOMAIN, ExecutorInfo, Join, JoinProfile, signed_join_bytes
+from proto.join import (
+    JOIN,
+    JOIN_DOMAIN,
+    ExecutorInfo,
+    Join,
+    JoinProfile,
+    JoinReply,
+    signed_join_bytes,
+)
 from proto.ping import PING, Ping
 from provider.addresses import announced, dialable, mapped
 from provider.challenge import Checks
@@ -64,7 +72,8 @@ class Membership:
         self.wake = asyncio.Event()  # send a heartbeat now (draining started)
         self.told_draining = asyncio.Event()  # the broker acknowledged we are draining
         self.extra_addrs: list[str] = []  # announced first: a router's mapping to us
-        self.relay: RelayClient | None = None  # our port at the broker's relay, if we need one
+        self.relay: RelayClient | None = None  # our port at a relay, if we need one
+        self.relay_offer: tuple[int, float] | None = None  # (port, bytes/s) of ours, offered
         self.checks: Checks | None = None  # answers the broker's hardware check
         self._seq = 0
 
@@ -149,31 +158,38 @@ class Membership:
     def _relayed(self) -> list[str]:
         return [self.relay.address] if self.relay is not None and self.relay.alive else []
 
-    async def _hold_relay(self, relay_port: int) -> bool:
-        """Behind a NAT with no mapping: hold a port at the broker's relay (signed with our
-        key), so that clients can dial us through it. True when a new one was reserved (the
-        join must be sent again to announce it)."""
+    async def _hold_relay(self, reply: JoinReply) -> bool:
+        """Behind a NAT with no mapping: hold a port at a relay (the provider relay the
+        broker named, else the broker's own; signed with our key), so that clients can dial
+        us through it. True when a new one was reserved (the join must be sent again to
+        announce it)."""
         assert self.host is not None
-        if self._relayed() or not relay_port or self.config.announce or self.extra_addrs:
+        if self._relayed() or self.config.announce or self.extra_addrs:
             return False
         broker = tcp_endpoint(self.config.broker)
         local = wants_mapping(dialable(self.host.addrs))
         mine = next((tcp_endpoint(a) for a in self.host.addrs if tcp_endpoint(a)), None)
         if broker is None or local is None or mine is None:
             return False  # a public or loopback-only provider needs no relay
+        relays = [(tcp_endpoint(reply.relay), reply.relay_ticket)] if reply.relay else []
+        if reply.relay_port:
+            relays.append(((broker[0], reply.relay_port), ""))
         if self.relay is not None:
             await self.relay.close()
-        self.relay = RelayClient(
-            self.host.identity, (broker[0], relay_port), ("127.0.0.1", mine[1])
-        )
-        try:
-            address = await self.relay.reserve()
-        except (OSError, RelayError, TimeoutError) as exc:
-            event("relay", held=False, error=str(exc))
             self.relay = None
-            return False
-        event("relay", held=True, address=address)
-        return True
+        for relay, ticket in relays:
+            if relay is None:
+                continue
+            held = RelayClient(self.host.identity, relay, ("127.0.0.1", mine[1]), ticket)
+            try:
+                address = await held.reserve()
+            except (OSError, RelayError, TimeoutError) as exc:
+                event("relay", held=False, relay=f"{relay[0]}:{relay[1]}", error=str(exc))
+                continue
+            self.relay = held
+            event("relay", held=True, address=address)
+            return True
+        return False
 
     async def close_relay(self) -> None:
         if self.relay is not None:
@@ -209,6 +225,8 @@ class Membership:
             addrs=addrs,
             mapped=[a for a in mapped(addrs) if a not in relayed],
             relayed=relayed,
+            relay_port=self.relay_offer[0] if self.relay_offer else 0,
+            relay_rate=self.relay_offer[1] if self.relay_offer else 0.0,
         )
         body = msgspec.json.encode(profile)
         if self.checks is not None:
@@ -241,7 +259,7 @@ class Membership:
         if not reply.accepted:
             raise Refused(reply.reason or "the broker refused the join")
         self.heartbeat_s = max(0.2, reply.heartbeat_s)
-        if await self._hold_relay(reply.relay_port):
+        if await self._hold_relay(reply):
             await self.join()  # the same process again, announcing its relayed address
             return
         self.joined.set()
@@ -275,6 +293,8 @@ class Membership:
         )
         if not ack.known:
             raise Rejoin("the broker does not know this provider (it restarted)")
+        if self.relay is not None and not self.relay.alive:
+            raise Rejoin(f"our relay at {self.relay.relay[0]}:{self.relay.relay[1]} closed")
         if draining:
             self.told_draining.set()
 

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -82,6 +82,8 @@ class Server:
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._relaying = 0  # chained requests computed here, waiting on the hops after us
+        # called with the next hop's peer and addresses before a chained request goes there
+        self.before_relay: Callable[[str, Sequence[str]], None] | None = None
         self._per_peer: dict[str, int] = {}
         self._served = 0
         self._last_sweep = 0.0  # when idle sessions were last expired
@@ -264,6 +266,8 @@ class Server:
             finish = finisher(done, None, self._relayed)
             return Relay(self.broker_id, [], CHAIN, result, timeout, finish)
         nxt = route[i + 1]
+        if self.before_relay is not None:  # (a hole punch to a peer we have not met yet)
+            self.before_relay(nxt.peer, nxt.addrs)
         message = Forward(
             stage=nxt.stage,
             inputs=sent,

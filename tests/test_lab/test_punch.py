@@ -7,6 +7,7 @@ over a direct connection, with the tokens of a local run."""
 
 from __future__ import annotations
 
+import base64
 import json
 import statistics
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lab.topology import BROKER_IP, Lab
@@ -219,3 +221,58 @@ def test_a_client_generates_on_a_relayed_provider_over_a_punched_connection(
     assert answer["tokens"] == tokens
     direct = f"/ip4/{provider_home.wan_ip}/tcp/{LISTEN_PORT}"
     assert answer["connections"][provider_id] == [direct], answer
+
+
+EMBED = """
+import base64, json, sys, time
+from client import Client
+with Client(sys.argv[1], timeout=60) as fa:
+    fa.add_model(sys.argv[2])
+    end = time.monotonic() + 180
+    while not fa.model("minilm").ready:
+        assert time.monotonic() < end, "the model was never served"
+        time.sleep(0.5)
+    job = fa.submit({"model": "minilm", "texts": json.loads(sys.argv[3]), "microbatch": 4})
+    assert fa.wait(job.id, timeout=120).state == "succeeded"
+    got = fa.results(job.id).astype("<f4")
+    print(json.dumps({"shape": got.shape, "data": base64.b64encode(got).decode()}))
+"""
+
+
+def test_chained_hops_between_relayed_cone_providers_punch_a_direct_connection(
+    lab: Lab, spawn: Callable[..., Proc], tmp_path: Path
+) -> None:
+    """A batch job's activations go provider to provider; two providers reachable only
+    through the broker's relay punch a direct connection before the first one goes across."""
+    from cli.demo_models import build_minilm
+    from tests.procs import sample_texts
+    from tests.test_broker.conftest import local_embeddings
+    from tests.test_lab.conftest import start_broker, start_provider
+
+    package = tmp_path / "minilm2"
+    build_minilm(package, 2)
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker")
+    providers, wan = {}, {}
+    for home in lab.homes[:2]:  # both cone homes, no UPnP there: relayed
+        proc = start_provider(spawn, home.host, addr, tmp_path / f"p{home.index}", "--no-upnp",
+                              "--listen", f"/ip4/0.0.0.0/tcp/{LISTEN_PORT}")  # fmt: skip
+        peer = proc.wait_for("listening", timeout=120)["peer_id"]
+        providers[peer], wan[peer] = proc, f"/ip4/{home.wan_ip}/tcp/{LISTEN_PORT}"
+    for peer in providers:
+        broker.wait_for("provider_reach", lambda e, p=peer: e["peer"] == p
+                        and e["reach"] == "relayed", timeout=120, since=0)  # fmt: skip
+
+    texts = sample_texts(16)
+    out = lab.run(lab.homes[2].host, sys.executable, "-c", EMBED, f"http://{BROKER_IP}:7371",
+                  str(package), json.dumps(texts), timeout=240)  # fmt: skip
+    answer = json.loads(out.strip().splitlines()[-1])
+    got = np.frombuffer(base64.b64decode(answer["data"]), "<f4").reshape(answer["shape"])
+    assert np.abs(got - local_embeddings(package, texts)).max() <= 1e-4
+    # the first stage's provider punched to the second's (the other cone home's router)
+    punches = []
+    for peer, proc in providers.items():
+        proc.drain_events()
+        punches += [(peer, e) for e in proc.events if e["event"] == "punched"]
+    assert punches, "no provider punched to its next hop"
+    assert all(e["direct"] == wan[e["peer"]] and e["peer"] != peer for peer, e in punches), punches
+    print(f"\nchained hop punched: {[(e['seconds'], e['attempts']) for _, e in punches]}")

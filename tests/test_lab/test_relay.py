@@ -210,3 +210,48 @@ def test_a_session_recovers_when_its_relay_dies(
     answer = json.loads(client.stdout.readline())
     assert client.wait(timeout=60) == 0
     assert answer["tokens"] == tokens and answer["failovers"], answer
+
+
+def test_a_provider_relay_carries_providers_and_its_death_moves_them_to_the_brokers(
+    lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
+) -> None:
+    """A provider on a public address offers a relay (40 Mbit/s): the broker checks it and,
+    its own relay being capped at 1 Mbit/s, sends the providers nobody can dial there, with
+    a ticket the relay asks for. A client generates through it; mid-generation the relay's
+    provider dies: the providers reserve ports at the broker's relay instead, and the session
+    goes on with a local run's tokens."""
+    broker, addr = start_broker(lab, spawn, tmp_path / "broker", "--relay-mbit", "1")
+    # (too little memory for any stage: it only relays)
+    relay = start_provider(spawn, lab.relay, addr, tmp_path / "relay", "--offer-relay", "40",
+                           "--max-memory", "0.0001")  # fmt: skip
+    assert relay.wait_for("relay_offer", timeout=120)["running"] is True
+    offered = broker.wait_for("relay_offer", timeout=120)
+    assert offered["taken"] is True, offered
+    providers = []
+    for home in lab.homes[:2]:  # (no punching: every step crosses the relay)
+        proc = start_provider(spawn, home.host, addr, tmp_path / home.kind, "--listen",
+                              "/ip4/0.0.0.0/tcp/4760", "--no-upnp", "--no-punch")  # fmt: skip
+        held = proc.wait_for("relay", lambda e: e["held"], timeout=120)
+        assert held["address"].startswith(f"/ip4/{RELAY_IP}/tcp/"), held
+        providers.append(proc)
+    for proc in providers:
+        peer = proc.wait_for("listening")["peer_id"]
+        broker.wait_for("provider_reach", lambda e, p=peer: e["peer"] == p
+                        and e["reach"] == "relayed", timeout=120, since=0)  # fmt: skip
+    tokens, _ = local_greedy(llama_package, PROMPT, 12)
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "cwd": ROOT}
+    client = lab.spawn(lab.homes[3].host, sys.executable, "-c", PAUSED,
+                       f"http://{BROKER_IP}:7371", str(llama_package), PROMPT, **pipes)  # fmt: skip
+    assert client.stdout is not None and client.stdin is not None
+    assert client.stdout.readline().strip() == "paused"
+    marks = [proc.mark() for proc in providers]
+    relay.signal(signal.SIGKILL)
+    relay.wait(timeout=10)
+    for proc, since in zip(providers, marks, strict=True):
+        held = proc.wait_for("relay", lambda e: e["held"], timeout=120, since=since)
+        assert held["address"].startswith(f"/ip4/{BROKER_IP}/tcp/"), held
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    answer = json.loads(client.stdout.readline())
+    assert client.wait(timeout=60) == 0
+    assert answer["tokens"] == tokens and answer["failovers"], answer

@@ -44,7 +44,7 @@ async def test_a_relayed_connection_is_end_to_end_and_the_relay_reads_nothing() 
 
 async def test_reservations_need_the_peers_signature_and_the_relays_consent() -> None:
     me = Identity.ephemeral()
-    relay = RelayServer("127.0.0.1", 0, allowed=lambda peer: peer == me.peer_id)
+    relay = RelayServer("127.0.0.1", 0, allowed=lambda peer, ticket: peer == me.peer_id)
     await relay.start()
     stranger = RelayClient(Identity.ephemeral(), ("127.0.0.1", relay.port), ("127.0.0.1", 9))
     with pytest.raises(RelayError, match="serves only the providers of its broker"):
