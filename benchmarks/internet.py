@@ -65,7 +65,7 @@ CLIENT = """
 import json, sys, time
 import numpy as np
 from client import Client
-url, package, mode, tokens, ids = sys.argv[1:6]
+url, package, mode, tokens, ids, size = sys.argv[1:7]
 with Client(url, timeout=120) as fa:
     name = fa.add_model(package).model
     end = time.monotonic() + 300
@@ -83,9 +83,9 @@ with Client(url, timeout=120) as fa:
         out["punches"] = punched() if fa._async._puncher else []
     else:
         ids = json.load(open(ids))
-        fa.wait(fa.submit({"model": name, "token_ids": ids[:32], "microbatch": 32}).id)
+        fa.wait(fa.submit({"model": name, "token_ids": ids[:32], "microbatch": int(size)}).id)
         start = time.perf_counter()
-        job = fa.submit({"model": name, "token_ids": ids, "microbatch": 32})
+        job = fa.submit({"model": name, "token_ids": ids, "microbatch": int(size)})
         assert fa.wait(job.id).state == "succeeded"
         out["texts_s"] = len(ids) / (time.perf_counter() - start)
 print(json.dumps(out))
@@ -203,7 +203,7 @@ def run_route(lab: Lab, tmp: Path, kind: str, package: Path, args: Any) -> dict[
                 raise RuntimeError(f"{kind}: a provider is {seen['reach']}, not {want}")
         out = lab.run(lab.homes[3].host, sys.executable, "-c", CLIENT, f"http://{BROKER_IP}:7371",
                       str(package), mode, str(args.tokens), str(tmp / "ids.json"),
-                      timeout=900)  # fmt: skip
+                      str(args.microbatch), timeout=900)  # fmt: skip
         answer: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         answer["placement"] = [names.get(p, p) for p in answer["placement"]]
         answer["punches"] = [
@@ -251,6 +251,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="generated per timed run")
     parser.add_argument("--microbatches", type=int, default=16, help="of 32 x 128 per job")
     parser.add_argument(
+        "--microbatch", type=int, default=32, help="texts per microbatch the job asks for"
+    )
+    parser.add_argument(
+        "--routes", default="direct,relayed,hole_punched", help="route kinds to run (profiling)"
+    )
+    parser.add_argument(
         "--in-flight", type=int, default=4, help="the broker's microbatches in flight"
     )
     parser.add_argument("--embed-only", action="store_true", help="skip the generation (profiling)")
@@ -258,6 +264,9 @@ def main() -> int:
         "--broker-arg", action="append", default=[], help="more `broker start` flags"
     )
     args = parser.parse_args()
+    unknown = set(args.routes.split(",")) - {"direct", "relayed", "hole_punched"}
+    if unknown or args.microbatch < 1:
+        parser.error(f"unknown routes {sorted(unknown)}" if unknown else "--microbatch >= 1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the lab is torn down
     why = missing()
     if why:  # (`make bench` goes on with the others)
@@ -279,7 +288,7 @@ def main() -> int:
         }
         routes: dict[str, Any] = {}
         with Lab(["upnp", "upnp", "upnp", "cone"], rate_mbit=20, delay_ms=25) as lab:
-            for kind in ("direct", "relayed", "hole_punched"):
+            for kind in args.routes.split(","):
                 got = {"token_ms": float("nan"), "placement": ["p0", "p1", "p2"], "punches": []}
                 if not args.embed_only:
                     got = run_route(lab, tmp, kind, pkgs["decoder"], args)
@@ -298,7 +307,7 @@ def main() -> int:
                     "placement": got["placement"],
                     "punches": punches,
                 }
-        tried = routes["hole_punched"]["punches"]
+        tried = routes.get("hole_punched", {}).get("punches", [])
         success = sum(p["direct"] for p in tried) / len(tried) if tried else None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -310,6 +319,7 @@ def main() -> int:
                   "token_bytes": local["token_bytes"], "text_bytes": local["text_bytes"]},
         "tokens": args.tokens,
         "microbatches": args.microbatches,
+        "microbatch": args.microbatch,
         "in_flight": args.in_flight,
     }))  # fmt: skip
     return 0

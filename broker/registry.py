@@ -121,8 +121,10 @@ class Registry:
         self.quarantined: dict[str, str] = {}  # peer -> why its answers are not trusted
         driver.carry(ProviderLost, self._on_lost)
         # relays providers offer (signed tickets need our identity); and our own relay's cap
-        own = None if config.relay_port is None else config.relay_rate_bytes_s
-        self.relays = None if identity is None else Relays(identity, own, self.alive, self._live)
+        self.relays = None
+        if identity is not None:
+            own, has_own = config.relay_rate_bytes_s, config.relay_port is not None
+            self.relays = Relays(identity, own, has_own, self.alive, self._live)
 
     @property
     def core(self) -> Core:

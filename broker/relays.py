@@ -53,16 +53,18 @@ def relay_ip(profile: JoinProfile) -> str | None:
 
 
 class Relays:
-    """`own_rate`: the broker's relay's cap in bytes/s (0: none; None: no relay of its own)."""
+    """`own_rate`: the broker's relay's cap in bytes/s (0: none); `has_own`: whether the
+    broker runs a relay."""
 
     def __init__(
         self,
         identity: Identity,
-        own_rate: float | None,
+        own_rate: float,
+        has_own: bool,
         alive: Callable[[str], bool],
         profiles: Callable[[], Iterable[JoinProfile]],
     ) -> None:
-        self.identity, self.own_rate = identity, own_rate
+        self.identity, self.own_rate, self.has_own = identity, own_rate, has_own
         self.alive, self.profiles = alive, profiles
         self.offers: dict[str, Offer] = {}
 
@@ -103,7 +105,7 @@ class Relays:
         return [o for o in self.offers.values() if self.alive(o.peer)]
 
     def _own_share(self, carried: dict[str | None, int], offered: set[str]) -> float:
-        if self.own_rate is None:
+        if not self.has_own:
             return 0.0
         if self.own_rate <= 0:
             return math.inf

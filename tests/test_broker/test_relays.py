@@ -31,8 +31,10 @@ async def relay() -> AsyncIterator[RelayServer]:
 
 
 def relays(own_rate: float | None, profiles: list, alive: set[str] | None = None) -> Relays:
+    """(own_rate None: the broker runs no relay of its own)"""
     broker = Identity.ephemeral()
-    return Relays(broker, own_rate, lambda p: alive is None or p in alive, lambda: profiles)
+    is_alive = lambda p: alive is None or p in alive  # noqa: E731
+    return Relays(broker, own_rate or 0.0, own_rate is not None, is_alive, lambda: profiles)
 
 
 async def test_an_offer_is_taken_only_where_a_relay_greets_on_the_providers_ip(
@@ -99,7 +101,7 @@ async def test_a_providers_relay_reserves_only_with_its_brokers_ticket() -> None
         allowed=lambda p, t: relay_ticket_ok(broker.peer_id, me.peer_id, p, t, time.time()),
     )  # fmt: skip
     await server.start()
-    r = Relays(broker, 1.0, lambda p: True, lambda: [])
+    r = Relays(broker, 1.0, True, lambda p: True, lambda: [])
     offer = crafted_profile(relay_port=server.port, relay_rate=40 * MBIT)
     assert await r.offer(me.peer_id, "/ip4/127.0.0.1/tcp/1", offer) == ""
     _, ticket = r.choose(peer.peer_id)
