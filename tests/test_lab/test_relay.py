@@ -149,10 +149,11 @@ def test_a_relay_that_answers_instead_of_forwarding_is_refused(lab: Lab) -> None
     answers the client itself: the Noise handshake shows its key, not the provider's."""
     fake = lab.spawn(lab.relay, sys.executable, "-c", FAKE_RELAY,
                      stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    assert fake.stdout is not None
+    assert fake.stdout.readline().strip() == "ready"  # listening before the provider dials it
     provider = lab.spawn(lab.homes[0].host, sys.executable, "-c", RESERVE, RELAY_IP,
                          stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
-    assert fake.stdout is not None and provider.stdout is not None
-    assert fake.stdout.readline().strip() == "ready"
+    assert provider.stdout is not None
     address = provider.stdout.readline().strip()
     assert address.startswith(f"/ip4/{RELAY_IP}/tcp/")
     said = lab.run(lab.homes[3].host, sys.executable, "-c", DIAL, address, timeout=60)
