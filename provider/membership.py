@@ -66,6 +66,8 @@ class Membership:
         self.extra_addrs: list[str] = []  # announced first: a router's mapping to us
         self.relay: RelayClient | None = None  # our port at the broker's relay, if we need one
         self.checks: Checks | None = None  # answers the broker's hardware check
+        self.pool = ""  # our pool and reachability, as the broker last said ("" unknown)
+        self.reach = ""
         self._seq = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -244,6 +246,7 @@ class Membership:
         if await self._hold_relay(reply.relay_port):
             await self.join()  # the same process again, announcing its relayed address
             return
+        self.pool = reply.pool
         self.joined.set()
         event(
             "joined",
@@ -275,6 +278,7 @@ class Membership:
         )
         if not ack.known:
             raise Rejoin("the broker does not know this provider (it restarted)")
+        self.pool, self.reach = ack.pool or self.pool, ack.reach or self.reach
         if draining:
             self.told_draining.set()
 
