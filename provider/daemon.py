@@ -168,9 +168,10 @@ class Provider:
                     asyncio.create_task(self._watch(ended)),
                 ]
                 while not (stop.is_set() or now.is_set()):
-                    await self._serve(stop, now)
-                    if not (stop.is_set() or now.is_set()):
+                    if self.aside.is_set():  # (also at start: the owner's hours, a game)
                         await self._pause(stop, now)
+                    else:
+                        await self._serve(stop, now)
                 ended.set()
                 for t in background:
                     t.cancel()

@@ -82,7 +82,8 @@ class StepAside:
     every_s: float = 2.0  # how often the machine is looked at, seconds
 
     def __post_init__(self) -> None:
-        if not 0 <= self.gpu_idle_percent <= self.gpu_busy_percent <= 100:
+        off = self.gpu_busy_percent == 0  # (then the idle line does not matter)
+        if not (off or 0 <= self.gpu_idle_percent <= self.gpu_busy_percent <= 100):
             raise ValueError(
                 "GPU thresholds need 0 <= idle <= busy <= 100 percent, got "
                 f"idle {self.gpu_idle_percent:g} and busy {self.gpu_busy_percent:g}"
