@@ -100,12 +100,16 @@ def status(args: argparse.Namespace) -> int:
 
 def start(args: argparse.Namespace) -> int:
     from provider.daemon import Provider
-    from provider.events import add_event_sink
+    from provider.events import add_event_sink, onnxruntime_distributions, two_runtimes
 
     try:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    runtimes = onnxruntime_distributions()
+    if len(runtimes) > 1:
+        print(f"error: {two_runtimes(runtimes)}", file=sys.stderr)
         return 2
     if args.log_file:
         import logging.handlers

@@ -109,6 +109,13 @@ def step_aside_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
             metavar="SECONDS",
             help="the machine must be free this long before joining again (default 120)",
         ),
+        a(
+            "--step-aside-every",
+            type=float,
+            default=2.0,
+            metavar="SECONDS",
+            help="look at the machine this often (default 2)",
+        ),
         a("--no-step-aside", action="store_true", help="never step aside"),
     ]
 
@@ -151,6 +158,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
             hours=hours,
             busy_after_s=args.step_aside_after,
             idle_after_s=args.rejoin_after,
+            every_s=args.step_aside_every,
         )
     except ValueError as exc:
         raise ValueError(f"stepping aside: {exc}") from None

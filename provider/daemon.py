@@ -40,7 +40,7 @@ from provider.addresses import broker_peer_id, dialable
 from provider.assignments import Assignments
 from provider.challenge import Checks
 from provider.config import ProviderConfig
-from provider.events import add_event_sink, event, onnxruntime_distributions
+from provider.events import add_event_sink, event, onnxruntime_distributions, two_runtimes
 from provider.membership import Membership
 from provider.portmap import PortMapper, wants_mapping
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
@@ -129,12 +129,7 @@ class Provider:
             self.server.kv_budget = max(1, self.memory_budget // 4)
         runtimes = onnxruntime_distributions()
         if len(runtimes) > 1:
-            event(
-                "warning",
-                message=f"several onnxruntime packages are installed ({', '.join(runtimes)}); "
-                "they overwrite each other's files. Keep one: pip uninstall the others, then "
-                "reinstall the one you want (fusionai[cuda] or fusionai[directml])",
-            )
+            raise ValueError(two_runtimes(runtimes))
         dropped = await asyncio.to_thread(self.cache.check)
         if dropped:
             event("cache_dropped", artifacts=dropped)

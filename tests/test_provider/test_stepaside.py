@@ -113,7 +113,8 @@ def test_the_provider_steps_aside_for_its_scheduled_hours_and_comes_back(
     addr = broker.wait_for("broker_started", timeout=30)["addrs"][0]
     window = f"{_clock(9)}-{_clock(11)}"  # after the provider has joined (~5 s here)
     options = ["--max-memory", "1", "--drain", "5", "--step-aside-hours", window]
-    prov = spawn(provider_command(addr, tmp_path / "prov", *options, "--rejoin-after", "0.5"))
+    options += ["--rejoin-after", "0.5", "--step-aside-every", "0.5"]
+    prov = spawn(provider_command(addr, tmp_path / "prov", *options))
     peer = prov.wait_for("listening", timeout=60)["peer_id"]
     joined = prov.wait_for("joined", timeout=30)
     aside = prov.wait_for("step_aside", timeout=30)
@@ -173,7 +174,7 @@ async def test_a_game_starting_mid_generation_hands_the_stage_to_the_backup(
     procs: dict[str, Proc] = {}
     for name in ("game-a", "game-b"):
         options = ["--max-memory", "2", "--drain", "5", "--step-aside-for", name]
-        options += ["--step-aside-after", "0.5", "--rejoin-after", "1"]
+        options += ["--step-aside-after", "0.5", "--rejoin-after", "1", "--step-aside-every", "0.5"]
         prov = spawn(provider_command(addr, tmp_path / f"prov-{name}", *options))
         procs[prov.wait_for("listening", timeout=60)["peer_id"]] = prov
     wait_joined(http, procs)
