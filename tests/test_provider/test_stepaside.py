@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from provider.status import read as read_status
 from provider.stepaside import ComeBack, Policy, Sample, StepAside, StepAsideNow, Window
 from provider.watch import macos_idle_s, running
 from tests.procs import Proc, broker_command, provider_command, wait_until
@@ -215,3 +216,13 @@ async def test_a_game_starting_mid_generation_hands_the_stage_to_the_backup(
     holders = {p["peer_id"] for p in again["stages"][0]["providers"]}
     holders |= {b if isinstance(b, str) else b["peer_id"] for b in again["stages"][0]["backups"]}
     assert holders == set(procs), (holders, pools(http))
+    # the backup's work is on its books: every token of the replayed session and the rest
+    name = "game-b" if game_name == "game-a" else "game-a"
+
+    def counted() -> object:  # (the file is rewritten every 2 s)
+        books = read_status(tmp_path / f"prov-{name}")
+        enough = books is not None and books.run.tokens >= len(tokens)
+        return books if enough and books.run.requests >= steps - 10 else None
+
+    books = wait_until("the backup's status to count the work", counted, 10)
+    assert books.run.online_s > 0 and books.run.serving_s > 0, books
