@@ -226,3 +226,31 @@ async def test_a_game_starting_mid_generation_hands_the_stage_to_the_backup(
 
     books = wait_until("the backup's status to count the work", counted, 10)
     assert books.run.online_s > 0 and books.run.serving_s > 0, books
+
+
+def test_user_activity_is_read_from_a_real_x_server(tmp_path: Path) -> None:
+    """Linux under X11: the XScreenSaver extension's idle time (Xvfb stands in for a desktop;
+    with no display at all the reader says why it cannot tell)."""
+    import os
+
+    from provider.watch import idle_reader
+
+    if shutil.which("Xvfb") is None:
+        pytest.skip("Xvfb is not installed (apt-get install xvfb)")
+    display = ":47"
+    server = subprocess.Popen(["Xvfb", display, "-nolisten", "tcp"], stderr=subprocess.DEVNULL)
+    old = os.environ.get("DISPLAY")
+    try:
+        os.environ.pop("DISPLAY", None)
+        reader, why = idle_reader()
+        assert reader is None and "$DISPLAY" in why
+        os.environ["DISPLAY"] = display
+        reader = wait_until("the X server", lambda: idle_reader()[0], 10)
+        first = reader()
+        wait_until("idle time to grow", lambda: reader() >= first + 0.5, 5)
+    finally:
+        os.environ.pop("DISPLAY", None)
+        if old is not None:
+            os.environ["DISPLAY"] = old
+        server.kill()
+        server.wait()
