@@ -89,7 +89,6 @@ def systemd_unit(spec: ServiceSpec) -> str:
     return (
         "[Unit]\n"
         "Description=FusionAI provider (serves ML stages for a FusionAI broker)\n"
-        "Documentation=https://pypi.org/project/fusionai/\n"
         "Wants=network-online.target\n"
         "After=network-online.target\n"
         "\n"
@@ -294,7 +293,7 @@ def install(spec: ServiceSpec, enable: bool = True, kind: str | None = None) -> 
         steps = [("launchctl", "bootstrap", domain, str(path))]
         later = f"launchctl bootstrap {domain} {path}"
     else:
-        path = Path(spec.workdir) / "fusionai-provider-task.xml"
+        path = windows_logs().parent / "fusionai-provider-task.xml"  # %LOCALAPPDATA%\fusionai
         path.parent.mkdir(parents=True, exist_ok=True)
         xml = task_xml(spec, os.environ.get("USERNAME"))
         write_atomic(path, xml.encode("utf-16"))
@@ -332,14 +331,14 @@ def uninstall(kind: str | None = None) -> tuple[list[Path], list[str]]:
         uid = os.getuid() if hasattr(os, "getuid") else 0
         steps = [("launchctl", "bootout", f"gui/{uid}/{LABEL}")]
     else:
-        path = Path()
+        path = windows_logs().parent / "fusionai-provider-task.xml"
         steps = [("schtasks", "/End", "/TN", TASK), ("schtasks", "/Delete", "/TN", TASK, "/F")]
     for step in steps:
         ok, said = _run(*step)
         if not ok:
             notes.append(f"`{' '.join(step)}`: {said}")
     removed = []
-    if kind != "task" and path.is_file():
+    if path.is_file():
         path.unlink()
         removed.append(path)
         if kind == "systemd":

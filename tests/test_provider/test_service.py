@@ -251,9 +251,13 @@ def _windows_split(line: str) -> list[str]:
     return words
 
 
-def test_the_windows_task_follows_the_task_scheduler_schema(tmp_path: Path) -> None:
+def test_the_windows_task_follows_the_task_scheduler_schema(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "local"))
     spec = service.ServiceSpec(argv=_spec(tmp_path).argv, workdir=tmp_path)
     done = service.install(spec, enable=False, kind="task")
+    assert done.path == tmp_path / "local" / "fusionai" / "fusionai-provider-task.xml"
     raw = done.path.read_bytes()
     assert raw.startswith(b"\xff\xfe")  # UTF-16 with its byte-order mark, as schtasks reads
     root = ET.fromstring(raw.decode("utf-16").split("?>", 1)[1])
