@@ -55,6 +55,18 @@ def running(wanted: Iterable[str], me: int | None = None) -> frozenset[str]:
     return frozenset(found)
 
 
+def is_provider(cmdline: list[str]) -> bool:
+    """Whether a command line runs `fusionai provider start` (or `-m cli.main provider ...`)."""
+    words = [os.path.basename(w).lower() for w in cmdline]
+    for i, word in enumerate(words[:-2]):
+        if word in ("fusionai", "fusionai.exe", "cli.main") and words[i + 1 : i + 3] == [
+            "provider",
+            "start",
+        ]:
+            return True
+    return False
+
+
 class GpuWatch:
     """Other programs' use of NVIDIA GPUs, in percent of the busiest one."""
 
@@ -62,6 +74,7 @@ class GpuWatch:
         self.nvml: Any = None
         self.why = ""
         self._seen: dict[int, int] = {}  # device index -> last sample timestamp (µs)
+        self._providers: dict[int, bool] = {}  # pid -> whether it is a FusionAI provider
         try:
             import pynvml
 
@@ -92,13 +105,27 @@ class GpuWatch:
             busiest = max(busiest, self._device(i, handle, mine))
         return busiest
 
+    def _ours(self, pid: int, mine: set[int]) -> bool:
+        """This provider, its children, or another provider on this machine (one per GPU,
+        or a demo swarm): their GPU use is not the owner's."""
+        if pid in mine:
+            return True
+        if pid not in self._providers:
+            try:
+                import psutil
+
+                self._providers[pid] = is_provider(psutil.Process(pid).cmdline())
+            except Exception:  # gone, or not ours to look at
+                self._providers[pid] = False
+        return self._providers[pid]
+
     def _device(self, i: int, handle: Any, mine: set[int]) -> float:
         nvml = self.nvml
         try:
             samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._seen.get(i, 0))
             if samples:
                 self._seen[i] = max(s.timeStamp for s in samples)
-            return float(sum(s.smUtil for s in samples if s.pid not in mine))
+            return float(sum(s.smUtil for s in samples if not self._ours(s.pid, mine)))
         except nvml.NVMLError_NotFound:
             return 0.0  # no process used it since the last sample
         except nvml.NVMLError:
@@ -107,7 +134,7 @@ class GpuWatch:
             *nvml.nvmlDeviceGetComputeRunningProcesses(handle),
             *nvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
         ]
-        if not any(p.pid not in mine for p in procs):
+        if all(self._ours(p.pid, mine) for p in procs):
             return 0.0
         return float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
 

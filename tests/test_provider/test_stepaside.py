@@ -14,11 +14,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from provider.status import read as read_status
 from provider.stepaside import ComeBack, Policy, Sample, StepAside, StepAsideNow, Window
-from provider.watch import macos_idle_s, running
+from provider.watch import is_provider, macos_idle_s, running
 from tests.procs import Proc, broker_command, provider_command, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,6 +118,11 @@ def test_the_provider_steps_aside_for_its_scheduled_hours_and_comes_back(
     options += ["--rejoin-after", "0.5", "--step-aside-every", "0.5"]
     prov = spawn(provider_command(addr, tmp_path / "prov", *options))
     peer = prov.wait_for("listening", timeout=60)["peer_id"]
+    # another provider's GPU use is not the owner's (several on one machine, or the demo)
+    assert is_provider(psutil.Process(prov.proc.pid).cmdline())
+    assert not is_provider(psutil.Process(broker.proc.pid).cmdline())
+    assert is_provider(["/home/u/.local/bin/fusionai", "provider", "start", "--broker", "x"])
+    assert not is_provider(["fusionai", "provider", "status"])
     joined = prov.wait_for("joined", timeout=30)
     aside = prov.wait_for("step_aside", timeout=30)
     assert aside["reasons"] == [f"scheduled hours {Window.parse(window)}"]
