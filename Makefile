@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-lab lint demo bench chaos constraints clean browser
+.PHONY: install test test-slow test-lab lint demo bench chaos constraints clean browser dist
 
 # torch first, pinned: the CPU wheel is local; an unpinned torch pulls several GB of CUDA.
 $(STAMP): pyproject.toml constraints.txt
@@ -66,5 +66,11 @@ constraints: $(STAMP)
 	{ sed -n '1,2p' constraints.txt; $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^(torch|fusionai)=='; } > constraints.new
 	mv constraints.new constraints.txt
 
+# One wheel per onnxruntime build (fusionai, fusionai-cuda, fusionai-directml) into dist/.
+dist: $(STAMP)
+	$(PY) release/variants.py wheel cpu
+	$(PY) release/variants.py wheel cuda
+	$(PY) release/variants.py wheel directml
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info dist

@@ -307,7 +307,13 @@ class Registry:
         if not known:
             return HeartbeatAck(known=False)  # the core says: join again
         self.load[peer] = (msg.queued, msg.kv_bytes)
-        return HeartbeatAck(known=True)
+        member = self.core.pool.providers.get(peer)
+        reach = self.reachability.reach.get(peer) if self.reachability else None
+        return HeartbeatAck(
+            known=True,
+            pool=member.status.value if member is not None else "",
+            reach=reach.kind if reach is not None else "",
+        )
 
     # ---- the clock -------------------------------------------------------------------------
 

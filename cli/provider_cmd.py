@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GB = 1024**3
+from cli.provider_options import config_from_args, data_dir_of, start_options
 
 
 def add_parser(sub: Any, dispatch: Any) -> None:
@@ -20,54 +20,35 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     data_help = "where the identity, profile and artifacts live (default: $FUSIONAI_DATA_DIR)"
 
     start = psub.add_parser("start", help="join a broker and serve stages until Ctrl-C")
-    start.add_argument("--broker", required=True, help="the broker's multiaddr (.../p2p/<id>)")
-    start.add_argument("--data-dir", help=data_help)
-    start.add_argument("--listen", action="append", help="multiaddr (default /ip4/0.0.0.0/tcp/0)")
-    start.add_argument(
-        "--announce",
-        action="append",
-        default=[],
-        help="multiaddr others dial instead of the listen ones (e.g. a forwarded public port)",
-    )
-    start.add_argument(
-        "--no-upnp",
-        action="store_true",
-        help="do not ask the home router for a port mapping (UPnP; asked by default when this "
-        "machine has a private address)",
-    )
-    start.add_argument(
-        "--offer-relay",
-        type=float,
-        default=0.0,
-        metavar="MBIT",
-        help="run a relay for providers nobody can dial, capped at MBIT Mbit/s (for a machine "
-        "others can reach: a public address or forwarded ports; default 0: none)",
-    )
-    start.add_argument(
-        "--relay-port", type=int, default=0, help="the offered relay's control port (0: any)"
-    )
-    start.add_argument(
-        "--no-punch",
-        action="store_true",
-        help="neither offer nor try hole punching: peers met through a relay stay relayed",
-    )
-    start.add_argument("--max-memory", type=float, help="GB of memory stages may use")
-    start.add_argument("--cache-size", type=float, default=20.0, help="GB of artifact cache")
-    start.add_argument("--executor", choices=["ort", "torch"], default="ort")
-    start.add_argument("--device", help="ORT execution provider or torch device (default: best)")
-    start.add_argument("--join-token", help="the broker's join token, if it requires one")
-    start.add_argument("--drain", type=float, default=30.0, help="seconds to finish requests")
-    start.add_argument("--max-queue", type=int, default=32, help="requests in flight at most")
-    start.add_argument(
-        "--compute-slots",
-        type=int,
-        default=1,
-        help="stage runs at once (default 1: one run already uses every core, or the GPU)",
-    )
-    start.add_argument("--reprofile", action="store_true", help="measure the hardware again")
-    start.add_argument("--json", action="store_true", help="print events as JSON lines")
-    start.add_argument("--fault", help=argparse.SUPPRESS)  # tests: die-at-step=N, slow=MS, ...
+    start_options(start, data_help)
     start.set_defaults(func=dispatch, provider_command="start")
+
+    install = psub.add_parser(
+        "install-service",
+        help="run the provider as a service of this user: started at log-in, kept running",
+        description="Writes and starts a systemd user unit (Linux), a launchd agent (macOS) "
+        "or a Task Scheduler task (Windows) that runs `provider start` with the options given "
+        "here.",
+    )
+    start_options(install, data_help)
+    install.add_argument(
+        "--no-enable", action="store_true", help="write the service file only; start nothing"
+    )
+    install.add_argument(
+        "--print", action="store_true", help="print the service file; write nothing"
+    )
+    install.add_argument("--platform", choices=["linux", "darwin", "win32"], help=argparse.SUPPRESS)
+    install.set_defaults(func=dispatch, provider_command="install_service")
+
+    uninstall = psub.add_parser("uninstall-service", help="stop and remove the service")
+    uninstall.set_defaults(func=dispatch, provider_command="uninstall_service")
+
+    status = psub.add_parser(
+        "status", help="what the provider here serves: pool, reachability, work done"
+    )
+    status.add_argument("--data-dir", help=data_help)
+    status.add_argument("--json", action="store_true", help="print as JSON")
+    status.set_defaults(func=dispatch, provider_command="status")
 
     prof = psub.add_parser("profile", help="measure (or show the cached) hardware profile")
     prof.add_argument("--data-dir", help=data_help)
@@ -78,12 +59,6 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     prof.set_defaults(func=dispatch, provider_command="profile")
 
 
-def _data_dir(args: argparse.Namespace) -> Path:
-    from p2p import default_data_dir
-
-    return Path(args.data_dir) if args.data_dir else default_data_dir()
-
-
 def profile(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -91,7 +66,7 @@ def profile(args: argparse.Namespace) -> int:
 
     try:
         result, fresh = load_or_measure(
-            _data_dir(args), args.executor, args.device, reprofile=args.reprofile
+            data_dir_of(args), args.executor, args.device, reprofile=args.reprofile
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -105,60 +80,52 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def start(args: argparse.Namespace) -> int:
-    from provider.config import ProviderConfig
-    from provider.daemon import Provider
-    from provider.events import add_event_sink
-    from provider.faults import Fault
-    from provider.hosting import ExecutorChoice
+def install_service(args: argparse.Namespace) -> int:
+    from cli.service_cmd import install_service
 
-    if "/p2p/" not in args.broker:
-        print("error: --broker must be a multiaddr ending in /p2p/<peer id>", file=sys.stderr)
-        return 2
+    return install_service(args)
+
+
+def uninstall_service(args: argparse.Namespace) -> int:
+    from cli.service_cmd import uninstall_service
+
+    return uninstall_service(args)
+
+
+def status(args: argparse.Namespace) -> int:
+    from cli.service_cmd import status
+
+    return status(args)
+
+
+def start(args: argparse.Namespace) -> int:
+    from provider.daemon import Provider
+    from provider.events import add_event_sink, onnxruntime_distributions, two_runtimes
+
     try:
-        fault = Fault.parse(args.fault)
+        config = config_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for name in ("max_memory", "cache_size", "drain", "max_queue", "compute_slots"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
-            return 2
-    if not (0 <= args.offer_relay <= 1e6 and 0 <= args.relay_port <= 65535):
-        print("error: --offer-relay takes 0 to 1e6 Mbit/s, --relay-port 0 to 65535",
-              file=sys.stderr)  # fmt: skip
+    runtimes = onnxruntime_distributions()
+    if len(runtimes) > 1:
+        print(f"error: {two_runtimes(runtimes)}", file=sys.stderr)
         return 2
-    from p2p import check_multiaddr
+    if args.log_file:
+        import logging.handlers
 
-    for addr in args.announce:
-        try:
-            check_multiaddr(addr)
-        except ValueError as exc:
-            print(f"error: --announce: {exc}", file=sys.stderr)
-            return 2
-    config = ProviderConfig(
-        broker=args.broker,
-        data_dir=_data_dir(args),
-        listen=tuple(args.listen) if args.listen else ("/ip4/0.0.0.0/tcp/0",),
-        announce=tuple(args.announce),
-        upnp=not args.no_upnp,
-        punch=not args.no_punch,
-        relay_rate_bytes_s=args.offer_relay * 1e6 / 8,
-        relay_port=args.relay_port,
-        executor=ExecutorChoice(args.executor, args.device),
-        max_memory_bytes=int(args.max_memory * GB) if args.max_memory else None,
-        cache_bytes=int(args.cache_size * GB),
-        drain_s=args.drain,
-        join_token=args.join_token,
-        reprofile=args.reprofile,
-        max_queue=args.max_queue,
-        compute_slots=args.compute_slots,
-        fault=fault,
-    )
+        path = Path(args.log_file).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        to_file = logging.handlers.RotatingFileHandler(
+            path, maxBytes=10 * 1024**2, backupCount=3, encoding="utf-8"
+        )
+        to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        file_logger = logging.getLogger("fusionai.provider")
+        file_logger.addHandler(to_file)
+        file_logger.setLevel(logging.INFO)
     if args.json:
         add_event_sink(lambda e: print(json.dumps(e, default=str), flush=True))
-    else:
+    elif sys.stderr is not None:  # (none under pythonw.exe: a service without a console)
         import logging
 
         handler = logging.StreamHandler(sys.stderr)

@@ -29,6 +29,11 @@ class Heartbeat(Message, frozen=True, tag="Heartbeat/1"):
 
 class HeartbeatAck(Message, frozen=True, tag="HeartbeatAck/1"):
     known: bool = True
+    # what the broker makes of the provider ("" from brokers that do not say): its pool
+    # ("active", "backup", "draining") and how clients reach it ("direct", "mapped",
+    # "relayed", "unreachable", "checking"), for `fusionai provider status`
+    pool: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    reach: Annotated[str, msgspec.Meta(max_length=32)] = ""
 
 
 HEARTBEAT = ProtocolSpec("/fusionai/heartbeat/1", request=Heartbeat, response=HeartbeatAck)

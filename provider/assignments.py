@@ -98,6 +98,18 @@ class Assignments:
         self.loading[request.key] = asyncio.create_task(self._load(request))
         return AssignAck(accepted=True)
 
+    def unload_all(self) -> list[str]:
+        """Stop every load and drop every stage (stepping aside: the memory goes back to the
+        machine's owner; the artifacts stay in the cache for the next assignment)."""
+        for key in list(self.loading):
+            self._cancel_load(key)
+        dropped = sorted(self.server.stages)
+        for key in dropped:
+            stage = self.server.remove(key)
+            if stage is not None:
+                self.cache.pinned.discard(stage.info.sha256)
+        return dropped
+
     def _cancel_load(self, key: str) -> None:
         task = self.loading.pop(key, None)
         if task is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from provider.faults import Fault
 from provider.hosting import ExecutorChoice
+from provider.stepaside import StepAside
 
 
 @dataclass(frozen=True)
@@ -36,3 +37,5 @@ class ProviderConfig:
     fault: Fault | None = None  # a fault to inject (tests and chaos runs only)
     backoff_max_s: float = 30.0  # longest wait between joins while the broker is away
     status_every_s: float = 5.0  # live status line on a terminal, seconds (0: off)
+    status_file_every_s: float = 2.0  # rewrite DATA_DIR/status.json this often, seconds
+    step_aside: StepAside = field(default_factory=StepAside)  # when the owner needs the machine

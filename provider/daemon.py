@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import secrets
 import sys
 import time
@@ -25,12 +27,11 @@ import aiohttp
 from files.cache import ArtifactCache, human_bytes
 from files.private import private_dir
 from p2p import Host, HostConfig, P2PError
-from p2p.punch import Punched, Puncher
 from p2p.relay import RelayServer
 from proto.assign import ASSIGN
 from proto.challenge import CHALLENGE
 from proto.forward import FORWARD
-from proto.join import JOIN, Leave, relay_ticket_ok
+from proto.join import JOIN, Leave
 from proto.ping import PING, Ping, Pong
 from proto.session import SESSION
 from proto.snapshot import SHARD, SNAPSHOT
@@ -39,21 +40,20 @@ from provider.addresses import broker_peer_id, dialable
 from provider.assignments import Assignments
 from provider.challenge import Checks
 from provider.config import ProviderConfig
-from provider.events import add_event_sink, event, onnxruntime_distributions
+from provider.events import add_event_sink, event, onnxruntime_distributions, two_runtimes
 from provider.membership import Membership
+from provider.paths import offer_relay, punch_paths
 from provider.portmap import PortMapper, wants_mapping
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
-from provider.punching import ChainPunch
 from provider.serving import Server
 from provider.stage import LoadedStage
+from provider.status import Ledger, StageRole, Status, Totals
+from provider.status import read as read_status
+from provider.status import write as write_status
+from provider.stepaside import ComeBack, Policy, StepAsideNow
 from provider.training import Training, torch_threads
 
 __all__ = ["Provider", "ProviderConfig", "add_event_sink"]
-
-
-def _punched(peer: str, punched: Punched) -> None:
-    event("punched", peer=peer, direct=punched.direct, attempts=punched.attempts,
-          seconds=round(punched.seconds, 3), reason=punched.reason)  # fmt: skip
 
 
 class Provider:
@@ -83,6 +83,14 @@ class Provider:
         self.assignments = Assignments(config, self.server, self.cache, self.broker_id)
         self.training = Training(self.server, self.broker_id, self._training_module)
         self._modules: dict[str, Any] = {}  # stage key -> torch module for training
+        self.policy = Policy(config.step_aside)  # when the machine's owner needs it
+        self.aside = asyncio.Event()  # the owner needs the machine: drain, leave, pause
+        self.back = asyncio.Event()  # the machine is free again: join again
+        self.state = "starting"  # starting, serving, draining, paused, stopped
+        self.ledger = Ledger()
+        self.started_at = time.time()
+        before = read_status(config.data_dir)  # the work of earlier runs carries over
+        self.earlier = before.total if before is not None else Totals()
 
     @property
     def profile(self) -> MachineProfile | None:
@@ -122,19 +130,16 @@ class Provider:
             self.server.kv_budget = max(1, self.memory_budget // 4)
         runtimes = onnxruntime_distributions()
         if len(runtimes) > 1:
-            event(
-                "warning",
-                message=f"several onnxruntime packages are installed ({', '.join(runtimes)}); "
-                "they overwrite each other's files. Keep one: pip uninstall the others, then "
-                "reinstall the one you want (fusionai[cuda] or fusionai[directml])",
-            )
+            raise ValueError(two_runtimes(runtimes))
         dropped = await asyncio.to_thread(self.cache.check)
         if dropped:
             event("cache_dropped", artifacts=dropped)
         return profile
 
     async def run(self, stop: asyncio.Event, now: asyncio.Event | None = None) -> None:
-        """Serve until `stop` is set (graceful) or `now` is set (leave at once)."""
+        """Serve until `stop` is set (graceful) or `now` is set (leave at once). When the
+        machine's owner needs it (`config.step_aside`), drain, leave and pause; join again
+        once it is free."""
         now = now or asyncio.Event()
         if self.profile is None:
             await self.prepare()
@@ -147,39 +152,110 @@ class Provider:
         )
         given = self._given_host
         offered: RelayServer | None = None
+        ended = asyncio.Event()  # the last drain is over: the background tasks end
         try:
             async with contextlib.nullcontext(given) if given is not None else Host(config) as h:
                 self.attach(h)
                 event("listening", peer_id=h.peer_id, addrs=h.addrs)
-                left = asyncio.Event()  # membership runs until the drain is over
                 await self._map_port(h)
-                offered = await self._offer_relay(h)
-                tasks: list[asyncio.Task[Any]] = [
-                    asyncio.create_task(self.membership.run(left)),
+                offered = await offer_relay(self.config, self.broker_id, h.peer_id)
+                if offered is not None:
+                    self.membership.relay_offer = (offered.port, self.config.relay_rate_bytes_s)
+                background: list[asyncio.Task[Any]] = [
                     asyncio.create_task(self._status_line(stop)),
-                    asyncio.create_task(self.ports.renew(left)),
+                    asyncio.create_task(self.ports.renew(ended)),
+                    asyncio.create_task(self._status_file(ended)),
+                    asyncio.create_task(self._watch(ended)),
                 ]
-                waiters: list[asyncio.Task[Any]] = [
-                    asyncio.create_task(stop.wait()),
-                    asyncio.create_task(now.wait()),
-                ]
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for t in waiters:
+                while not (stop.is_set() or now.is_set()):
+                    if self.aside.is_set():  # (also at start: the owner's hours, a game)
+                        await self._pause(stop, now)
+                    else:
+                        await self._serve(stop, now)
+                ended.set()
+                for t in background:
                     t.cancel()
-                if not now.is_set():
-                    await self._drain(now)
-                left.set()
-                pending = [*tasks, *self.assignments.tasks()]
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+                await asyncio.gather(*background, return_exceptions=True)
                 self.server.stop()
         finally:
             if offered is not None:
                 await offered.close()
+            self.state = "stopped"
+            self._write_status()
             await self.ports.close()
             await self.membership.close_relay()
             await self.detach()
+
+    async def _serve(self, stop: asyncio.Event, now: asyncio.Event) -> None:
+        """Be a member of the pool until `stop`, `now` or the owner's need (`aside`), then
+        drain and leave (not for `now`)."""
+        self.state = "serving"
+        left = asyncio.Event()  # membership runs until the drain is over
+        membership = asyncio.create_task(self.membership.run(left))
+        waiters = [asyncio.create_task(e.wait()) for e in (stop, now, self.aside)]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for t in waiters:
+            t.cancel()
+        if not now.is_set():
+            self.state = "draining"
+            await self._drain(now)
+        left.set()
+        pending = [membership, *self.assignments.tasks()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _pause(self, stop: asyncio.Event, now: asyncio.Event) -> None:
+        """Stepped aside: give the memory back, wait until the machine is free, and get
+        ready to join again (as the same process: its boot id is kept)."""
+        dropped = self.assignments.unload_all()
+        self.membership.joined.clear()
+        self.membership.pool = ""
+        self.state = "paused"
+        event("paused", reasons=list(self.policy.reasons), unloaded=dropped)
+        self._write_status()
+        waiters = [asyncio.create_task(e.wait()) for e in (stop, now, self.back)]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for t in waiters:
+            t.cancel()
+        self.server.draining = False
+        self.membership.told_draining.clear()
+        if not (stop.is_set() or now.is_set()):
+            event("resuming")
+
+    async def _watch(self, ended: asyncio.Event) -> None:
+        """Look at the machine every `every_s` and set `aside` or `back` as the policy says."""
+        config = self.config.step_aside
+        if not config.watches:
+            return
+        from provider.watch import Watch
+
+        watch = await asyncio.to_thread(Watch, config)
+        event(
+            "step_aside_policy",
+            processes=list(config.processes),
+            gpu_busy_percent=config.gpu_busy_percent,
+            user_active_s=config.user_active_s,
+            hours=[str(w) for w in config.hours],
+            unavailable=watch.unavailable,
+        )
+        try:
+            while not ended.is_set():
+                change = self.policy.observe(await asyncio.to_thread(watch.sample))
+                if isinstance(change, StepAsideNow):
+                    event("step_aside", reasons=list(change.reasons))
+                    self.back.clear()
+                    self.aside.set()
+                elif isinstance(change, ComeBack):
+                    event("come_back", free_s=round(change.free_s, 1))
+                    self.aside.clear()
+                    self.back.set()
+                try:
+                    await asyncio.wait_for(ended.wait(), config.every_s)
+                except TimeoutError:
+                    pass
+        finally:
+            watch.close()
 
     async def _map_port(self, host: Host) -> None:
         """Behind a home router: ask it to forward a public port here (UPnP), and announce
@@ -193,26 +269,6 @@ class Provider:
             return
         self.membership.extra_addrs = [f"{mapping.addr}/p2p/{host.peer_id}"]
         event("port_mapping", mapped=True, address=mapping.addr, local=f"{local[0]}:{local[1]}")
-
-    async def _offer_relay(self, host: Host) -> RelayServer | None:
-        """Run a relay for providers nobody can dial (--offer-relay), carrying only those
-        our broker sends (its ticket), and offer it at join."""
-        rate, me = self.config.relay_rate_bytes_s, host.peer_id
-        if rate <= 0:
-            return None
-
-        def allowed(peer: str, ticket: str) -> bool:
-            return relay_ticket_ok(self.broker_id, me, peer, ticket, time.time())
-
-        relay = RelayServer("0.0.0.0", self.config.relay_port, rate_bytes_s=rate, allowed=allowed)
-        try:
-            port = await relay.start()
-        except OSError as exc:
-            event("relay_offer", running=False, error=str(exc))
-            return None
-        self.membership.relay_offer = (port, rate)
-        event("relay_offer", running=True, port=port, mbit=round(rate * 8 / 1e6, 3))
-        return relay
 
     def attach(self, host: Host) -> None:
         """Serve on `host` (started): stage requests, pings, assignments, training."""
@@ -234,9 +290,9 @@ class Provider:
         # punch to the next hop of a chained request that we reached through its relay
         if self.config.punch:
             m = self.membership
-            self.puncher = Puncher(host, m.relay_endpoint, origin=m.relay_origin)
-            chains = ChainPunch(host, self.puncher, asyncio.get_running_loop(), _punched)
-            self.server.before_relay = chains.before_relay
+            self.puncher, self.server.before_relay = punch_paths(
+                host, m.relay_endpoint, m.relay_origin
+            )
 
     async def detach(self) -> None:
         """Stop loading, close the artifact downloads' session, forget the host."""
@@ -320,9 +376,52 @@ class Provider:
 
     # ---- status ----------------------------------------------------------------------------
 
+    def status(self) -> Status:
+        """What `fusionai provider status` shows (and the work done, counted up to now)."""
+        stages = list(self.server.stages.values())
+        serving = any(s.role == "active" for s in stages)
+        online = self.joined.is_set() and self.state == "serving"
+        self.ledger.tick(time.monotonic(), online, serving)
+        run = Totals(
+            self.server.tokens_served,
+            self.server.runs,
+            self.ledger.online_s,
+            self.ledger.serving_s,
+        )
+        state = "joining" if self.state == "serving" and not self.joined.is_set() else self.state
+        return Status(
+            pid=os.getpid(),
+            broker=self.config.broker,
+            started_at=self.started_at,
+            updated_at=time.time(),
+            state=state,
+            reason="; ".join(self.policy.reasons) if self.state == "paused" else "",
+            peer_id=self.host.peer_id if self.host is not None else "",
+            pool=self.membership.pool if self.joined.is_set() else "",
+            reach=self.membership.reach,
+            stages=[StageRole(s.key, s.role) for s in sorted(stages, key=lambda s: s.key)],
+            run=run,
+            total=self.earlier.plus(run),
+        )
+
+    def _write_status(self) -> None:
+        try:
+            write_status(self.config.data_dir, self.status())
+        except OSError as exc:  # a full disk must not stop serving
+            logging.getLogger("fusionai.provider").warning("status file: %s", exc)
+
+    async def _status_file(self, ended: asyncio.Event) -> None:
+        every = self.config.status_file_every_s
+        while not ended.is_set():
+            self._write_status()
+            try:
+                await asyncio.wait_for(ended.wait(), every)
+            except TimeoutError:
+                pass
+
     async def _status_line(self, stop: asyncio.Event) -> None:
         every = self.config.status_every_s
-        if every <= 0 or not sys.stderr.isatty():
+        if every <= 0 or sys.stderr is None or not sys.stderr.isatty():
             return
         while not stop.is_set():
             stages = self.server.stages.values()

@@ -42,11 +42,16 @@ def throttled_progress(label: str) -> Callable[[int, int], None]:
     return report
 
 
+DISTRIBUTIONS = ("fusionai", "fusionai-cuda", "fusionai-directml")  # one per onnxruntime build
+
+
 def version() -> str:
-    try:
-        return metadata.version("fusionai")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+    for dist in DISTRIBUTIONS:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "0+unknown"
 
 
 def onnxruntime_distributions() -> list[str]:
@@ -59,3 +64,14 @@ def onnxruntime_distributions() -> list[str]:
             continue
         found.append(dist)
     return found
+
+
+def two_runtimes(runtimes: list[str]) -> str:
+    """Why a provider refuses to start with several onnxruntime builds, and what to do."""
+    return (
+        f"several onnxruntime builds are installed ({', '.join(runtimes)}); they share one "
+        "module and overwrite each other's files, so which one runs is an accident. Keep "
+        f"one: pip uninstall -y {' '.join(runtimes)}, then install the distribution for "
+        "your hardware again: fusionai (CPU), fusionai-cuda (NVIDIA) or fusionai-directml "
+        "(Windows, any GPU)"
+    )

@@ -75,6 +75,8 @@ class Membership:
         self.relay: RelayClient | None = None  # our port at a relay, if we need one
         self.relay_offer: tuple[int, float] | None = None  # (port, bytes/s) of ours, offered
         self.checks: Checks | None = None  # answers the broker's hardware check
+        self.pool = ""  # our pool and reachability, as the broker last said ("" unknown)
+        self.reach = ""
         self._seq = 0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -262,6 +264,7 @@ class Membership:
         if await self._hold_relay(reply):
             await self.join()  # the same process again, announcing its relayed address
             return
+        self.pool = reply.pool
         self.joined.set()
         event(
             "joined",
@@ -293,6 +296,7 @@ class Membership:
         )
         if not ack.known:
             raise Rejoin("the broker does not know this provider (it restarted)")
+        self.pool, self.reach = ack.pool or self.pool, ack.reach or self.reach
         if self.relay is not None and not self.relay.alive:
             raise Rejoin(f"our relay at {self.relay.relay[0]}:{self.relay.relay[1]} closed")
         if draining:

@@ -86,6 +86,8 @@ class Server:
         self.before_relay: Callable[[str, Sequence[str]], None] | None = None
         self._per_peer: dict[str, int] = {}
         self._served = 0
+        self.tokens_served = 0  # token positions run through stages here (batch x sequence)
+        self.runs = 0  # stage runs done (forward passes and generation steps)
         self._last_sweep = 0.0  # when idle sessions were last expired
         self._fault_count = 0  # requests counted by a fault limited to one stage
         self._stopped = threading.Event()  # releases dropped requests at shutdown
@@ -231,7 +233,17 @@ class Server:
             with self.gate.slot(Priority.TRAINING if training else Priority.FORWARD):
                 start = time.perf_counter()
                 outputs = run(stage.executor, feeds)
+                self._count(feeds)
                 return outputs, (time.perf_counter() - start) * 1e3
+
+    def _count(self, feeds: dict[str, Array]) -> None:
+        hidden = feeds.get("hidden_states")
+        tokens = (
+            int(hidden.shape[0] * hidden.shape[1]) if hidden is not None and hidden.ndim > 1 else 0
+        )
+        with self._lock:
+            self.tokens_served += tokens
+            self.runs += 1
 
     def _chained(self, peer: str, request: Forward) -> Relay:
         """Run this hop of a chain (and the next ones if they are ours too), then relay the
@@ -365,6 +377,7 @@ class Server:
             stage.with_adapters(feeds, session.adapters)
             with self.gate.slot(Priority.SESSION):
                 outputs = run(stage.executor, feeds)
+            self._count(feeds)
             new_cache = {
                 name.replace("present_", "past_", 1): value
                 for name, value in outputs.items()
