@@ -35,7 +35,8 @@ def start_options(start: argparse.ArgumentParser, data_help: str) -> list[argpar
             default=0.0,
             metavar="MBIT",
             help="run a relay for providers nobody can dial, capped at MBIT Mbit/s (for a "
-            "machine others can reach: a public address or forwarded ports; default 0: none)",
+            "machine with a public address: each reservation listens on a port of its own; "
+            "default 0: none)",
         ),
         a("--relay-port", type=int, default=0, help="the offered relay's control port (0: any)"),
         a(
