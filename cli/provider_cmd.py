@@ -48,6 +48,19 @@ def add_parser(sub: Any, dispatch: Any) -> None:
         default=1,
         help="stage runs at once (default 1: one run already uses every core, or the GPU)",
     )
+    start.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="generation steps of different sessions on one stage run together, up to this "
+        "many (default 16; 1: each alone). Bounds the memory a run takes",
+    )
+    start.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=2.0,
+        help="how long a run waits at most for the other sessions it expects (default 2)",
+    )
     start.add_argument("--reprofile", action="store_true", help="measure the hardware again")
     start.add_argument("--json", action="store_true", help="print events as JSON lines")
     start.add_argument("--fault", help=argparse.SUPPRESS)  # tests: die-at-step=N, slow=MS, ...
@@ -104,7 +117,10 @@ def start(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for name in ("max_memory", "cache_size", "drain", "max_queue", "compute_slots"):
+    if not 0 <= args.batch_window_ms <= 1000:
+        print("error: --batch-window-ms must be 0 to 1000", file=sys.stderr)
+        return 2
+    for name in ("max_memory", "cache_size", "drain", "max_queue", "compute_slots", "max_batch"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
@@ -131,6 +147,8 @@ def start(args: argparse.Namespace) -> int:
         reprofile=args.reprofile,
         max_queue=args.max_queue,
         compute_slots=args.compute_slots,
+        max_batch=args.max_batch,
+        batch_window_ms=args.batch_window_ms,
         fault=fault,
     )
     if args.json:

@@ -63,6 +63,8 @@ class Provider:
             idle_timeout_s=config.idle_timeout_s,
             fault=config.fault,
             compute_slots=config.compute_slots,
+            max_batch=config.max_batch,
+            batch_window_s=config.batch_window_ms / 1e3,
         )
         private_dir(config.data_dir, ["artifacts"])  # its identity key and artifacts: owner-only
         self.cache = ArtifactCache(config.data_dir / "artifacts", config.cache_bytes)
@@ -131,11 +133,13 @@ class Provider:
         if self.profile is None:
             await self.prepare()
         # Threads beyond the compute slots decode the next requests while a stage runs, and
-        # leave one free for a session step to wait in line ahead of queued batch work.
+        # leave one free for a session step to wait in line ahead of queued batch work; a
+        # batch of session steps holds one thread per step while its run gathers and runs.
+        c = self.config
         config = HostConfig(
-            listen=self.config.listen,
-            data_dir=self.config.data_dir,
-            compute_threads=self.config.compute_slots + 7,
+            listen=c.listen,
+            data_dir=c.data_dir,
+            compute_threads=c.compute_slots + 7 + (c.max_batch if c.max_batch > 1 else 0),
         )
         given = self._given_host
         try:
