@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +47,8 @@ class Step:
     outputs: dict[str, Array] | None = None  # once run: its row, present_* its own cache
     error: BaseException | None = None
     done: bool = False
+    lead: bool = False  # it is to gather and run the stage's next run
+    wake: threading.Event = field(default_factory=threading.Event)  # done, or lead
 
 
 @dataclass
@@ -131,24 +133,26 @@ class Batcher:
         self.gate, self._run = gate, run
         self.max_batch, self.window_s, self.clock = max_batch, window_s, clock
         self.report_s = report_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a gathering leader waits on it
         self._waiting: dict[str, list[Step]] = {}  # stage key -> steps not yet in a run
-        self._leading: set[str] = set()  # stages whose next run a step is gathering
+        self._leading: set[str] = set()  # stages whose next run a step gathers or runs
         self._seen: dict[str, dict[int, float]] = {}  # stage -> id(session) -> last step
         self._stats: dict[str, _Stats] = {}
 
     def step(self, stage: LoadedStage, step: Step) -> dict[str, Array]:
         """Run `step` in a batch with others of `stage`; its outputs (raises its error)."""
         key = stage.key
-        with self._cond:
-            now = self.clock()
-            self._seen.setdefault(key, {})[id(step.session)] = now
+        with self._lock:
+            self._seen.setdefault(key, {})[id(step.session)] = self.clock()
             self._waiting.setdefault(key, []).append(step)
-            self._cond.notify_all()  # a gathering leader counts us
-            while not step.done and key in self._leading:
-                self._cond.wait()
-            if not step.done:
+            step.lead = key not in self._leading
+            if step.lead:
                 self._leading.add(key)
+            else:
+                self._arrived.notify()  # a gathering leader counts us
+        if not step.lead:
+            step.wake.wait()  # our run is done, or we lead the next one
         if not step.done:
             self._lead(stage, step)
         if step.error is not None:
@@ -158,7 +162,7 @@ class Batcher:
 
     def forget(self, session: Session) -> None:
         """A closed session is not waited for."""
-        with self._cond:
+        with self._lock:
             for seen in self._seen.values():
                 seen.pop(id(session), None)
 
@@ -170,33 +174,37 @@ class Batcher:
 
     def _lead(self, stage: LoadedStage, mine: Step) -> None:
         key = stage.key
-        batch: list[Step] = []
+        batch: list[Step] = [mine]
         try:
-            with self._cond:  # gather: until every recently active session is in, or time
+            with self._lock:  # gather: until every recently active session is in, or time
                 end = self.clock() + self.window_s
                 while len(self._waiting[key]) < self._expected(key, self.clock()):
                     left = end - self.clock()
                     if left <= 0:
                         break
-                    self._cond.wait(left)
+                    self._arrived.wait(left)
             with self.gate.slot(Priority.SESSION):
-                with self._cond:  # those that came while we waited for the slot come too
-                    waiting = self._waiting[key]
-                    batch = [mine, *[s for s in waiting if s is not mine][: self.max_batch - 1]]
-                    self._waiting[key] = [s for s in waiting if s not in batch]
+                with self._lock:  # those that came while we waited for the slot come too
+                    others = [s for s in self._waiting[key] if s is not mine]
+                    batch += others[: self.max_batch - 1]
                 self._execute(stage, batch)
         except BaseException as exc:
-            for step in batch or [mine]:
-                if not step.done:
+            for step in batch:
+                if step.outputs is None:
                     step.error = exc
         finally:
-            with self._cond:
-                if not batch:  # failed before the batch was taken: ours is out of the line
-                    self._waiting[key] = [s for s in self._waiting[key] if s is not mine]
-                for step in batch or [mine]:
-                    step.done = True
-                self._leading.discard(key)
-                self._cond.notify_all()  # results are in; a waiting step leads next
+            with self._lock:
+                self._waiting[key] = [s for s in self._waiting[key] if s not in batch]
+                nxt = self._waiting[key][0] if self._waiting[key] else None
+                if nxt is None:
+                    self._leading.discard(key)
+                else:
+                    nxt.lead = True  # the next run is the first waiting step's to lead
+            for step in batch:
+                step.done = True
+                step.wake.set()
+            if nxt is not None:
+                nxt.wake.set()
             self._report(key, len(batch))
 
     def _execute(self, stage: LoadedStage, batch: list[Step]) -> None:
@@ -213,7 +221,7 @@ class Batcher:
 
     def _report(self, key: str, size: int) -> None:
         if size:
-            with self._cond:
+            with self._lock:
                 stats = self._stats.setdefault(key, _Stats(since=self.clock()))
                 stats.runs += 1
                 stats.steps += size
@@ -224,7 +232,7 @@ class Batcher:
         """A `batches` event for each stage whose runs were last reported `report_s` ago or
         more (called after each run and at the server's sweeps)."""
         now = self.clock()
-        with self._cond:
+        with self._lock:
             due = {k: s for k, s in self._stats.items() if now - s.since >= self.report_s}
             for key in due:
                 del self._stats[key]
