@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ir.pipeline import batchable
 from p2p import ErrorCode, Refused, Relay, Tensor
 from p2p.tensor import through_wire
 from proto.forward import (
@@ -35,6 +36,7 @@ from proto.forward import (
 )
 from provider.batching import Batcher
 from provider.chain import check_route, finisher
+from provider.events import event
 from provider.faults import Fault
 from provider.gate import ComputeGate, Priority
 from provider.sessions import SessionServing
@@ -92,6 +94,14 @@ class Server(SessionServing):
     def add(self, stage: LoadedStage) -> None:
         with self._lock:
             self.stages[stage.key] = stage
+        if stage.cache_inputs and not batchable(stage.info) and self.batcher.max_batch > 1:
+            event(
+                "unbatched_stage",
+                stage=stage.key,
+                reason="its package was split before decoder stages took an attention mask: "
+                "its sessions run one at a time. Split the model again (fusionai ir split) "
+                "and add it again to run them in batches",
+            )
 
     def remove(self, key: str) -> LoadedStage | None:
         with self._lock:

@@ -8,7 +8,8 @@ explicit tensors. What transformers does outside its submodules is written here:
 sliding-window masks, soft-caps, partial and per-layer-type RoPE, longrope's switch.
 
 embed | blocks with KV cache ... | norm + lm_head (+ soft-cap). Block stages take
-`position_ids` besides hidden states and past keys/values of shape
+`position_ids` and `attention_mask` (which cached and new keys hold tokens: a batch of
+sessions pads its caches, `PaddedKeys`) besides hidden states and past keys/values of shape
 (batch, kv_heads, past, head_dim). The cache keeps every past position also on sliding-window
 layers; the window is a mask, which is what transformers' smaller cache computes too.
 """

@@ -1,8 +1,9 @@
 """GPT-2-style decoders: embed (tokens + positions) | blocks with KV cache ... | ln_f + lm_head.
 
-A block stage takes hidden states and, per block, the past keys and values
-(batch, heads, past, head_dim); it returns new hidden states and the present keys and values
-(past + this step), so after the prompt each step sends one token's hidden state.
+A block stage takes hidden states, an attention mask over the past and new keys (padding
+for batches of sessions of different lengths, `PaddedKeys`) and, per block, the past keys and
+values (batch, heads, past, head_dim); it returns new hidden states and the present keys and
+values (past + this step), so after the prompt each step sends one token's hidden state.
 """
 
 from __future__ import annotations
