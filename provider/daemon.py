@@ -46,6 +46,7 @@ from provider.stage import LoadedStage
 from provider.training import Training, torch_threads
 
 __all__ = ["Provider", "ProviderConfig", "add_event_sink"]
+DEPARTED_SWEEP_S = 1.0  # how often sessions of disconnected clients are looked for, seconds
 
 
 class Provider:
@@ -149,6 +150,7 @@ class Provider:
                 left = asyncio.Event()  # membership runs until the drain is over
                 await self._map_port(h)
                 tasks: list[asyncio.Task[Any]] = [
+                    asyncio.create_task(self._drop_departed(h, left)),
                     asyncio.create_task(self.membership.run(left)),
                     asyncio.create_task(self._status_line(stop)),
                     asyncio.create_task(self.ports.renew(left)),
@@ -172,6 +174,17 @@ class Provider:
             await self.ports.close()
             await self.membership.close_relay()
             await self.detach()
+
+    async def _drop_departed(self, host: Host, stop: asyncio.Event) -> None:
+        """Every `DEPARTED_SWEEP_S`, drop the sessions (and KV caches) of clients no longer
+        connected: a client that went away frees its caches within two sweeps."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), DEPARTED_SWEEP_S)
+            except TimeoutError:
+                pass
+            for peer, n in self.server.disconnected(set(host.connected_peers())).items():
+                event("sessions_dropped", peer=peer, sessions=n, reason="disconnected")
 
     async def _map_port(self, host: Host) -> None:
         """Behind a home router: ask it to forward a public port here (UPnP), and announce

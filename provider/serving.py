@@ -86,6 +86,7 @@ class Server(SessionServing):
         self._per_peer: dict[str, int] = {}
         self._served = 0
         self._last_sweep = 0.0  # when idle sessions were last expired
+        self._absent: set[str] = set()  # peers with sessions, disconnected at the last sweep
         self._fault_count = 0  # requests counted by a fault limited to one stage
         self._stopped = threading.Event()  # releases dropped requests at shutdown
 

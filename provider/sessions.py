@@ -54,6 +54,7 @@ class SessionServing:
         gate: ComputeGate
         batcher: Batcher
         _last_sweep: float
+        _absent: set[str]  # peers with sessions found disconnected at the last sweep
 
         def _stage(self, key: str, check: bool = False) -> LoadedStage: ...
         def _admit(
@@ -202,6 +203,21 @@ class SessionServing:
             self.batcher.forget(session)
         self.batcher.report()
         return len(old)
+
+    def disconnected(self, connected: set[str]) -> dict[str, int]:
+        """Drop the sessions of peers not in `connected` at this sweep and the one before (a
+        client that went away); returns how many each such peer had."""
+        with self._lock:
+            gone_peers = {s.peer for s in self.sessions.values()} - connected
+            doomed = gone_peers & self._absent  # absent twice in a row: not a blip
+            self._absent = gone_peers - doomed
+            keys = [k for k, s in self.sessions.items() if s.peer in doomed]
+            gone = [self.sessions.pop(k) for k in keys]
+        counts: dict[str, int] = {}
+        for session in gone:
+            self.batcher.forget(session)
+            counts[session.peer] = counts.get(session.peer, 0) + 1
+        return counts
 
     def kv_bytes(self) -> int:
         with self._lock:

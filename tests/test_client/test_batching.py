@@ -1,10 +1,14 @@
 """Sixteen SDK generations at once through a swarm of real provider processes: the providers
 run their steps in shared runs, each generation gets its tokens alone, and a provider killed
-mid-way is failed over by every session it served."""
+mid-way is failed over by every session it served. A client process killed mid-generation
+leaves no KV cache on any provider 5 s later."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.procs import Proc, wait_until
-from tests.test_broker.conftest import BrokerProc, add_model, wait_joined, wait_ready
+from tests.procs import ROOT, Proc, wait_until
+from tests.test_broker.conftest import BrokerProc, add_model, api, wait_joined, wait_ready
 from tests.tiny_models import greedy_with_gaps, same_as_alone
 
 pytestmark = pytest.mark.timeout(240)
@@ -28,10 +32,10 @@ def _prompts() -> list[list[int]]:
 
 async def _swarm_run(
     broker: Spawner, provider: Spawner, package: Path, tmp_path: Path
-) -> tuple[dict[str, Proc], list[Any], str]:
+) -> tuple[BrokerProc, dict[str, Proc], list[Any], str]:
     """16 greedy generations at once through a 3-stage model on 4 providers (one a backup);
     a provider serving a stage that has a backup is killed once every session has 4 tokens.
-    Returns (providers, generations, the killed provider's peer id)."""
+    Returns (broker, providers, generations, the killed provider's peer id)."""
     from client import AsyncClient
 
     b: BrokerProc = broker()
@@ -67,7 +71,7 @@ async def _swarm_run(
             procs[victim].stop()
 
         *results, _ = await asyncio.gather(*(one(p) for p in _prompts()), killer())
-    return procs, results, victim
+    return b, procs, results, victim
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])
@@ -79,7 +83,7 @@ async def test_sixteen_generations_share_provider_runs_through_a_provider_kill(
     precision: str,
 ) -> None:
     package = llama3_packages[precision]
-    procs, results, victim = await _swarm_run(broker, provider, package, tmp_path)
+    b, procs, results, victim = await _swarm_run(broker, provider, package, tmp_path)
     for prompt, result in zip(_prompts(), results, strict=True):
         tokens, gaps = greedy_with_gaps(package, prompt, NEW_TOKENS)
         assert same_as_alone(result.tokens, tokens, gaps), (precision, result.tokens, tokens)
@@ -95,3 +99,45 @@ async def test_sixteen_generations_share_provider_runs_through_a_provider_kill(
 
     runs = wait_until("runs reported", shared_runs, 10)
     assert max(e["largest"] for e in runs) > 1, runs
+    if precision == "fp32":  # (on the same swarm: starting one costs seconds)
+        _a_departed_client_leaves_no_cache(b, tmp_path)
+
+
+DEPARTING = """
+import asyncio, sys
+from client import AsyncClient
+
+async def main(http, cache):
+    async with AsyncClient(http, timeout=20, cache_dir=cache) as fa:
+        async def one(prompt):
+            async for _ in fa.generate(prompt, 400, temperature=0, model="llama-fp32"):
+                pass
+        await asyncio.gather(*(one([1 + i, 2, 3]) for i in range(4)))
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def _a_departed_client_leaves_no_cache(b: BrokerProc, tmp_path: Path) -> None:
+    """A client process generating 4 sessions is killed: within 5 s no provider holds a KV
+    cache (each drops the sessions of a peer found disconnected at two sweeps a second apart)."""
+
+    def kv() -> dict[str, int]:
+        return {
+            p["peer_id"]: p["kv_bytes"] for p in api(b.http, "GET", "/v1/providers")[1]["providers"]
+        }
+
+    client = subprocess.Popen(
+        [sys.executable, "-c", DEPARTING, b.http, str(tmp_path / "cache")],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until("the client's caches on the providers", lambda: sum(kv().values()) > 0, 60)
+    finally:
+        client.kill()
+        client.wait(10)
+    assert client.returncode != 0, "the client should still have been generating"
+    gone = time.monotonic()
+    wait_until("every provider's KV caches freed", lambda: sum(kv().values()) == 0, 10)
+    assert time.monotonic() - gone <= 5.0, kv()

@@ -188,3 +188,18 @@ def test_steps_are_checked_one_at_a_time_per_session_and_bad_ones_fail_alone(
     assert twice.value.code == ErrorCode.BUSY and not session.stepping
     with pytest.raises(ValueError, match="max_batch"):
         Batcher(ComputeGate(), lambda stage, feeds: feeds, max_batch=0)
+
+
+def test_sessions_of_a_peer_gone_at_two_sweeps_are_dropped(
+    llama3_packages: dict[str, Path],
+) -> None:
+    (server,) = _servers(llama3_packages["fp32"])[:1]
+    key = _key(server)
+    for peer, sid in [("a", "1"), ("a", "2"), ("b", "3")]:
+        server.session(peer, SessionOpen(session=sid, stage=key))
+    assert server.disconnected({"a", "b"}) == {}
+    assert server.disconnected({"b"}) == {}  # gone once: a blip, perhaps
+    assert server.disconnected({"a", "b"}) == {}  # back
+    assert server.disconnected({"b"}) == {}
+    assert server.disconnected({"b"}) == {"a": 2}  # gone twice in a row
+    assert {k[0] for k in server.sessions} == {"b"}
