@@ -48,7 +48,8 @@ class Step:
     error: BaseException | None = None
     done: bool = False
     lead: bool = False  # it is to gather and run the stage's next run
-    wake: threading.Event = field(default_factory=threading.Event)  # done, or lead
+    wake: threading.Event = field(default_factory=threading.Event)  # set: done, or lead
+    # (the steps of one message share one, which their thread waits on)
 
 
 @dataclass
@@ -142,23 +143,37 @@ class Batcher:
 
     def step(self, stage: LoadedStage, step: Step) -> dict[str, Array]:
         """Run `step` in a batch with others of `stage`; its outputs (raises its error)."""
-        key = stage.key
-        with self._lock:
-            self._seen.setdefault(key, {})[id(step.session)] = self.clock()
-            self._waiting.setdefault(key, []).append(step)
-            step.lead = key not in self._leading
-            if step.lead:
-                self._leading.add(key)
-            else:
-                self._arrived.notify()  # a gathering leader counts us
-        if not step.lead:
-            step.wake.wait()  # our run is done, or we lead the next one
-        if not step.done:
-            self._lead(stage, step)
+        self.run(stage, [step])
         if step.error is not None:
             raise step.error
         assert step.outputs is not None
         return step.outputs
+
+    def run(self, stage: LoadedStage, steps: list[Step]) -> None:
+        """Run `steps` (of different sessions, one message's) in batches with others of
+        `stage`; each gets its outputs or its error. This thread waits for them all, leading
+        a run whenever one of them is to lead."""
+        key, wake = stage.key, threading.Event()
+        with self._lock:
+            now = self.clock()
+            for step in steps:
+                step.wake = wake
+                self._seen.setdefault(key, {})[id(step.session)] = now
+            self._waiting.setdefault(key, []).extend(steps)
+            if key in self._leading:
+                self._arrived.notify()  # a gathering leader counts them
+            else:
+                self._leading.add(key)
+                steps[0].lead = True
+        while True:
+            lead = next((s for s in steps if s.lead and not s.done), None)
+            if lead is not None:
+                self._lead(stage, lead)
+            elif all(s.done for s in steps):
+                return
+            else:
+                wake.wait()  # a run of ours is done, or one of ours leads the next
+                wake.clear()
 
     def forget(self, session: Session) -> None:
         """A closed session is not waited for."""

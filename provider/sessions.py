@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,12 +24,16 @@ from ir.pipeline import KEY_MASK, key_mask
 from ir.training import TrainingError, check_adapters
 from p2p import ErrorCode, Refused, Tensor
 from proto.session import (
+    MAX_STEPS,
     SessionClose,
     SessionClosed,
+    SessionFailed,
     SessionOpen,
     SessionOpened,
     SessionOutput,
+    SessionOutputs,
     SessionStep,
+    SessionSteps,
 )
 from provider.batching import Batcher, Step, batchable
 from provider.gate import ComputeGate, Priority
@@ -64,8 +68,8 @@ class SessionServing:
         def _outputs(self, outputs: dict[str, Array], wire: str) -> dict[str, Tensor]: ...
 
     def session(
-        self, peer: str, request: SessionOpen | SessionStep | SessionClose
-    ) -> SessionOpened | SessionOutput | SessionClosed:
+        self, peer: str, request: SessionOpen | SessionStep | SessionSteps | SessionClose
+    ) -> SessionOpened | SessionOutput | SessionOutputs | SessionClosed:
         if time.monotonic() - self._last_sweep >= SWEEP_EVERY_S:  # not a scan per request
             self.expire()
         if isinstance(request, SessionOpen):
@@ -76,6 +80,8 @@ class SessionServing:
             if gone is not None:
                 self.batcher.forget(gone)
             return SessionClosed(session=request.session)
+        if isinstance(request, SessionSteps):
+            return self._steps(peer, request)
         return self._step(peer, request)
 
     def _open(self, peer: str, request: SessionOpen) -> SessionOpened:
@@ -122,6 +128,31 @@ class SessionServing:
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
+        (answer,) = self._run_steps(peer, [request])
+        if isinstance(answer, Refused):
+            raise answer
+        return answer
+
+    def _steps(self, peer: str, request: SessionSteps) -> SessionOutputs:
+        """Several sessions' steps: run together where they can, each answered on its own."""
+        steps = request.steps
+        if not 1 <= len(steps) <= MAX_STEPS:
+            raise Refused(ErrorCode.REFUSED, f"send 1 to {MAX_STEPS} steps, not {len(steps)}")
+        if len({(s.stage, s.session) for s in steps}) != len(steps):
+            raise Refused(ErrorCode.REFUSED, "a session's step twice in one message")
+        answers = self._run_steps(peer, steps)
+        return SessionOutputs(
+            outputs=[
+                SessionFailed(session=s.session, code=a.code, message=a.message)
+                if isinstance(a, Refused)
+                else a
+                for s, a in zip(steps, answers, strict=True)
+            ]
+        )
+
+    def _lookup(
+        self, peer: str, request: SessionStep
+    ) -> tuple[Session, LoadedStage, dict[str, Array]]:
         with self._lock:
             session = self.sessions.get((peer, request.stage, request.session))
         if session is None:
@@ -134,21 +165,57 @@ class SessionServing:
         ours = [n for n in request.inputs if n.startswith("past_") or n == KEY_MASK]
         if ours:
             raise Refused(ErrorCode.REFUSED, f"the provider keeps {ours} itself")
-        inputs = arrays(request.inputs)
-        with self._admit(peer, stepping=session) as number, session.lock:
-            session.last_used = time.monotonic()  # in use: not idle, whatever the step takes
-            self._apply_fault(number, session.stage)
-            if self.batcher.max_batch > 1 and batchable(stage, session, inputs):
-                _check_step(stage, inputs)  # a bad step must not fail the run it would join
-                outputs = self.batcher.step(stage, Step(session, inputs))
-            else:
-                outputs = self._alone(stage, session, inputs)
-            self._keep(session, outputs)
-        visible = {k: v for k, v in outputs.items() if not k.startswith("present_")}
+        return session, stage, arrays(request.inputs)
+
+    def _run_steps(self, peer: str, requests: list[SessionStep]) -> list[SessionOutput | Refused]:
+        """Each step's answer, or why it was refused. Batchable steps go to the batcher
+        together (one run if they fit), the others run alone, one after the other."""
+        answers: list[SessionOutput | Refused | None] = [None] * len(requests)
+        steps: dict[int, tuple[LoadedStage, Step]] = {}
+        with ExitStack() as held:  # each admitted step's count and session lock, until done
+            for i, request in enumerate(requests):
+                try:
+                    session, stage, inputs = self._lookup(peer, request)
+                    number = held.enter_context(self._admit(peer, stepping=session))
+                    held.enter_context(session.lock)
+                    session.last_used = time.monotonic()  # in use: not idle while it runs
+                    self._apply_fault(number, session.stage)
+                    if self.batcher.max_batch > 1 and batchable(stage, session, inputs):
+                        _check_step(stage, inputs)  # a bad step must not fail a shared run
+                    steps[i] = (stage, Step(session, inputs))
+                except Refused as exc:
+                    answers[i] = exc
+            by_stage: dict[str, list[Step]] = {}
+            for stage, step in steps.values():
+                if self.batcher.max_batch > 1 and batchable(stage, step.session, step.feeds):
+                    by_stage.setdefault(stage.key, []).append(step)
+                else:
+                    try:
+                        step.outputs = self._alone(stage, step.session, step.feeds)
+                    except Refused as exc:
+                        step.error = exc
+            for group in by_stage.values():
+                self.batcher.run(self.stages[group[0].session.stage], group)
+            for i, (_, step) in steps.items():
+                answers[i] = self._answer(requests[i], step)
+        return [a if a is not None else Refused(ErrorCode.REFUSED, "not run") for a in answers]
+
+    def _answer(self, request: SessionStep, step: Step) -> SessionOutput | Refused:
+        """A step's answer once run: its new cache kept (within the KV budget)."""
+        if isinstance(step.error, Refused):
+            return step.error
+        if step.error is not None:
+            raise step.error
+        assert step.outputs is not None
+        try:
+            self._keep(step.session, step.outputs)
+        except Refused as exc:
+            return exc
+        visible = {k: v for k, v in step.outputs.items() if not k.startswith("present_")}
         return SessionOutput(
             session=request.session,
             outputs=self._outputs(visible, wire_of(request.inputs)),
-            past_len=session.past_len,
+            past_len=step.session.past_len,
         )
 
     def _alone(
