@@ -57,7 +57,7 @@ class Server(SessionServing):
         kv_budget_bytes: int = 1 << 30,
         idle_timeout_s: float = 300.0,
         fault: Fault | None = None,
-        sessions_per_peer: int = 64,
+        sessions_per_peer: int = 256,
         max_sessions: int = 1024,
         compute_slots: int = 1,
         max_batch: int = 16,
