@@ -87,6 +87,7 @@ class Server(SessionServing):
         self._served = 0
         self._last_sweep = 0.0  # when idle sessions were last expired
         self._absent: set[str] = set()  # peers with sessions, disconnected at the last sweep
+        self._kv_used = 0  # bytes of the sessions' caches (kept up to date under the lock)
         self._fault_count = 0  # requests counted by a fault limited to one stage
         self._stopped = threading.Event()  # releases dropped requests at shutdown
 
@@ -108,6 +109,7 @@ class Server(SessionServing):
         with self._lock:
             stage = self.stages.pop(key, None)
             gone = [self.sessions.pop(k) for k, s in list(self.sessions.items()) if s.stage == key]
+            self._kv_used -= sum(s.nbytes for s in gone)
         for session in gone:
             self.batcher.forget(session)
         return stage

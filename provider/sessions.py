@@ -59,6 +59,7 @@ class SessionServing:
         batcher: Batcher
         _last_sweep: float
         _absent: set[str]  # peers with sessions found disconnected at the last sweep
+        _kv_used: int  # bytes of the sessions' caches
 
         def _stage(self, key: str, check: bool = False) -> LoadedStage: ...
         def _admit(
@@ -77,6 +78,7 @@ class SessionServing:
         if isinstance(request, SessionClose):
             with self._lock:
                 gone = self.sessions.pop((peer, request.stage, request.session), None)
+                self._kv_used -= gone.nbytes if gone is not None else 0
             if gone is not None:
                 self.batcher.forget(gone)
             return SessionClosed(session=request.session)
@@ -243,7 +245,7 @@ class SessionServing:
         }
         new_bytes = sum(a.nbytes for a in new_cache.values())
         with self._lock:
-            others = sum(s.nbytes for s in self.sessions.values() if s is not session)
+            others = self._kv_used - session.nbytes
             if others + new_bytes > self.kv_budget:
                 raise Refused(
                     ErrorCode.BUSY,
@@ -251,6 +253,7 @@ class SessionServing:
                     f"bytes); the session is unchanged: retry later or elsewhere",
                 )
             session.cache = new_cache
+            self._kv_used = others + new_bytes
             if new_cache:  # (batch, heads, tokens, head_dim)
                 session.past_len = int(next(iter(new_cache.values())).shape[2])
             session.last_used = time.monotonic()
@@ -266,6 +269,7 @@ class SessionServing:
                 if s.last_used < cutoff and not s.lock.locked()  # a step in progress is use
             ]
             gone = [self.sessions.pop(k) for k in old]
+            self._kv_used -= sum(s.nbytes for s in gone)
         for session in gone:
             self.batcher.forget(session)
         self.batcher.report()
@@ -280,6 +284,7 @@ class SessionServing:
             self._absent = gone_peers - doomed
             keys = [k for k, s in self.sessions.items() if s.peer in doomed]
             gone = [self.sessions.pop(k) for k in keys]
+            self._kv_used -= sum(s.nbytes for s in gone)
         counts: dict[str, int] = {}
         for session in gone:
             self.batcher.forget(session)
@@ -287,8 +292,7 @@ class SessionServing:
         return counts
 
     def kv_bytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes for s in self.sessions.values())
+        return self._kv_used
 
 
 def _tokens(inputs: dict[str, Array]) -> int:
