@@ -187,17 +187,17 @@ class SessionServing:
                     steps[i] = (stage, Step(session, inputs))
                 except Refused as exc:
                     answers[i] = exc
-            by_stage: dict[str, list[Step]] = {}
+            by_stage: dict[str, tuple[LoadedStage, list[Step]]] = {}
             for stage, step in steps.values():
                 if self.batcher.max_batch > 1 and batchable(stage, step.session, step.feeds):
-                    by_stage.setdefault(stage.key, []).append(step)
+                    by_stage.setdefault(stage.key, (stage, []))[1].append(step)
                 else:
                     try:
                         step.outputs = self._alone(stage, step.session, step.feeds)
                     except Refused as exc:
                         step.error = exc
-            for group in by_stage.values():
-                self.batcher.run(self.stages[group[0].session.stage], group)
+            for stage, group in by_stage.values():
+                self.batcher.run(stage, group)
             for i, (_, step) in steps.items():
                 answers[i] = self._answer(requests[i], step)
         return [a if a is not None else Refused(ErrorCode.REFUSED, "not run") for a in answers]
