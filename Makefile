@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/broker_service.py
 	$(PY) benchmarks/http_api.py
 	$(PY) benchmarks/e2e.py
+	$(PY) benchmarks/concurrency.py
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/models.py
 	$(PY) benchmarks/quantized.py

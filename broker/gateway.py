@@ -47,6 +47,7 @@ from client.errors import GenerationError
 from client.sampling import Sampler
 from client.session import GenerationSession, generate
 from client.stages import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, ClientStageError, ClientStages
+from client.stepmux import StepMux
 from client.text import TextStream
 from ir.chat import ChatError, render
 from p2p import Host
@@ -111,6 +112,9 @@ class BrokerRouter:
 class Gateway:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
+        # concurrent completions' steps to a provider travel together, and their embeddings
+        # and heads run in batches (client.stepmux)
+        self.mux = StepMux(parts.host)
         config = parts.config
         self.admission = Admission(
             Limits(
@@ -290,6 +294,7 @@ class Gateway:
             timeout=parts.config.request_timeout_s,
             max_attempts=parts.config.max_attempts,
             on_failover=on_failover,
+            mux=self.mux,
         )
         text = TextStream(client.tokenizer, req.stop, prefix=prompt)
         sampler = Sampler(req.temperature, req.top_p, req.seed)

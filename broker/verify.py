@@ -39,7 +39,7 @@ from broker.registry import Registry
 from broker.store import Store
 from ir.checks import agree, empty_cache, probe_feeds
 from ir.executors.ort import OrtExecutor
-from ir.pipeline import zero_adapters
+from ir.pipeline import key_mask, zero_adapters
 from p2p import P2PError, RemoteError, RequestTimeout, Tensor
 from p2p.codec import Message, ProtocolSpec
 from proto.api import swarm as api
@@ -222,7 +222,8 @@ class Verifier:
                 while len(self._local) > LOCAL_STAGES:
                     self._local.popitem(last=False)
             self._local.move_to_end(info.sha256)
-        feeds = {**zero_adapters(info), **empty_cache(info), **feeds}
+        seq = int(feeds["hidden_states"].shape[1]) if "hidden_states" in feeds else 0
+        feeds = {**zero_adapters(info), **empty_cache(info), **key_mask(info, 1, seq), **feeds}
         out = await asyncio.to_thread(executor.run, feeds)
         return np.asarray(out["hidden_states_out"])
 

@@ -57,6 +57,19 @@ def start_options(start: argparse.ArgumentParser, data_help: str) -> list[argpar
             default=1,
             help="stage runs at once (default 1: one run already uses every core, or the GPU)",
         ),
+        a(
+            "--max-batch",
+            type=int,
+            default=16,
+            help="generation steps of different sessions on one stage run together, up to this "
+            "many (default 16; 1: each alone). Bounds the memory a run takes",
+        ),
+        a(
+            "--batch-window-ms",
+            type=float,
+            default=2.0,
+            help="how long a run waits at most for the other sessions it expects (default 2)",
+        ),
         a("--reprofile", action="store_true", help="measure the hardware again"),
         a("--json", action="store_true", help="print events as JSON lines"),
         a("--log-file", help="also write the log here (rotated at 10 MB, 3 kept)"),
@@ -153,7 +166,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if "/p2p/" not in args.broker:
         raise ValueError("--broker must be a multiaddr ending in /p2p/<peer id>")
     fault = Fault.parse(args.fault)
-    for name in ("max_memory", "cache_size", "drain", "max_queue", "compute_slots"):
+    if not 0 <= args.batch_window_ms <= 1000:
+        raise ValueError("--batch-window-ms must be 0 to 1000")
+    for name in ("max_memory", "cache_size", "drain", "max_queue", "compute_slots", "max_batch"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -196,6 +211,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         reprofile=args.reprofile,
         max_queue=args.max_queue,
         compute_slots=args.compute_slots,
+        max_batch=args.max_batch,
+        batch_window_ms=args.batch_window_ms,
         fault=fault,
         step_aside=step_aside,
     )

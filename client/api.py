@@ -102,6 +102,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         self._http = BrokerHttp(self.url, self.api_key, self.cacert, retry_s)
         self._host: Any = None  # p2p.Host, started by the first generation
         self._puncher: Any = None  # p2p.punch.Puncher on that host
+        self._mux: Any = None  # client.stepmux.StepMux on that host: sessions' steps together
         self._host_lock: asyncio.Lock | None = None
         self._stages: dict[str, ClientStages] = {}
         self._loading: dict[str, asyncio.Lock] = {}  # one download of a model's stages at once
@@ -289,12 +290,14 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
             self._host_lock = asyncio.Lock()
         async with self._host_lock:
             if self._host is None:
+                from client.stepmux import StepMux
                 from p2p import Host, HostConfig
                 from p2p.punch import Puncher
 
                 host = Host(HostConfig(listen=(self.listen,), request_timeout=self.timeout))
                 await host.start()
                 self._puncher = Puncher(host)
+                self._mux = StepMux(host)
                 self._host = host
         return self._host
 

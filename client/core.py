@@ -25,6 +25,7 @@ class ClientCore:
     if TYPE_CHECKING:
         timeout: float
         cache_dir: Path
+        _mux: Any  # client.stepmux.StepMux, once `_p2p` started the host
 
         async def _request(
             self,

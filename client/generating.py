@@ -239,6 +239,7 @@ class GenerationMethods(ClientCore):
             on_failover=failed,
             adapters=tensors,
             verify=verify,
+            mux=self._mux,
         )
         text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
         tokens = generate(session, ids, max_new_tokens, sampler, stops=client.stops)

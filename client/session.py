@@ -29,6 +29,7 @@ import numpy as np
 from client.errors import GenerationError, VerificationError
 from client.sampling import Sampler
 from client.stages import ClientStageError, ClientStages
+from client.stepmux import StepMux
 from ir.checks import agree
 from ir.manifest import StageInfo
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
@@ -96,6 +97,7 @@ class GenerationSession:
         verify: bool = False,
         rtol: float = 1e-2,
         atol: float = 1e-3,
+        mux: StepMux | None = None,
     ) -> None:
         provider = [s for s in stages.manifest.stages if s.placement == "provider"]
         if len(provider) != len(keys):
@@ -105,6 +107,7 @@ class GenerationSession:
                 f"model {stages.manifest.name} keeps no KV cache: it is not a decoder"
             )
         self.host = host
+        self.mux = mux  # shared by a client's sessions: their steps to a provider go together
         self.client = stages
         self.router = router
         self.timeout = timeout
@@ -141,7 +144,10 @@ class GenerationSession:
             self.past, self.fed = 0, []
         ids = np.array([tokens], dtype=np.int64)
         positions = np.arange(self.past, self.past + ids.shape[1], dtype=np.int64)[None, :]
-        hidden = await asyncio.to_thread(self.client.embed, ids, positions)
+        if self.mux is not None:  # with the other sessions' embeddings of this moment
+            hidden = await self.mux.embed(self.client, ids, positions, self.id)
+        else:
+            hidden = await asyncio.to_thread(self.client.embed, ids, positions)
         for pos, stage in enumerate(self.stages):
             names = {i.name for i in stage.info.inputs}
             feeds: dict[str, Array] = {"hidden_states": hidden}
@@ -155,7 +161,10 @@ class GenerationSession:
             stage.history.append(feeds)
         self.past += ids.shape[1]
         self.fed += tokens
-        logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
+        if self.mux is not None:
+            logits = await self.mux.head(self.client, hidden)
+        else:
+            logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
         return np.asarray(logits[0, -1], dtype=np.float32)
 
     async def _checked_step(
@@ -341,7 +350,10 @@ class GenerationSession:
         return answer
 
     async def _call(self, peer: str, msg: SessionOpen | SessionStep | SessionClose) -> Any:
-        request = self.host.request(peer, SESSION, msg, timeout=self.timeout)
+        if self.mux is not None and isinstance(msg, SessionStep):
+            request = self.mux.step(peer, msg, self.timeout)
+        else:
+            request = self.host.request(peer, SESSION, msg, timeout=self.timeout)
         lost = self.router.lost(peer)
         if lost is None:
             return await request
@@ -356,6 +368,8 @@ class GenerationSession:
         for stage in self.stages:
             self._abandon(stage)
             self._drop_shadow(stage)
+        if self.mux is not None:
+            self.mux.forget(self.client, self.id)
         todo, self.abandoned = self.abandoned, []
 
         async def one(peer: str, key: str, sid: str) -> None:

@@ -51,7 +51,8 @@ class ClientStages:
                 package.models[i],
                 inputs=list(manifest.stages[i].inputs),
                 outputs=list(manifest.stages[i].outputs),
-            )
+                spinning=False,  # runs between network waits: idle threads would burn the
+            )  # cores the providers beside it (or the user's other work) need
             for i in client
         }
         self.decoder = any(

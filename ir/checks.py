@@ -40,17 +40,17 @@ def agree(a: Array, b: Array, rtol: float, atol: float) -> tuple[bool, float]:
 
 def probe_feeds(stage: StageInfo, seq: int = 4, seed: int = 0) -> tuple[dict[str, Array], bool]:
     """Inputs for one batch of `seq` tokens through `stage` (adapters and KV-cache inputs
-    left out): hidden states drawn at random, positions 0..seq-1, a mask of ones. Returns
+    left out, and a decoder's attention mask, which the provider makes): hidden states drawn
+    at random, positions 0..seq-1, a mask of ones. Returns
     (feeds, whether the stage keeps a KV cache)."""
     rng = np.random.default_rng(seed)
     feeds: dict[str, Array] = {}
     adapters = {n for a in stage.adapters for n in (a.a_input, a.b_input)}
-    cached = False
+    cached = any(info.name.startswith("past_") for info in stage.inputs)
     for info in stage.inputs:
-        if info.name.startswith("past_"):
-            cached = True
+        if info.name.startswith("past_") or info.name in adapters:
             continue
-        if info.name in adapters:
+        if cached and info.name == "attention_mask":  # a session's: the provider makes it
             continue
         shape = [1 if d == "batch" else d if isinstance(d, int) else seq for d in info.shape]
         if np.issubdtype(np.dtype(info.dtype), np.floating):

@@ -27,6 +27,25 @@ def zero_adapters(stage: StageInfo, rank: int = 1, dtype: str = "float32") -> di
     return feeds
 
 
+KEY_MASK = "attention_mask"  # decoder stages: which of the past + new keys hold a token
+
+
+def batchable(stage: StageInfo) -> bool:
+    """Whether a decoder stage takes `attention_mask` over its KV cache, so that sessions of
+    different lengths can run as one batch with their caches padded (packages split before
+    it existed run their sessions one at a time)."""
+    names = {i.name for i in stage.inputs}
+    return KEY_MASK in names and any(n.startswith("past_") for n in names)
+
+
+def key_mask(stage: StageInfo, batch: int, total: int) -> dict[str, Array]:
+    """A decoder stage's `attention_mask` for `batch` unpadded rows of `total` tokens (cached
+    plus new), if it takes one."""
+    if not batchable(stage):
+        return {}
+    return {KEY_MASK: np.ones((batch, total), dtype=np.int64)}
+
+
 class LocalPipeline:
     """A package's stages, each with an executor, run in order.
 
@@ -111,6 +130,7 @@ class LocalPipeline:
             feeds = {"hidden_states": self.hop(hidden), **cache[stage.index]}
             if any(i.name == "position_ids" for i in stage.inputs):
                 feeds["position_ids"] = positions
+            feeds.update(key_mask(stage, input_ids.shape[0], past_len + seq))
             feeds.update(self.adapters.get(stage.index, {}))
             out = executor.run(feeds)
             hidden = out["hidden_states_out"]

@@ -25,6 +25,7 @@ import numpy as np
 
 from ir.errors import ExecutorError
 from ir.manifest import StageInfo
+from ir.pipeline import KEY_MASK, batchable
 
 Array = np.ndarray[Any, Any]
 METHODS = ("lora-fa", "lora")
@@ -159,6 +160,8 @@ class StageTrainer:
                     batch if d == "batch" else (0 if isinstance(d, str) else d) for d in info.shape
                 ]
                 feeds[name] = torch.zeros(shape, dtype=getattr(torch, info.dtype))
+            elif name == KEY_MASK and batchable(self.stage):  # no padding, no cache
+                feeds[name] = torch.ones((batch, int(hidden.shape[1])), dtype=torch.int64)
             elif name in inputs:
                 feeds[name] = torch.from_numpy(np.ascontiguousarray(inputs[name]))
             else:

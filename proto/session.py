@@ -2,8 +2,10 @@
 
 Open a session on a decoder stage, then send steps (new hidden states and their positions);
 the provider feeds the session's cached keys and values with each step and keeps the new
-ones. Sessions belong to the peer that opened them, expire after an idle timeout, and the
-provider bounds the total cache memory (a step that would exceed it is refused as busy).
+ones. A client running many sessions sends their steps to one provider in one `SessionSteps`
+(answered by one `SessionOutputs`, a result or a failure per step). Sessions belong to the
+peer that opened them, expire after an idle timeout, and the provider bounds the total cache
+memory (a step that would exceed it is refused as busy).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import msgspec
 from p2p.codec import Message, ProtocolSpec
 from p2p.tensor import Tensor
 from proto.forward import MAX_ACTIVATION_BYTES
+
+MAX_STEPS = 256  # steps in one SessionSteps
 
 
 class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
@@ -28,6 +32,13 @@ class SessionStep(Message, frozen=True, tag="SessionStep/1"):
     session: str
     stage: str
     inputs: dict[str, Tensor]  # the stage's inputs other than its past_* cache inputs
+
+
+class SessionSteps(Message, frozen=True, tag="SessionSteps/1"):
+    """Steps of several of the sender's sessions in one message (each its own session and
+    stage): the provider runs them together where it can and answers each on its own."""
+
+    steps: list[SessionStep]  # 1 to MAX_STEPS, no (stage, session) twice
 
 
 class SessionClose(Message, frozen=True, tag="SessionClose/1"):
@@ -50,9 +61,21 @@ class SessionClosed(Message, frozen=True, tag="SessionClosed/1"):
     session: str
 
 
+class SessionFailed(Message, frozen=True, tag="SessionFailed/1"):
+    """One step of a `SessionSteps` that failed: what a single step would have raised."""
+
+    session: str
+    code: str  # an `ErrorCode` value: busy, refused, not_found, ...
+    message: str
+
+
+class SessionOutputs(Message, frozen=True, tag="SessionOutputs/1"):
+    outputs: list[SessionOutput | SessionFailed]  # one per step, in the steps' order
+
+
 SESSION = ProtocolSpec(
     "/fusionai/session/1",
-    request=(SessionOpen, SessionStep, SessionClose),
-    response=(SessionOpened, SessionOutput, SessionClosed),
+    request=(SessionOpen, SessionStep, SessionSteps, SessionClose),
+    response=(SessionOpened, SessionOutput, SessionOutputs, SessionClosed),
     max_message_bytes=MAX_ACTIVATION_BYTES,
 )

@@ -32,6 +32,8 @@ class ProviderConfig:
     max_queue: int = 32  # requests waiting for a compute slot before new ones are busy
     per_peer: int = 8  # of those, at most this many from one peer
     compute_slots: int = 1  # stage runs at once (each uses every core, or the GPU)
+    max_batch: int = 16  # session steps of one stage run together, at most (1: each alone)
+    batch_window_ms: float = 2.0  # a run waits this long at most for the sessions it expects
     kv_budget_bytes: int | None = None  # None: a quarter of the memory budget
     idle_timeout_s: float = 300.0  # a generation session idle this long is closed, seconds
     fault: Fault | None = None  # a fault to inject (tests and chaos runs only)

@@ -50,10 +50,12 @@ from provider.stage import LoadedStage
 from provider.status import Ledger, StageRole, Status, Totals
 from provider.status import read as read_status
 from provider.status import write as write_status
-from provider.stepaside import ComeBack, Policy, StepAsideNow
+from provider.stepaside import Policy
 from provider.training import Training, torch_threads
+from provider.watch import watch_machine
 
 __all__ = ["Provider", "ProviderConfig", "add_event_sink"]
+DEPARTED_SWEEP_S = 1.0  # how often sessions of disconnected clients are looked for, seconds
 
 
 class Provider:
@@ -71,6 +73,8 @@ class Provider:
             idle_timeout_s=config.idle_timeout_s,
             fault=config.fault,
             compute_slots=config.compute_slots,
+            max_batch=config.max_batch,
+            batch_window_s=config.batch_window_ms / 1e3,
         )
         private_dir(config.data_dir, ["artifacts"])  # its identity key and artifacts: owner-only
         self.cache = ArtifactCache(config.data_dir / "artifacts", config.cache_bytes)
@@ -144,11 +148,13 @@ class Provider:
         if self.profile is None:
             await self.prepare()
         # Threads beyond the compute slots decode the next requests while a stage runs, and
-        # leave one free for a session step to wait in line ahead of queued batch work.
+        # leave one free for a session step to wait in line ahead of queued batch work; a
+        # batch of session steps holds one thread per step while its run gathers and runs.
+        c = self.config
         config = HostConfig(
-            listen=self.config.listen,
-            data_dir=self.config.data_dir,
-            compute_threads=self.config.compute_slots + 7,
+            listen=c.listen,
+            data_dir=c.data_dir,
+            compute_threads=c.compute_slots + 7 + (c.max_batch if c.max_batch > 1 else 0),
         )
         given = self._given_host
         offered: RelayServer | None = None
@@ -162,10 +168,15 @@ class Provider:
                 if offered is not None:
                     self.membership.relay_offer = (offered.port, self.config.relay_rate_bytes_s)
                 background: list[asyncio.Task[Any]] = [
+                    asyncio.create_task(self._drop_departed(h, ended)),
                     asyncio.create_task(self._status_line(stop)),
                     asyncio.create_task(self.ports.renew(ended)),
                     asyncio.create_task(self._status_file(ended)),
-                    asyncio.create_task(self._watch(ended)),
+                    asyncio.create_task(
+                        watch_machine(
+                            self.config.step_aside, self.policy, self.aside, self.back, ended
+                        )
+                    ),
                 ]
                 while not (stop.is_set() or now.is_set()):
                     if self.aside.is_set():  # (also at start: the owner's hours, a game)
@@ -223,39 +234,16 @@ class Provider:
         if not (stop.is_set() or now.is_set()):
             event("resuming")
 
-    async def _watch(self, ended: asyncio.Event) -> None:
-        """Look at the machine every `every_s` and set `aside` or `back` as the policy says."""
-        config = self.config.step_aside
-        if not config.watches:
-            return
-        from provider.watch import Watch
-
-        watch = await asyncio.to_thread(Watch, config)
-        event(
-            "step_aside_policy",
-            processes=list(config.processes),
-            gpu_busy_percent=config.gpu_busy_percent,
-            user_active_s=config.user_active_s,
-            hours=[str(w) for w in config.hours],
-            unavailable=watch.unavailable,
-        )
-        try:
-            while not ended.is_set():
-                change = self.policy.observe(await asyncio.to_thread(watch.sample))
-                if isinstance(change, StepAsideNow):
-                    event("step_aside", reasons=list(change.reasons))
-                    self.back.clear()
-                    self.aside.set()
-                elif isinstance(change, ComeBack):
-                    event("come_back", free_s=round(change.free_s, 1))
-                    self.aside.clear()
-                    self.back.set()
-                try:
-                    await asyncio.wait_for(ended.wait(), config.every_s)
-                except TimeoutError:
-                    pass
-        finally:
-            watch.close()
+    async def _drop_departed(self, host: Host, stop: asyncio.Event) -> None:
+        """Every `DEPARTED_SWEEP_S`, drop the sessions (and KV caches) of clients no longer
+        connected: a client that went away frees its caches within two sweeps."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), DEPARTED_SWEEP_S)
+            except TimeoutError:
+                pass
+            for peer, n in self.server.disconnected(set(host.connected_peers())).items():
+                event("sessions_dropped", peer=peer, sessions=n, reason="disconnected")
 
     async def _map_port(self, host: Host) -> None:
         """Behind a home router: ask it to forward a public port here (UPnP), and announce

@@ -21,6 +21,11 @@ def add_event_sink(sink: EventSink) -> None:
     _sinks.append(sink)
 
 
+def remove_event_sink(sink: EventSink) -> None:
+    """Stop handing events to `sink` (added before)."""
+    _sinks.remove(sink)
+
+
 def event(name: str, **fields: Any) -> None:
     """A structured log line: the event name and its fields as JSON."""
     log.info("%s %s", name, json.dumps(fields, default=str, sort_keys=True))

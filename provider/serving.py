@@ -3,9 +3,9 @@
 Runs in the p2p layer's worker threads (compute handlers), so everything here is thread-safe
 and synchronous. Admission is bounded: past `max_queue` requests in flight (or `per_peer` from
 one peer) a request is answered `busy` at once instead of queueing without bound; training
-work may use only half the queue, so inference goes first. Sessions belong to the peer that
-opened them, expire after `idle_timeout_s`, and their caches together stay under
-`kv_budget_bytes` (a step that would exceed it is answered `busy`, its session intact).
+work may use only half the queue, so inference goes first. Session steps are bounded by the
+sessions instead (one step of a session at a time; `sessions.py` serves them, with their caches
+and the batcher that runs steps of different sessions together, `batching.py`).
 
 Admitted requests then wait for one of `compute_slots` execution slots (`gate.py`: session
 steps first, then forward requests, then training work). Chained requests (`chain.py`) run
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ir.training import TrainingError, check_adapters
+from ir.pipeline import batchable
 from p2p import ErrorCode, Refused, Relay, Tensor
 from p2p.tensor import through_wire
 from proto.forward import (
@@ -34,25 +34,21 @@ from proto.forward import (
     ForwardResult,
     HopDone,
 )
-from proto.session import (
-    SessionClose,
-    SessionClosed,
-    SessionOpen,
-    SessionOpened,
-    SessionOutput,
-    SessionStep,
-)
+from provider.batching import Batcher
 from provider.chain import check_route, finisher
+from provider.events import event
 from provider.faults import Fault
 from provider.gate import ComputeGate, Priority
+from provider.sessions import SessionServing
 from provider.stage import Array, LoadedStage, Session, arrays, run, tensors, wire_of
 
 log = logging.getLogger(__name__)
-MAX_SESSION_ID = 128  # characters
-SWEEP_EVERY_S = 1.0  # idle sessions are looked for at most this often (and every heartbeat)
 
 
-class Server:
+class Server(SessionServing):
+    """`max_batch`: session steps of one stage run together, up to this many (1: each alone);
+    `batch_window_s`: how long a run waits for the sessions expected to join it."""
+
     def __init__(
         self,
         *,
@@ -61,9 +57,11 @@ class Server:
         kv_budget_bytes: int = 1 << 30,
         idle_timeout_s: float = 300.0,
         fault: Fault | None = None,
-        sessions_per_peer: int = 64,
+        sessions_per_peer: int = 256,
         max_sessions: int = 1024,
         compute_slots: int = 1,
+        max_batch: int = 16,
+        batch_window_s: float = 0.002,
     ) -> None:
         self.sessions_per_peer = sessions_per_peer
         self.max_sessions = max_sessions
@@ -73,6 +71,9 @@ class Server:
         self.idle_timeout_s = idle_timeout_s
         self.fault = fault
         self.gate = ComputeGate(compute_slots)
+        self.batcher = Batcher(
+            self.gate, self._run_batch, max_batch=max_batch, window_s=batch_window_s
+        )
         self.peer_id = ""  # ours and our broker's, once the host runs: chained requests
         self.broker_id = ""  # are accepted only along a route the broker signed
         self.stages: dict[str, LoadedStage] = {}
@@ -89,6 +90,8 @@ class Server:
         self.tokens_served = 0  # token positions run through stages here (batch x sequence)
         self.runs = 0  # stage runs done (forward passes and generation steps)
         self._last_sweep = 0.0  # when idle sessions were last expired
+        self._absent: set[str] = set()  # peers with sessions, disconnected at the last sweep
+        self._kv_used = 0  # bytes of the sessions' caches (kept up to date under the lock)
         self._fault_count = 0  # requests counted by a fault limited to one stage
         self._stopped = threading.Event()  # releases dropped requests at shutdown
 
@@ -97,12 +100,22 @@ class Server:
     def add(self, stage: LoadedStage) -> None:
         with self._lock:
             self.stages[stage.key] = stage
+        if stage.cache_inputs and not batchable(stage.info) and self.batcher.max_batch > 1:
+            event(
+                "unbatched_stage",
+                stage=stage.key,
+                reason="its package was split before decoder stages took an attention mask: "
+                "its sessions run one at a time. Split the model again (fusionai ir split) "
+                "and add it again to run them in batches",
+            )
 
     def remove(self, key: str) -> LoadedStage | None:
         with self._lock:
             stage = self.stages.pop(key, None)
-            for k in [k for k, s in self.sessions.items() if s.stage == key]:
-                del self.sessions[k]
+            gone = [self.sessions.pop(k) for k, s in list(self.sessions.items()) if s.stage == key]
+            self._kv_used -= sum(s.nbytes for s in gone)
+        for session in gone:
+            self.batcher.forget(session)
         return stage
 
     def promote(self, key: str) -> bool:
@@ -129,23 +142,33 @@ class Server:
         return self._in_flight
 
     @contextmanager
-    def _admit(self, peer: str, training: bool = False) -> Iterator[int]:
+    def _admit(
+        self, peer: str, training: bool = False, stepping: Session | None = None
+    ) -> Iterator[int]:
+        """Count a request in (refused as busy past the limits); `stepping`: a step of that
+        session, bounded by its one step at a time instead of the queue's limits."""
         with self._lock:
             if self.draining:
                 raise Refused(
                     ErrorCode.BUSY, "this provider is leaving; send the request elsewhere"
                 )
-            limit = self.max_queue // 2 if training else self.max_queue
-            if self._in_flight >= limit:
-                raise Refused(
-                    ErrorCode.BUSY, f"queue full ({self._in_flight} requests); retry later"
-                )
-            if self._per_peer.get(peer, 0) >= self.per_peer:
-                raise Refused(
-                    ErrorCode.BUSY, f"too many requests from you at once (limit {self.per_peer})"
-                )
+            if stepping is not None:
+                if stepping.stepping:
+                    raise Refused(ErrorCode.BUSY, "this session's previous step is still running")
+                stepping.stepping = True
+            else:
+                limit = self.max_queue // 2 if training else self.max_queue
+                if self._in_flight >= limit:
+                    raise Refused(
+                        ErrorCode.BUSY, f"queue full ({self._in_flight} requests); retry later"
+                    )
+                if self._per_peer.get(peer, 0) >= self.per_peer:
+                    raise Refused(
+                        ErrorCode.BUSY,
+                        f"too many requests from you at once (limit {self.per_peer})",
+                    )
+                self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             self._in_flight += 1
-            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             self._served += 1
             number = self._served
         try:
@@ -153,11 +176,14 @@ class Server:
         finally:
             with self._lock:
                 self._in_flight -= 1
-                left = self._per_peer[peer] - 1
-                if left:
-                    self._per_peer[peer] = left
+                if stepping is not None:
+                    stepping.stepping = False
                 else:
-                    del self._per_peer[peer]
+                    left = self._per_peer[peer] - 1
+                    if left:
+                        self._per_peer[peer] = left
+                    else:
+                        del self._per_peer[peer]
                 self._idle.notify_all()
 
     def drain(self, deadline_s: float) -> bool:
@@ -298,125 +324,3 @@ class Server:
         with self._lock:
             self._relaying -= 1
             self._idle.notify_all()
-
-    # ---- sessions --------------------------------------------------------------------------
-
-    def session(
-        self, peer: str, request: SessionOpen | SessionStep | SessionClose
-    ) -> SessionOpened | SessionOutput | SessionClosed:
-        if time.monotonic() - self._last_sweep >= SWEEP_EVERY_S:  # not a scan per request
-            self.expire()
-        if isinstance(request, SessionOpen):
-            return self._open(peer, request)
-        if isinstance(request, SessionClose):
-            with self._lock:
-                self.sessions.pop((peer, request.stage, request.session), None)
-            return SessionClosed(session=request.session)
-        return self._step(peer, request)
-
-    def _open(self, peer: str, request: SessionOpen) -> SessionOpened:
-        if not 1 <= len(request.session) <= MAX_SESSION_ID:
-            raise Refused(ErrorCode.REFUSED, f"a session id has 1 to {MAX_SESSION_ID} characters")
-        stage = self._stage(request.stage, request.check)
-        if not stage.cache_inputs:
-            raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
-        if not 1 <= request.batch <= 1024:
-            raise Refused(ErrorCode.REFUSED, f"batch must be 1 to 1024, got {request.batch}")
-        adapters = arrays(request.adapters)
-        if adapters:
-            try:
-                check_adapters(stage.info, adapters)
-            except TrainingError as exc:
-                raise Refused(ErrorCode.REFUSED, f"adapter refused: {exc}") from None
-        cache = {}
-        for info in stage.info.inputs:
-            if info.name.startswith("past_"):
-                # the batch as asked, no tokens cached yet ("past" and other symbols: 0)
-                shape: list[int] = [
-                    request.batch if d == "batch" else (0 if isinstance(d, str) else d)
-                    for d in info.shape
-                ]
-                cache[info.name] = np.zeros(shape, dtype=info.dtype)
-        with self._lock:
-            if self.draining:
-                raise Refused(
-                    ErrorCode.BUSY, "this provider is leaving; open the session elsewhere"
-                )
-            key = (peer, request.stage, request.session)
-            mine = sum(1 for k in self.sessions if k[0] == peer)
-            if mine >= self.sessions_per_peer or len(self.sessions) >= self.max_sessions:
-                raise Refused(
-                    ErrorCode.BUSY,
-                    f"too many open sessions ({mine} of yours, {len(self.sessions)} in all; "
-                    f"limits {self.sessions_per_peer} and {self.max_sessions}): close some",
-                )
-            if key in self.sessions:
-                raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
-            self.sessions[key] = Session(
-                peer, request.stage, request.batch, cache, adapters, check=request.check
-            )
-        return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
-
-    def _step(self, peer: str, request: SessionStep) -> SessionOutput:
-        with self._lock:
-            session = self.sessions.get((peer, request.stage, request.session))
-        if session is None:
-            raise Refused(
-                ErrorCode.NOT_FOUND,
-                f"no session {request.session!r} here (never opened, closed, or expired after "
-                f"{self.idle_timeout_s:g} s idle): open it again and replay its history",
-            )
-        stage = self._stage(session.stage, session.check)
-        sent_cache = [n for n in request.inputs if n.startswith("past_")]
-        if sent_cache:
-            raise Refused(ErrorCode.REFUSED, f"the provider keeps {sent_cache} itself")
-        with self._admit(peer) as number, session.lock:
-            session.last_used = time.monotonic()  # in use: not idle, whatever the step takes
-            self._apply_fault(number, session.stage)
-            feeds = {**arrays(request.inputs), **session.cache}
-            stage.with_adapters(feeds, session.adapters)
-            with self.gate.slot(Priority.SESSION):
-                outputs = run(stage.executor, feeds)
-            self._count(feeds)
-            new_cache = {
-                name.replace("present_", "past_", 1): value
-                for name, value in outputs.items()
-                if name.startswith("present_")
-            }
-            new_bytes = sum(a.nbytes for a in new_cache.values())
-            with self._lock:
-                others = sum(s.nbytes for s in self.sessions.values() if s is not session)
-                if others + new_bytes > self.kv_budget:
-                    raise Refused(
-                        ErrorCode.BUSY,
-                        f"KV cache memory full ({others + new_bytes} of {self.kv_budget} "
-                        f"bytes); the session is unchanged: retry later or elsewhere",
-                    )
-                session.cache = new_cache
-                if new_cache:  # (batch, heads, tokens, head_dim)
-                    session.past_len = int(next(iter(new_cache.values())).shape[2])
-                session.last_used = time.monotonic()
-        visible = {k: v for k, v in outputs.items() if not k.startswith("present_")}
-        return SessionOutput(
-            session=request.session,
-            outputs=self._outputs(visible, wire_of(request.inputs)),
-            past_len=session.past_len,
-        )
-
-    def expire(self) -> int:
-        """Drop sessions idle longer than the timeout; returns how many."""
-        self._last_sweep = time.monotonic()
-        cutoff = self._last_sweep - self.idle_timeout_s
-        with self._lock:
-            old = [
-                k
-                for k, s in self.sessions.items()
-                if s.last_used < cutoff and not s.lock.locked()  # a step in progress is use
-            ]
-            for k in old:
-                del self.sessions[k]
-        return len(old)
-
-    def kv_bytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes for s in self.sessions.values())

@@ -53,6 +53,7 @@ class Session:
     check: bool = False  # a shadow session: it may run on a standby stage
     past_len: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    stepping: bool = False  # a step is admitted (one at a time; guarded by the server's lock)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

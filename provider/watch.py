@@ -15,6 +15,7 @@ Each reading that fails once says why in a log line and is not tried again.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import logging
@@ -26,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from provider.stepaside import Sample, StepAside
+from provider.stepaside import ComeBack, Policy, Sample, StepAside, StepAsideNow
 
 log = logging.getLogger("fusionai.provider")
 
@@ -261,3 +262,44 @@ class Watch:
     def close(self) -> None:
         if self.gpu is not None:
             self.gpu.close()
+
+
+async def watch_machine(
+    config: StepAside,
+    policy: Policy,
+    aside: asyncio.Event,
+    back: asyncio.Event,
+    ended: asyncio.Event,
+) -> None:
+    """Look at the machine every `every_s` and set `aside` or `back` as `policy` says, until
+    `ended`."""
+    from provider.events import event
+
+    if not config.watches:
+        return
+    watch = await asyncio.to_thread(Watch, config)
+    event(
+        "step_aside_policy",
+        processes=list(config.processes),
+        gpu_busy_percent=config.gpu_busy_percent,
+        user_active_s=config.user_active_s,
+        hours=[str(w) for w in config.hours],
+        unavailable=watch.unavailable,
+    )
+    try:
+        while not ended.is_set():
+            change = policy.observe(await asyncio.to_thread(watch.sample))
+            if isinstance(change, StepAsideNow):
+                event("step_aside", reasons=list(change.reasons))
+                back.clear()
+                aside.set()
+            elif isinstance(change, ComeBack):
+                event("come_back", free_s=round(change.free_s, 1))
+                aside.clear()
+                back.set()
+            try:
+                await asyncio.wait_for(ended.wait(), config.every_s)
+            except TimeoutError:
+                pass
+    finally:
+        watch.close()

@@ -106,6 +106,26 @@ def finetune_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def llama3_packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The small random Llama in three provider stages with no end-of-sequence token (every
+    generation runs its length), as fp32 and as fp16 stages: what batching tests run."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ir.export import Encoding, build_package
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama()
+    model.config.eos_token_id = None
+    out = {}
+    for name, encoding in [("fp32", Encoding()), ("fp16", Encoding(fp16=True))]:
+        out[name] = tmp_path_factory.mktemp(f"llama3-{name}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            build_package(model, 3, out[name], name=f"llama-{name}", encoding=encoding)
+    return out
+
+
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     procs: list[Proc] = []

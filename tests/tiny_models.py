@@ -277,3 +277,35 @@ def hf_chat(
     if stops is None:
         assert len(answer) == n
     return answer, tok.decode(answer, skip_special_tokens=True)
+
+
+def greedy_with_gaps(package: Any, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """A package's greedy tokens after `prompt` in this process, alone (one thread), and the
+    gap between the top two logits at each step: where it is tiny, another run's rounding may
+    pick the other token (a batched run must give these tokens but there)."""
+    import numpy as np
+
+    from ir.executors.ort import OrtExecutor
+    from ir.package import load_package
+    from ir.pipeline import LocalPipeline
+
+    loaded = load_package(package)
+    runs = [OrtExecutor(loaded.models[s.index], threads=1) for s in loaded.manifest.stages]
+    pipe = LocalPipeline(loaded.manifest, runs)
+    cache, fed, tokens, gaps = pipe.new_cache(), 0, list(prompt), []
+    for _ in range(steps):
+        logits = pipe.step(np.array([tokens[fed:]], dtype=np.int64), fed, cache)[0, -1]
+        fed = len(tokens)
+        top = np.sort(logits.astype(np.float64))[-2:]
+        gaps.append(float(top[1] - top[0]))
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt) :], gaps
+
+
+def same_as_alone(got: list[int], alone: list[int], gaps: list[float], gap: float = 1e-4) -> bool:
+    """`got` equals the tokens generated alone, but where it first differs the alone run's top
+    two logits were within `gap` of each other (what follows then differs as it may)."""
+    for n, (a, b) in enumerate(zip(got, alone, strict=True)):
+        if a != b:
+            return gaps[n] < gap
+    return True

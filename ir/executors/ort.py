@@ -65,10 +65,15 @@ class OrtExecutor:
         threads: int | None = None,
         inputs: list[TensorInfo] | None = None,
         outputs: list[TensorInfo] | None = None,
+        spinning: bool = True,
     ) -> None:
+        """`spinning=False`: idle intra-op threads sleep instead of spinning for the next run
+        (a process running small stages now and then beside others, such as a client)."""
         from ir.package import tensor_infos
 
         options = ort.SessionOptions()
+        if not spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # quantized weights (DequantizeLinear + MatMul, fused into 4-/8-bit kernels) multiply
         # float activations: the default (level 4) would quantize activations to int8 too

@@ -250,6 +250,16 @@ def _expand(node: onnx.NodeProto, x: list[Any]) -> Tensor:
     return x[0].expand(target)
 
 
+def _cumsum(node: onnx.NodeProto, x: list[Any]) -> Tensor:
+    a = _attrs(node)
+    axis = _ints(x[1])[0]
+    values = x[0].flip(axis) if a.get("reverse") else x[0]
+    out = torch.cumsum(values, dim=axis)
+    if a.get("exclusive"):
+        out = out - values
+    return out.flip(axis) if a.get("reverse") else out
+
+
 OPS: dict[str, Op] = {
     "Add": _binary(torch.add),
     "Sub": _binary(torch.sub),
@@ -286,6 +296,7 @@ OPS: dict[str, Op] = {
     "Concat": _concat,
     "Constant": _constant,
     "ConstantOfShape": _constant_of_shape,
+    "CumSum": _cumsum,
     "Expand": _expand,
     "Gather": _gather,
     "Gemm": _gemm,

@@ -167,12 +167,47 @@ class LoraSlots:
         return y + torch.matmul(torch.matmul(x, a.transpose(0, 1)), b.transpose(0, 1))
 
 
-def causal_mask(query_len: Any, past_len: Any, dtype: torch.dtype) -> torch.Tensor:
-    """(query_len, past_len + query_len) additive mask: query i sees keys 0..past_len + i."""
-    q_pos = torch.arange(query_len) + past_len
-    k_pos = torch.arange(past_len + query_len)
-    allowed = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-    return torch.where(allowed, torch.zeros((), dtype=dtype), torch.full((), NEG, dtype=dtype))
+class PaddedKeys:
+    """Attention over a KV cache padded at its end: batches of sessions of different lengths.
+
+    `attention_mask` (batch, past + query) says which keys hold a token (1) and which pad (0);
+    sessions of different lengths run as one batch with their past keys padded at the end up
+    to the longest (`provider/batching.py`), the queries' own keys after them. Attention reads
+    the keys in another order, the queries' own first, then the past, then one zero key,
+    masked: a row's tokens come first and its padding after them, so a row sums the same
+    terms in the same order whatever the batch and its result is what it would be alone
+    (onnxruntime's CPU kernels add trailing zero terms exactly, whereas padding between tokens
+    changes the rounding). The cache (`present_*`) keeps the order past, then new.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor, query_len: Any) -> None:
+        past_mask = attention_mask[:, : attention_mask.shape[1] - query_len]
+        past = past_mask.sum(dim=1, keepdim=True)  # (batch, 1): tokens cached per row
+        new = torch.arange(query_len).unsqueeze(0)
+        self.queries = past + new  # (batch, query_len): the queries' positions
+        # the keys as attention reads them: the queries' own, the past, the zero key
+        self.positions = torch.cat(
+            [self.queries, torch.cumsum(past_mask, dim=1) - 1, past * 0], dim=1
+        )
+        self.valid = torch.cat([torch.ones_like(self.queries), past_mask, past * 0], dim=1) > 0
+
+    @staticmethod
+    def keys(past: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the cache keeps: past then new, what attention reads: new, past, zero) of
+        (batch, heads, tokens, dim) keys or values."""
+        zero = torch.zeros_like(new[:, :, :1])
+        return torch.cat([past, new], dim=2), torch.cat([new, past, zero], dim=2)
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """(batch, 1, query_len, query_len + past + 1) additive mask over the keys attention
+        reads: a query sees its row's tokens up to itself (with `window`, the last `window`
+        of them)."""
+        k = self.positions.unsqueeze(1)
+        q = self.queries.unsqueeze(2)
+        allowed = self.valid.unsqueeze(1) & (k <= q)
+        if window is not None:
+            allowed = allowed & (k > q - window)
+        return torch.where(allowed, torch.zeros(()), torch.full((), NEG)).unsqueeze(1)
 
 
 def attention(

@@ -8,7 +8,8 @@ explicit tensors. What transformers does outside its submodules is written here:
 sliding-window masks, soft-caps, partial and per-layer-type RoPE, longrope's switch.
 
 embed | blocks with KV cache ... | norm + lm_head (+ soft-cap). Block stages take
-`position_ids` besides hidden states and past keys/values of shape
+`position_ids` and `attention_mask` (which cached and new keys hold tokens: a batch of
+sessions pads its caches, `PaddedKeys`) besides hidden states and past keys/values of shape
 (batch, kv_heads, past, head_dim). The cache keeps every past position also on sliding-window
 layers; the window is a mask, which is what transformers' smaller cache computes too.
 """
@@ -24,9 +25,9 @@ from torch import nn
 
 from ir.errors import UnsupportedModel
 from ir.families.base import (
-    NEG,
     AdapterConfig,
     LoraSlots,
+    PaddedKeys,
     StageModule,
     eos_of,
     head_stage,
@@ -131,17 +132,6 @@ def windows(config: Any, spec: Decoder) -> list[int | None]:
     return [None] * n
 
 
-def window_mask(query_len: Any, past_len: Any, window: int | None) -> torch.Tensor:
-    """(query_len, past_len + query_len) additive mask: query i sees keys in
-    (past_len + i - window, past_len + i], or all keys up to itself if `window` is None."""
-    q_pos = (torch.arange(query_len) + past_len).unsqueeze(1)
-    k_pos = torch.arange(past_len + query_len).unsqueeze(0)
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed = allowed & (k_pos > q_pos - window)
-    return torch.where(allowed, torch.zeros(()), torch.full((), NEG))
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -206,9 +196,10 @@ class Blocks(nn.Module):
     def _rope(self, kind: str, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.tables[kind]
         inv: torch.Tensor = getattr(self, f"inv_{kind}")
-        if table.long is not None:  # longrope: the long set once the context passes the switch
-            longer = (position_ids.max() + 1) > table.switch_at
-            inv = torch.where(longer, getattr(self, f"long_{kind}"), inv)
+        if table.long is not None:  # longrope: the long set once a row's context passes the
+            # switch (per row: a batch holds sessions of different lengths)
+            longer = (position_ids.amax(dim=1, keepdim=True) + 1) > table.switch_at
+            inv = torch.where(longer.unsqueeze(-1), getattr(self, f"long_{kind}"), inv)
         freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * table.scaling).unsqueeze(1), (emb.sin() * table.scaling).unsqueeze(1)
@@ -248,13 +239,18 @@ class Blocks(nn.Module):
         return lora.apply(mlp.down_proj, act(gate) * up, layer, "down", adapters)
 
     def forward(
-        self, hidden: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *rest: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         n = len(self.blocks)
         past, adapters = rest[: 2 * n], rest[2 * n :]
-        q_len, past_len = hidden.shape[1], past[0].shape[2]
+        q_len = hidden.shape[1]
         ropes = {k: self._rope(k, position_ids) for k in sorted(self.tables)}
-        masks = {w: window_mask(q_len, past_len, w) for w in set(self.windows)}
+        keys = PaddedKeys(attention_mask, q_len)
+        masks = {w: keys.mask(w) for w in set(self.windows)}
         repeat = self.n_heads // self.n_kv
         presents: list[torch.Tensor] = []
         for i, block in enumerate(cast(Any, self.blocks)):
@@ -264,9 +260,9 @@ class Blocks(nn.Module):
             cos, sin = ropes[self.kinds[i]]
             rot = self.rot[self.kinds[i]]
             q, k = rotate(q, cos, sin, rot, self.head_dim), rotate(k, cos, sin, rot, self.head_dim)
-            k = torch.cat([past[2 * i], k], dim=2)
-            v = torch.cat([past[2 * i + 1], v], dim=2)
-            presents += [k, v]
+            k_cache, k = keys.keys(past[2 * i], k)
+            v_cache, v = keys.keys(past[2 * i + 1], v)
+            presents += [k_cache, v_cache]
             if repeat > 1:
                 k = torch.repeat_interleave(k, repeat, dim=1)
                 v = torch.repeat_interleave(v, repeat, dim=1)

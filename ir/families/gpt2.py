@@ -1,8 +1,9 @@
 """GPT-2-style decoders: embed (tokens + positions) | blocks with KV cache ... | ln_f + lm_head.
 
-A block stage takes hidden states and, per block, the past keys and values
-(batch, heads, past, head_dim); it returns new hidden states and the present keys and values
-(past + this step), so after the prompt each step sends one token's hidden state.
+A block stage takes hidden states, an attention mask over the past and new keys (padding
+for batches of sessions of different lengths, `PaddedKeys`) and, per block, the past keys and
+values (batch, heads, past, head_dim); it returns new hidden states and the present keys and
+values (past + this step), so after the prompt each step sends one token's hidden state.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from torch import nn
 from ir.families.base import (
     AdapterConfig,
     LoraSlots,
+    PaddedKeys,
     StageModule,
     attention,
-    causal_mask,
     eos_of,
     head_stage,
     heads,
@@ -64,10 +65,13 @@ class Blocks(nn.Module):
         self.head_dim = self.hidden // self.n_heads
         self.lora = lora
 
-    def forward(self, hidden: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         n = len(self.blocks)
         past, adapters = rest[: 2 * n], rest[2 * n :]
-        mask = causal_mask(hidden.shape[1], past[0].shape[2], hidden.dtype)
+        keys = PaddedKeys(attention_mask, hidden.shape[1])
+        mask = keys.mask()
         scale = 1.0 / math.sqrt(self.head_dim)
         presents: list[torch.Tensor] = []
         for i, block in enumerate(cast(Any, self.blocks)):
@@ -76,9 +80,9 @@ class Blocks(nn.Module):
             qkv = self.lora.apply(block.attn.c_attn, h, layer, "qkv", adapters)
             q, k, v = qkv.split(self.hidden, dim=2)
             q = heads(q, self.n_heads, self.head_dim)
-            k = torch.cat([past[2 * i], heads(k, self.n_heads, self.head_dim)], dim=2)
-            v = torch.cat([past[2 * i + 1], heads(v, self.n_heads, self.head_dim)], dim=2)
-            presents += [k, v]
+            k_cache, k = keys.keys(past[2 * i], heads(k, self.n_heads, self.head_dim))
+            v_cache, v = keys.keys(past[2 * i + 1], heads(v, self.n_heads, self.head_dim))
+            presents += [k_cache, v_cache]
             ctx = merge_heads(attention(q, k, v, mask, scale))
             hidden = hidden + self.lora.apply(block.attn.c_proj, ctx, layer, "o", adapters)
             mlp = block.mlp
@@ -108,6 +112,14 @@ def decoder_stages(
     """Provider stages of a decoder: `blocks(model, start, end, lora)` makes each module."""
     batch, seq, past_len = 1, 4, 3
     hidden = torch.randn(batch, seq, hidden_size)
+    # which keys hold tokens (1) and which pad (0): sessions of different lengths run as one
+    # batch (`provider/batching.py`)
+    mask = (
+        "attention_mask",
+        torch.ones(batch, past_len + seq, dtype=torch.int64),
+        {0: BATCH, 1: TOTAL},
+    )
+    extra_inputs = [*extra_inputs, mask]
     stages = []
     for start, end in split_layers(n_layers, n_stages):
         lora = LoraSlots(adapters, range(start, end), lora_shapes)

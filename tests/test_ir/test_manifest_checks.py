@@ -162,7 +162,7 @@ def test_a_declared_dtype_the_file_does_not_have_is_refused(package: Path) -> No
 
 
 def test_a_declared_shape_the_file_does_not_have_is_refused(package: Path) -> None:
-    rewrite(package, _set("stages.1.inputs.2.shape", ["batch", 2, "past", 16]))
+    rewrite(package, _set("stages.1.inputs.3.shape", ["batch", 2, "past", 16]))
     with pytest.raises(ManifestError, match=r"stage 1 .*input 'past_key.0' is .* in the file"):
         load_package(package)
 

@@ -1,0 +1,263 @@
+"""Continuous batching: decode steps of different sessions on one stage run as one executor call.
+
+A session step arrives in a worker thread. Steps of the same stage that arrive while one of
+them gathers a run (`window_s` at most, and not at all when no other session of the stage
+stepped lately), or while the stage's previous run computes, run together: up to `max_batch`
+sessions in one executor call. Each session keeps its own KV cache; a run pads the caches
+at their end to the longest (`pad`), the stage graph's `attention_mask` marks the padding
+(`ir.families.base.PaddedKeys`), and each row's new cache is cut back out (`unpad`), so a
+session's answers are what they would be alone, bit for bit on onnxruntime's CPU kernels.
+
+Only one-token steps of batch-1 sessions without an adapter, on stages whose graph takes the
+mask, are batched (`batchable`); prompts, replays and adapters run alone, as do packages
+split before the mask existed. A step's failure in a shared run fails every step of that run
+with the same answer (their sessions unchanged), as a failed run alone would.
+
+One waiting step leads: it gathers, takes a compute slot (`gate.py`), runs the batch and
+hands each step its outputs; when it is done, a step still waiting leads the next run.
+Every `report_s` each stage's runs are summed up in a `batches` event (runs, steps, the
+largest run).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ir.pipeline import KEY_MASK
+from ir.pipeline import batchable as graph_takes_mask
+from provider.events import event
+from provider.gate import ComputeGate, Priority
+from provider.stage import Array, LoadedStage, Session
+
+ACTIVE_S = 1.0  # a session that stepped this recently is expected back: a run waits for it
+REPORT_S = 2.0  # each stage's runs are reported at most this often, seconds
+
+
+@dataclass(eq=False)  # compared by identity
+class Step:
+    """One session's step, waiting for a run."""
+
+    session: Session
+    feeds: dict[str, Array]  # its inputs but the cache and mask (hidden states, positions)
+    outputs: dict[str, Array] | None = None  # once run: its row, present_* its own cache
+    error: BaseException | None = None
+    done: bool = False
+    lead: bool = False  # it is to gather and run the stage's next run
+    wake: threading.Event = field(default_factory=threading.Event)  # set: done, or lead
+    # (the steps of one message share one, which their thread waits on)
+
+
+@dataclass
+class _Stats:
+    runs: int = 0
+    steps: int = 0
+    largest: int = 0
+    since: float = 0.0  # when the first of these runs ended
+
+
+def batchable(stage: LoadedStage, session: Session, feeds: dict[str, Array]) -> bool:
+    """Whether this step may share a run: one new token of a batch-1 session without an
+    adapter, on a stage whose graph takes the attention mask over a padded cache."""
+    hidden = feeds.get("hidden_states")
+    return (
+        graph_takes_mask(stage.info)
+        and session.batch == 1
+        and not session.adapters
+        and hidden is not None
+        and hidden.shape[:2] == (1, 1)
+    )
+
+
+def pad(steps: list[Step]) -> dict[str, Array]:
+    """One run's feeds: the steps' inputs stacked, their caches padded at the end to the
+    longest, and the mask saying which keys hold tokens (each row's past, then its new one)."""
+    lengths = [s.session.past_len for s in steps]
+    longest = max(lengths)
+    feeds = {name: np.concatenate([s.feeds[name] for s in steps]) for name in steps[0].feeds}
+    mask = np.zeros((len(steps), longest + 1), dtype=np.int64)
+    mask[:, longest] = 1
+    for name, first in steps[0].session.cache.items():
+        _, heads, _, dim = first.shape
+        padded = np.zeros((len(steps), heads, longest, dim), dtype=first.dtype)
+        for row, (step, length) in enumerate(zip(steps, lengths, strict=True)):
+            padded[row, :, :length] = step.session.cache[name][0]
+        feeds[name] = padded
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    feeds[KEY_MASK] = mask
+    return feeds
+
+
+def unpad(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]]:
+    """Each step's row of a run's outputs; its `present_*` cut back to its own tokens."""
+    longest = max(s.session.past_len for s in steps)
+    rows: list[dict[str, Array]] = []
+    for row, step in enumerate(steps):
+        length = step.session.past_len
+        mine: dict[str, Array] = {}
+        for name, value in outputs.items():
+            if name.startswith("present_"):
+                mine[name] = np.concatenate(
+                    [value[row : row + 1, :, :length], value[row : row + 1, :, longest:]], axis=2
+                )
+            else:
+                mine[name] = value[row : row + 1].copy()
+        rows.append(mine)
+    return rows
+
+
+class Batcher:
+    """Runs batchable steps of each stage together (see the module's docstring).
+
+    `run(stage, feeds)` executes one run's feeds (the caller's executor call, errors as it
+    raises them); `gate` gives the compute slot; `clock` is monotonic seconds."""
+
+    def __init__(
+        self,
+        gate: ComputeGate,
+        run: Callable[[LoadedStage, dict[str, Array]], dict[str, Array]],
+        *,
+        max_batch: int = 16,
+        window_s: float = 0.002,
+        report_s: float = REPORT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if not 0 <= window_s <= 1:
+            raise ValueError(f"the batch window must be 0 to 1 s, got {window_s}")
+        self.gate, self._run = gate, run
+        self.max_batch, self.window_s, self.clock = max_batch, window_s, clock
+        self.report_s = report_s
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a gathering leader waits on it
+        self._waiting: dict[str, list[Step]] = {}  # stage key -> steps not yet in a run
+        self._leading: set[str] = set()  # stages whose next run a step gathers or runs
+        self._seen: dict[str, dict[int, float]] = {}  # stage -> id(session) -> last step
+        self._stats: dict[str, _Stats] = {}
+
+    def step(self, stage: LoadedStage, step: Step) -> dict[str, Array]:
+        """Run `step` in a batch with others of `stage`; its outputs (raises its error)."""
+        self.run(stage, [step])
+        if step.error is not None:
+            raise step.error
+        assert step.outputs is not None
+        return step.outputs
+
+    def run(self, stage: LoadedStage, steps: list[Step]) -> None:
+        """Run `steps` (of different sessions, one message's) in batches with others of
+        `stage`; each gets its outputs or its error. This thread waits for them all, leading
+        a run whenever one of them is to lead."""
+        key, wake = stage.key, threading.Event()
+        with self._lock:
+            now = self.clock()
+            for step in steps:
+                step.wake = wake
+                self._seen.setdefault(key, {})[id(step.session)] = now
+            self._waiting.setdefault(key, []).extend(steps)
+            if key in self._leading:
+                self._arrived.notify()  # a gathering leader counts them
+            else:
+                self._leading.add(key)
+                steps[0].lead = True
+        while True:
+            lead = next((s for s in steps if s.lead and not s.done), None)
+            if lead is not None:
+                self._lead(stage, lead)
+            elif all(s.done for s in steps):
+                return
+            else:
+                wake.wait()  # a run of ours is done, or one of ours leads the next
+                wake.clear()
+
+    def forget(self, session: Session) -> None:
+        """A closed session is not waited for."""
+        with self._lock:
+            for seen in self._seen.values():
+                seen.pop(id(session), None)
+
+    def _expected(self, key: str, now: float) -> int:
+        seen = self._seen.get(key, {})
+        for sid in [s for s, t in seen.items() if now - t > ACTIVE_S]:
+            del seen[sid]
+        return min(len(seen), self.max_batch)
+
+    def _lead(self, stage: LoadedStage, mine: Step) -> None:
+        key = stage.key
+        batch: list[Step] = [mine]
+        try:
+            with self._lock:  # gather: until every recently active session is in, or time
+                end = self.clock() + self.window_s
+                while len(self._waiting[key]) < self._expected(key, self.clock()):
+                    left = end - self.clock()
+                    if left <= 0:
+                        break
+                    self._arrived.wait(left)
+            with self.gate.slot(Priority.SESSION):
+                with self._lock:  # those that came while we waited for the slot come too
+                    others = [s for s in self._waiting[key] if s is not mine]
+                    batch += others[: self.max_batch - 1]
+                self._execute(stage, batch)
+        except BaseException as exc:
+            for step in batch:
+                if step.outputs is None:
+                    step.error = exc
+        finally:
+            with self._lock:
+                self._waiting[key] = [s for s in self._waiting[key] if s not in batch]
+                nxt = self._waiting[key][0] if self._waiting[key] else None
+                if nxt is None:
+                    self._leading.discard(key)
+                else:
+                    nxt.lead = True  # the next run is the first waiting step's to lead
+            for step in batch:
+                step.done = True
+                step.wake.set()
+            if nxt is not None:
+                nxt.wake.set()
+            self._report(key, len(batch))
+
+    def _execute(self, stage: LoadedStage, batch: list[Step]) -> None:
+        if len(batch) == 1:  # alone: its cache as it is, a mask of ones
+            step = batch[0]
+            feeds = {**step.feeds, **step.session.cache}
+            total = step.session.past_len + 1
+            feeds[KEY_MASK] = np.ones((1, total), dtype=np.int64)
+            step.outputs = self._run(stage, feeds)
+            return
+        outputs = self._run(stage, pad(batch))
+        for step, row in zip(batch, unpad(outputs, batch), strict=True):
+            step.outputs = row
+
+    def _report(self, key: str, size: int) -> None:
+        if size:
+            with self._lock:
+                stats = self._stats.setdefault(key, _Stats(since=self.clock()))
+                stats.runs += 1
+                stats.steps += size
+                stats.largest = max(stats.largest, size)
+        self.report()
+
+    def report(self) -> None:
+        """A `batches` event for each stage whose runs were last reported `report_s` ago or
+        more (called after each run and at the server's sweeps)."""
+        now = self.clock()
+        with self._lock:
+            due = {k: s for k, s in self._stats.items() if now - s.since >= self.report_s}
+            for key in due:
+                del self._stats[key]
+        for key, stats in due.items():
+            event(
+                "batches",
+                stage=key,
+                runs=stats.runs,
+                steps=stats.steps,
+                largest=stats.largest,
+                mean=round(stats.steps / stats.runs, 2),
+                seconds=round(now - stats.since, 2),
+            )

@@ -1,0 +1,205 @@
+"""Continuous batching in the serving core, in-process: sixteen sessions generating at once
+through three stage servers share runs and each gets the tokens it gets alone; the stage graphs
+give a padded row what the row computes alone, bit for bit, in every decoder family."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ir.executors.ort import OrtExecutor
+from ir.package import load_package
+from ir.pipeline import LocalPipeline
+from p2p import ErrorCode, Refused, Tensor
+from proto.session import SessionClose, SessionOpen, SessionOutput, SessionStep
+from provider.batching import Batcher, Step, pad, unpad
+from provider.events import add_event_sink, remove_event_sink
+from provider.gate import ComputeGate
+from provider.serving import Server
+from provider.stage import LoadedStage, Session
+from tests.tiny_models import greedy_with_gaps, same_as_alone
+
+pytestmark = pytest.mark.timeout(120)
+Array = np.ndarray[Any, Any]
+SESSIONS, NEW_TOKENS = 16, 12
+
+
+@pytest.fixture
+def events() -> Iterator[list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+    add_event_sink(seen.append)
+    yield seen
+    remove_event_sink(seen.append)
+
+
+def _tensors(feeds: dict[str, Array]) -> dict[str, Tensor]:
+    return {k: Tensor.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
+
+
+def _generate(
+    pipe: LocalPipeline, servers: list[Server], name: str, prompt: list[int]
+) -> list[int]:
+    """Greedy generation with the client's stages here and each provider stage on its
+    server, as the SDK's session does it (one step per stage per token)."""
+    embed, head = pipe.executors[0], pipe.executors[-1]
+    for server in servers:
+        server.session("client", SessionOpen(session=name, stage=_key(server)))
+    tokens, past = list(prompt), 0
+    for _ in range(NEW_TOKENS):
+        ids = np.array([tokens[past:]], dtype=np.int64)
+        positions = np.arange(past, len(tokens), dtype=np.int64)[None, :]
+        hidden = embed.run({"input_ids": ids})["hidden_states"]
+        for server in servers:
+            step = SessionStep(
+                session=name,
+                stage=_key(server),
+                inputs=_tensors({"hidden_states": hidden, "position_ids": positions}),
+            )
+            out = server.session("client", step)
+            assert isinstance(out, SessionOutput) and out.past_len == len(tokens)
+            hidden = out.outputs["hidden_states_out"].to_numpy()
+        past = len(tokens)
+        tokens.append(int(np.argmax(head.run({"hidden_states": hidden})["logits"][0, -1])))
+    for server in servers:
+        server.session("client", SessionClose(session=name, stage=_key(server)))
+    return tokens[len(prompt) :]
+
+
+def _key(server: Server) -> str:
+    return next(iter(server.stages))
+
+
+def _servers(package: Path, **options: Any) -> list[Server]:
+    """One server per provider stage, as on three providers."""
+    loaded = load_package(package)
+    servers = []
+    for info in loaded.manifest.stages[1:-1]:
+        server = Server(**options)
+        executor = OrtExecutor(loaded.models[info.index], threads=1)
+        server.add(LoadedStage(f"m/{info.index}", info, executor, "active"))
+        server.batcher.report_s = 0.0  # an event after every run
+        servers.append(server)
+    return servers
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_sixteen_concurrent_sessions_share_runs_and_keep_their_solo_tokens(
+    llama3_packages: dict[str, Path], precision: str, events: list[dict[str, Any]]
+) -> None:
+    package = llama3_packages[precision]
+    loaded = load_package(package)
+    runs = [OrtExecutor(loaded.models[s.index], threads=1) for s in loaded.manifest.stages]
+    pipe = LocalPipeline(loaded.manifest, runs)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(1, 512, size=3 + i)] for i in range(SESSIONS)]
+    solo = [greedy_with_gaps(package, p, NEW_TOKENS) for p in prompts]
+    servers = _servers(package, max_batch=SESSIONS, batch_window_s=0.005)
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            got[i] = _generate(pipe, servers, f"s{i}", prompts[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(SESSIONS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    for i, (tokens, gaps) in enumerate(solo):
+        assert same_as_alone(got[i], tokens, gaps), (precision, i, got[i], tokens)
+    runs = [e for e in events if e["event"] == "batches"]
+    assert {e["stage"] for e in runs} == {_key(s) for s in servers}
+    assert max(e["largest"] for e in runs) > 1, runs  # runs held several sessions
+    assert all(s.kv_bytes() == 0 and not s.sessions for s in servers)
+
+
+def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
+    llama3_packages: dict[str, Path],
+) -> None:
+    """Rows of different lengths padded into one run: each row's hidden states and new cache
+    equal its run alone exactly, for fp32 and fp16 stages."""
+    rng = np.random.default_rng(5)
+    for package in llama3_packages.values():
+        loaded = load_package(package)
+        info = loaded.manifest.stages[2]
+        executor = OrtExecutor(loaded.models[info.index], threads=1)
+        dtype = next(i.dtype for i in info.inputs if i.name == "hidden_states")
+        steps = []
+        for length in [1, 2, 3, 4, 7, 8, 11, 30]:  # every remainder of the kernels' blocks
+            cache = {}
+            for i in info.inputs:
+                if i.name.startswith("past_"):
+                    cache[i.name] = rng.standard_normal((1, 2, length, 32)).astype(dtype)
+            session = Session("p", "m/2", 1, cache, past_len=length)
+            feeds = {
+                "hidden_states": rng.standard_normal((1, 1, 128)).astype(dtype),
+                "position_ids": np.array([[length]]),
+            }
+            steps.append(Step(session, feeds))
+        batched = unpad(executor.run(pad(steps)), steps)
+        for step, row in zip(steps, batched, strict=True):
+            alone = executor.run(pad([step]))
+            assert alone.keys() == row.keys()
+            for name, value in alone.items():
+                assert np.array_equal(value, row[name]), (package.name, step.session.past_len)
+
+
+def test_steps_are_checked_one_at_a_time_per_session_and_bad_ones_fail_alone(
+    llama3_packages: dict[str, Path],
+) -> None:
+    (server,) = _servers(llama3_packages["fp32"], max_batch=4)[:1]
+    key = _key(server)
+    server.session("c", SessionOpen(session="a", stage=key))
+    bad = SessionStep(
+        session="a",
+        stage=key,
+        inputs=_tensors(
+            {
+                "hidden_states": np.zeros((1, 1, 64), dtype=np.float32),  # not 128 wide
+                "position_ids": np.zeros((1, 1), dtype=np.int64),
+            }
+        ),
+    )
+    with pytest.raises(Refused, match="hidden_states"):
+        server.session("c", bad)
+    mask = SessionStep(
+        session="a",
+        stage=key,
+        inputs=_tensors({"attention_mask": np.ones((1, 1), dtype=np.int64)}),
+    )
+    with pytest.raises(Refused, match="keeps"):
+        server.session("c", mask)
+    session = server.sessions[("c", key, "a")]
+    with (
+        server._admit("c", stepping=session),
+        pytest.raises(Refused) as twice,
+        server._admit("c", stepping=session),
+    ):
+        pass
+    assert twice.value.code == ErrorCode.BUSY and not session.stepping
+    with pytest.raises(ValueError, match="max_batch"):
+        Batcher(ComputeGate(), lambda stage, feeds: feeds, max_batch=0)
+
+
+def test_sessions_of_a_peer_gone_at_two_sweeps_are_dropped(
+    llama3_packages: dict[str, Path],
+) -> None:
+    (server,) = _servers(llama3_packages["fp32"])[:1]
+    key = _key(server)
+    for peer, sid in [("a", "1"), ("a", "2"), ("b", "3")]:
+        server.session(peer, SessionOpen(session=sid, stage=key))
+    assert server.disconnected({"a", "b"}) == {}
+    assert server.disconnected({"b"}) == {}  # gone once: a blip, perhaps
+    assert server.disconnected({"a", "b"}) == {}  # back
+    assert server.disconnected({"b"}) == {}
+    assert server.disconnected({"b"}) == {"a": 2}  # gone twice in a row
+    assert {k[0] for k in server.sessions} == {"b"}
