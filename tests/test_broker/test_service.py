@@ -286,6 +286,7 @@ def test_sigkill_of_an_active_provider_mid_job_fails_over_to_its_backup(
     assert any(e["kind"] == "microbatch_recovered" for e in events)
 
 
+@pytest.mark.slow  # (the chaos run freezes providers and restarts the broker too)
 def test_sigstop_of_an_active_provider_is_caught_by_missed_heartbeats(
     broker: Spawner, provider: Spawner, minilm_package: Path
 ) -> None:
@@ -307,6 +308,7 @@ def test_graceful_leave_mid_job_hands_over_to_the_backup_at_once(
     assert not any(e["kind"] == "job_failed" for e in events)
 
 
+@pytest.mark.slow  # (the chaos run freezes providers and restarts the broker too)
 def test_broker_sigkill_mid_job_then_restart_completes_the_job(
     broker: Spawner, provider: Spawner, minilm_package: Path, tmp_path: Path
 ) -> None:
