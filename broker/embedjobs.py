@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -368,12 +368,35 @@ class EmbedJobs:
             due, nth = self.verifier.due(key, peer), self.verifier.count(peer, key)
             tasks.append((pos, peer, nth if due else 0))
 
+        made: set[int] = set()  # the stages whose drawn check was made
+
         async def one(pos: int, peer: str, hidden: Array, nth: int) -> Array:
             out, msg = await self.calls.forward(job, pos, peer, hidden, mask, used)
             if nth:  # check the answer: the `nth` task the broker gave that provider
+                made.add(pos)
                 key = model.unit_key(model.units[pos])
                 out, used[-1] = await self.verifier.check(job.model, pos, key, peer, msg, out, nth)
             return out
+
+        try:
+            return await self._run(tasks, one, job, hidden, mask, used)
+        except BaseException:  # a failed task (or one before it) left checks unmade: owed,
+            for pos, peer, nth in tasks:  # so a failure never costs a check
+                if nth and pos not in made:
+                    self.verifier.owe(model.unit_key(model.units[pos]), peer)
+            raise
+
+    async def _run(
+        self,
+        tasks: list[tuple[int, str, int]],
+        one: Callable[[int, str, Array, int], Awaitable[Array]],
+        job: Ref,
+        hidden: Array,
+        mask: Array,
+        used: list[str],
+    ) -> Array:
+        """Run `tasks` (stage, provider, its task number if due a check, else 0) in order:
+        chained where they can be, alone (`one`) where due a check."""
 
         async def flush(run: list[tuple[int, str]], hidden: Array) -> Array:
             if len(run) == 1:

@@ -107,7 +107,9 @@ class Verifier:
             p: r.reason for p, r in self.reputation.items() if r.quarantined is not None
         }
         self.phase: dict[tuple[str, str], float] = {}  # (stage key, peer) -> checks owed, in [0, 1)
-        self.answered: dict[str, int] = {}  # peer -> FORWARD tasks given since this broker started
+        self.answered: dict[
+            str, int
+        ] = {}  # peer -> FORWARD tasks answered since this broker started
         self.answered_stage: dict[tuple[str, str], int] = {}  # (peer, stage key) -> the same
         self.on_quarantine = on_quarantine
         self._local: OrderedDict[str, OrtExecutor] = OrderedDict()
@@ -118,8 +120,8 @@ class Verifier:
         return peer in self.registry.quarantined
 
     def count(self, peer: str, key: str) -> int:
-        """One more task of stage `key` given to `peer`; its number among that stage's tasks
-        given to it (`caught_at` counts in these: the spot checks' schedule is per stage)."""
+        """One more task of stage `key` answered by `peer`; its number among that stage's tasks
+        it answered (`caught_at` counts in these: the spot checks' schedule is per stage)."""
         self.answered[peer] = self.answered.get(peer, 0) + 1
         self.answered_stage[(peer, key)] = n = self.answered_stage.get((peer, key), 0) + 1
         return n
@@ -134,6 +136,15 @@ class Verifier:
         owed = self.phase.get((key, peer), self.rng.random()) + fraction
         self.phase[(key, peer)] = owed % 1.0 if owed >= 1.0 else owed
         return owed >= 1.0
+
+    def owe(self, key: str, peer: str) -> None:
+        """A task of stage `key` on `peer` due a check got no answer: its next task of the
+        stage is due instead (a failed call never costs a check)."""
+        fraction = self.config.verify_fraction
+        if fraction > 0:
+            owed = self.phase.get((key, peer), 0.0)
+            self.phase[(key, peer)] = max(owed, 1.0 - fraction + 1e-9)
+            self.events.emit("check_owed", peer=peer, stage=key)
 
     async def check(
         self, model: str, pos: int, key: str, peer: str, msg: Forward, out: Array, nth_task: int
