@@ -28,9 +28,12 @@ Both the SDK and the gateway send the steps of concurrent sessions to a provider
 message and run their embeddings and heads in batches (`client/stepmux.py`) in both runs; "off"
 is the providers running each session's step alone.
 
-`token_ms_chain`, `token_ms_star`, `token_ms_local` (one session through 4 stages chained,
-star, and in one process) are null with the reason under `unavailable`: chained session steps
-are not built yet. The gateway's CPU per 1,000 tokens with its client side one session at a
+`token_ms_chain`, `token_ms_star`, `token_ms_local`: one session through the decoder cut into
+4 stages on 4 providers, its steps chained (client -> 1 -> ... -> 4 -> client) and the star way
+(to each stage and back), and in one process; `chain_target_ms` is local + 1.5 ms x 5 legs.
+The SDK runs chain a session's steps while it is the only one (`AsyncClient(chain=None)`, the
+default; `--star`: never); the gateway's sessions go the star way. The
+gateway's CPU per 1,000 tokens with its client side one session at a
 time is not measured (the gateway has no switch for it): `gateway_ratios` gives 16 sessions'
 CPU per token over one session's instead.
 """
@@ -57,12 +60,11 @@ import psutil  # noqa: E402
 from e2e import Swarm  # noqa: E402
 
 STAGES = 3
-CHAIN_REASON = "chained session steps (client -> 1 -> ... -> n -> client) are not built yet"
 
 
-def build_decoder(out: Path) -> Path:
+def build_decoder(out: Path, stages: int = STAGES) -> Path:
     """The e2e benchmark's decoder (same seed and config), with a small tokenizer for the
-    gateway, in `STAGES` provider stages."""
+    gateway, in `stages` provider stages."""
     import torch
     import transformers
 
@@ -86,7 +88,7 @@ def build_decoder(out: Path) -> Path:
     bpe_tokenizer(CORPUS * 8, tokenizer, 1024)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(llama, STAGES, out, name="decoder", tokenizer_file=tokenizer)
+        build_package(llama, stages, out, name="decoder", tokenizer_file=tokenizer)
     return out
 
 
@@ -106,10 +108,12 @@ def summary(times: list[list[float]], start: float, tokens: int) -> dict[str, fl
     }
 
 
-async def run_sdk(http: str, n: int, tokens: int, cache: Path) -> dict[str, float]:
+async def run_sdk(
+    http: str, n: int, tokens: int, cache: Path, chain: bool | None = None
+) -> dict[str, float]:
     from client import AsyncClient
 
-    async with AsyncClient(http, timeout=120, cache_dir=cache) as fa:
+    async with AsyncClient(http, timeout=120, cache_dir=cache, chain=chain) as fa:
         await fa.generate(prompts(1)[0], 4, stream=False, model="decoder")  # warm
         start = time.monotonic()
         done = await asyncio.gather(
@@ -142,7 +146,14 @@ async def run_gateway(http: str, n: int, tokens: int) -> dict[str, float]:
 
 
 def measure(
-    tmp: Path, package: Path, label: str, counts: list[int], tokens: int, gateway: bool, *extra: str
+    tmp: Path,
+    package: Path,
+    label: str,
+    counts: list[int],
+    tokens: int,
+    gateway: bool,
+    chain: bool | None,
+    *extra: str,
 ) -> dict[str, dict[str, dict[str, float]]]:
     swarm = Swarm(tmp, label, STAGES, *extra)
     out: dict[str, dict[str, dict[str, float]]] = {"sdk": {}, "gateway": {}}
@@ -150,7 +161,8 @@ def measure(
         swarm.add(package)
         broker = psutil.Process(swarm.broker.proc.pid)
         for n in counts:
-            out["sdk"][str(n)] = asyncio.run(run_sdk(swarm.http, n, tokens, tmp / "cache"))
+            sdk = run_sdk(swarm.http, n, tokens, tmp / "cache", chain)
+            out["sdk"][str(n)] = asyncio.run(sdk)
             if gateway:
                 c0 = broker.cpu_times()
                 figures = asyncio.run(run_gateway(swarm.http, n, tokens))
@@ -162,6 +174,24 @@ def measure(
     finally:
         swarm.stop()
     return out
+
+
+def chain_figures(tmp: Path, tokens: int) -> dict[str, float]:
+    """One session through the decoder in 4 stages on 4 providers, its steps chained and the
+    star way (same swarm), and in one process: p50 milliseconds per token."""
+    from e2e import token_local
+
+    package = build_decoder(tmp / "decoder-4", stages=4)
+    swarm = Swarm(tmp, "chain", 4)
+    figures = {"token_ms_local": round(token_local(package, tokens), 2)}
+    try:
+        swarm.add(package)
+        for way, chain in (("chain", True), ("star", False)):
+            f = asyncio.run(run_sdk(swarm.http, 1, tokens, tmp / "cache", chain=chain))
+            figures[f"token_ms_{way}"] = f["token_ms_p50"]
+    finally:
+        swarm.stop()
+    return figures
 
 
 def merge(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +231,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
     parser.add_argument("--sessions", default="1,4,16,64", help="concurrent generations")
     parser.add_argument("--no-gateway", action="store_true", help="the SDK only")
+    parser.add_argument(
+        "--star", action="store_true", help="the SDK's steps the star way, not chained"
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="fusionai-concurrency-"))
@@ -208,8 +241,10 @@ def main() -> int:
     try:
         package = build_decoder(tmp / "decoder")
         gateway = not args.no_gateway
-        on = measure(tmp, package, "on", counts, args.tokens, gateway)
-        off = measure(tmp, package, "off", counts, args.tokens, gateway, "--max-batch", "1")
+        chain = False if args.star else None
+        on = measure(tmp, package, "on", counts, args.tokens, gateway, chain)
+        off = measure(tmp, package, "off", counts, args.tokens, gateway, chain, "--max-batch", "1")
+        chained = chain_figures(tmp, args.tokens)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result: dict[str, Any] = {}
@@ -221,15 +256,13 @@ def main() -> int:
     if "1" in gw and "16" in gw:
         cpu = "gateway_cpu_s_per_1k_tokens"
         result["gateway_ratios"]["cpu_16_over_1"] = round(gw["16"][cpu] / gw["1"][cpu], 3)
+    local = chained["token_ms_local"]
     result.update(
         {
-            "token_ms_chain": None,
-            "token_ms_star": None,
-            "token_ms_local": None,
+            **chained,
+            "chain_target_ms": round(local + 1.5 * 5, 2),  # local + 1.5 ms x 5 legs
+            "sdk_steps": "star" if args.star else "chained while alone",
             "unavailable": {
-                "token_ms_chain": CHAIN_REASON,
-                "token_ms_star": f"measured beside the chain only; {CHAIN_REASON}",
-                "token_ms_local": f"measured beside the chain only; {CHAIN_REASON}",
                 "gateway_cpu_batched_over_one_at_a_time": "the gateway always batches its "
                 "sessions' client side (no switch to run them one at a time): see "
                 "gateway_ratios.cpu_16_over_1",

@@ -81,13 +81,18 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         retry_s: float = 30.0,
         cache_dir: Path | str | None = None,
         listen: str = "/ip4/127.0.0.1/tcp/0",
+        chain: bool | None = None,
     ) -> None:
         """`broker_url` defaults to `$FUSIONAI_BROKER_URL`, then http://127.0.0.1:7371;
         `api_key` to `$FUSIONAI_API_KEY`; `cacert` (a PEM file to trust for https) to
         `$FUSIONAI_CACERT`. `timeout` is the per-request deadline in seconds, including each
         generation step on a provider. `retry_s` is how long, in seconds, a call keeps trying
         a broker it cannot reach or that answers 502, 503 or 504 (a restart), with growing
-        pauses (`client.http`); 0 makes every failure final."""
+        pauses (`client.http`); 0 makes every failure final. `chain`: a generation's steps
+        go provider to provider along a route this client signs (n + 1 network trips a token
+        for n stages) instead of to each stage and back (2n): True always, False never, None
+        (default) while it is the client's only generation of its model (concurrent ones send
+        their steps together, one message per provider each way)."""
         url = broker_url or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"broker_url must be an http:// or https:// URL, got {url!r}")
@@ -99,10 +104,12 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
         self.timeout = timeout
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.listen = listen
+        self.chain = chain
         self._http = BrokerHttp(self.url, self.api_key, self.cacert, retry_s)
         self._host: Any = None  # p2p.Host, started by the first generation
         self._puncher: Any = None  # p2p.punch.Puncher on that host
         self._mux: Any = None  # client.stepmux.StepMux on that host: sessions' steps together
+        self._chains: Any = None  # client.chained.ChainInbox on it, when `chain`
         self._host_lock: asyncio.Lock | None = None
         self._stages: dict[str, ClientStages] = {}
         self._loading: dict[str, asyncio.Lock] = {}  # one download of a model's stages at once
@@ -298,6 +305,10 @@ class AsyncClient(GenerationMethods, FinetuneMethods):
                 await host.start()
                 self._puncher = Puncher(host)
                 self._mux = StepMux(host)
+                if self.chain is not False:
+                    from client.chained import ChainInbox
+
+                    self._chains = ChainInbox(host, always=bool(self.chain))
                 self._host = host
         return self._host
 

@@ -26,6 +26,7 @@ class ClientCore:
         timeout: float
         cache_dir: Path
         _mux: Any  # client.stepmux.StepMux, once `_p2p` started the host
+        _chains: Any  # client.chained.ChainInbox, once `_p2p` started the host (if chained)
 
         async def _request(
             self,

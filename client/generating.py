@@ -240,6 +240,7 @@ class GenerationMethods(ClientCore):
             adapters=tensors,
             verify=verify,
             mux=self._mux,
+            chains=self._chains,
         )
         text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
         tokens = generate(session, ids, max_new_tokens, sampler, stops=client.stops)
@@ -265,4 +266,5 @@ class GenerationMethods(ClientCore):
             result.route = [s.peer or "" for s in session.stages]
             result.checked, result.unchecked = session.checked, session.unchecked
             result.distrusted = sorted(session.distrusted)
+            result.chained = session.chained
             await session.close()

@@ -45,6 +45,7 @@ class HttpRouter:
     def __init__(self, client: RouterClient, model: str) -> None:
         self.client = client
         self.model = model
+        self.addrs: dict[str, list[str]] = {}  # where providers picked are (chained steps')
 
     async def pick(self, pos: int, avoid: set[str]) -> str:
         host = await self.client._p2p()
@@ -66,6 +67,7 @@ class HttpRouter:
             except FusionAIError as exc:
                 raise GenerationError(f"stage {pos} of {self.model}: {exc}") from None
             peer = out.peer_id
+            self.addrs[peer] = list(out.addrs)
             if peer in tried and time.monotonic() < patience:
                 await asyncio.sleep(0.2)
                 continue

@@ -26,11 +26,13 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from client.errors import GenerationError, VerificationError
+from client.chained import ChainInbox, chainable, chained_step, fill_history
+from client.errors import GenerationError
+from client.replay import Lost, Mismatch, joined
 from client.sampling import Sampler
+from client.shadow import checked_step, drop_shadow
 from client.stages import ClientStageError, ClientStages
 from client.stepmux import StepMux
-from ir.checks import agree
 from ir.manifest import StageInfo
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
 from p2p.tensor import encode
@@ -98,6 +100,7 @@ class GenerationSession:
         rtol: float = 1e-2,
         atol: float = 1e-3,
         mux: StepMux | None = None,
+        chains: ChainInbox | None = None,
     ) -> None:
         provider = [s for s in stages.manifest.stages if s.placement == "provider"]
         if len(provider) != len(keys):
@@ -108,6 +111,9 @@ class GenerationSession:
             )
         self.host = host
         self.mux = mux  # shared by a client's sessions: their steps to a provider go together
+        self.chains = chains  # this host's chained steps (None: every step the star way)
+        self.chain_strikes = 0  # chained steps that broke with every provider still serving
+        self.chained = 0  # steps that went as chains
         self.client = stages
         self.router = router
         self.timeout = timeout
@@ -139,7 +145,7 @@ class GenerationSession:
             tokens = self.fed + tokens
             for stage in self.stages:
                 self._abandon(stage)
-                self._drop_shadow(stage)
+                drop_shadow(self, stage)
                 stage.history.clear()
             self.past, self.fed = 0, []
         ids = np.array([tokens], dtype=np.int64)
@@ -148,17 +154,24 @@ class GenerationSession:
             hidden = await self.mux.embed(self.client, ids, positions, self.id)
         else:
             hidden = await asyncio.to_thread(self.client.embed, ids, positions)
-        for pos, stage in enumerate(self.stages):
-            names = {i.name for i in stage.info.inputs}
-            feeds: dict[str, Array] = {"hidden_states": hidden}
-            if "position_ids" in names:
-                feeds["position_ids"] = positions
-            expect = self.past + ids.shape[1]
-            if self.verify:
-                hidden = await self._checked_step(pos, stage, feeds, expect)
-            else:
-                hidden = await self._step(pos, stage, feeds, expect)
-            stage.history.append(feeds)
+        expect = self.past + ids.shape[1]
+        try_chain = chainable(self)
+        if try_chain and (out := await chained_step(self, hidden, positions, expect)) is not None:
+            for pos, stage in enumerate(self.stages):  # (a later stage's inputs: its
+                stage.history.append(_feeds(stage, hidden if pos == 0 else None, positions))
+            hidden = out  # provider keeps them)
+            self.chained += 1
+        else:
+            failovers = self.failovers
+            for pos, stage in enumerate(self.stages):
+                feeds = _feeds(stage, hidden, positions)
+                if self.verify:
+                    hidden = await checked_step(self, pos, stage, feeds, expect)
+                else:
+                    hidden = await self._step(pos, stage, feeds, expect)
+                stage.history.append(feeds)
+            if try_chain and self.failovers == failovers:  # broken, yet everyone serves
+                self.chain_strikes += 1
         self.past += ids.shape[1]
         self.fed += tokens
         if self.mux is not None:
@@ -166,84 +179,6 @@ class GenerationSession:
         else:
             logits = await asyncio.to_thread(self.client.head, hidden, np.ones_like(ids))
         return np.asarray(logits[0, -1], dtype=np.float32)
-
-    async def _checked_step(
-        self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int
-    ) -> Array:
-        """A step run on the stage's provider and, at the same time, on a shadow session on
-        a second one. Disagreeing answers go to the broker, which probes the provider; one
-        it quarantines is replaced (history replayed) and the step run again."""
-        hidden: Array | None = None
-        second: Array | None = None
-        for _ in range(self.max_attempts):  # (each time: what is not known yet)
-            if stage.peer is None:  # known before the shadow picks a provider other than it
-                stage.peer = await self.router.pick(pos, set(self.distrusted))
-            hidden, second = await asyncio.gather(
-                self._step(pos, stage, feeds, expect) if hidden is None else _known(hidden),
-                self._shadow_step(pos, stage, feeds, expect) if second is None else _known(second),
-            )
-            assert hidden is not None
-            if stage.shadow is not None and stage.shadow[0] == stage.peer:
-                self._drop_shadow(stage)  # the step failed over onto the checker: check again
-                second = None
-                continue
-            if second is None:
-                self.unchecked += 1
-                return hidden
-            ok, diff = agree(hidden, second, self.rtol, self.atol)
-            if ok:
-                self.checked += 1
-                return hidden
-            assert stage.peer is not None and stage.shadow is not None
-            peers = (stage.peer, stage.shadow[0])
-            why = f"answers for {stage.key} differ by {diff:.3g} between {peers[0]} and {peers[1]}"
-            log.warning("session %s: %s", self.id, why)
-            wrong = [p for p in peers if await self.router.distrust(pos, stage.key, p, why)]
-            if not wrong:
-                raise VerificationError(f"{why}, and the broker's probes found neither wrong")
-            self.distrusted.update(wrong)
-            if peers[0] in wrong:
-                self._abandon(stage)
-                stage.peer, hidden = None, None
-            if peers[1] in wrong:
-                self._drop_shadow(stage)
-                second = None
-        raise VerificationError(f"stage {stage.key}: no two providers agreed")
-
-    async def _shadow_step(
-        self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int
-    ) -> Array | None:
-        """The step on the stage's shadow session (opened, with the history replayed, on a
-        provider other than the one serving it); None when no one can check it."""
-        if stage.shadow is not None and stage.shadow[0] == stage.peer:
-            self._drop_shadow(stage)  # the primary moved to it: a check needs another
-        try:
-            if stage.shadow is None:
-                avoid = self.distrusted | ({stage.peer} if stage.peer else set())
-                peer = await self.router.checker(pos, avoid)
-                if peer is None:
-                    return None
-                stage.opens += 1
-                sid = f"{self.id}.{stage.opens}"
-                await self._call(peer, self._opening(stage, sid, check=True))
-                stage.shadow = (peer, sid)
-                if stage.history:
-                    await self._request(stage, peer, _joined(stage.history), sid)
-            peer, sid = stage.shadow
-            out = await self._request(stage, peer, feeds, sid)
-            hidden = out.outputs.get("hidden_states_out")
-            if out.past_len != expect or hidden is None:
-                raise _Mismatch(f"its shadow session holds {out.past_len}, not {expect}")
-            return hidden.to_numpy()
-        except (RemoteError, RequestTimeout, P2PError, _Lost, _Mismatch, ValueError) as exc:
-            log.info("session %s: no shadow step for %s (%s)", self.id, stage.key, exc)
-            self._drop_shadow(stage)
-            return None
-
-    def _drop_shadow(self, stage: _Stage) -> None:
-        if stage.shadow is not None:
-            self.abandoned.append((stage.shadow[0], stage.key, stage.shadow[1]))
-            stage.shadow = None
 
     async def _step(self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int) -> Array:
         """Run one step of `stage`; the provider must then hold `expect` tokens of context."""
@@ -260,7 +195,7 @@ class GenerationSession:
                     await self._open(stage, peer)
                 out = await self._request(stage, peer, feeds)
                 if out.past_len != expect:
-                    raise _Mismatch(f"it holds {out.past_len} tokens of context, not {expect}")
+                    raise Mismatch(f"it holds {out.past_len} tokens of context, not {expect}")
             except RemoteError as exc:
                 now = asyncio.get_running_loop().time()
                 if exc.code == ErrorCode.BUSY and (busy_until is None or now < busy_until):
@@ -273,7 +208,7 @@ class GenerationSession:
                     avoid.add(peer)  # (NOT_FOUND on a step: the session expired; reopen and
                     stage.peer = None  # replay there. On an open: the stage is not loaded.)
                 reason = f"{exc.code}: {exc}"
-            except (RequestTimeout, P2PError, _Lost, _Mismatch) as exc:
+            except (RequestTimeout, P2PError, Lost, Mismatch) as exc:
                 self._abandon(stage)
                 avoid.add(peer)
                 stage.peer = None
@@ -308,10 +243,12 @@ class GenerationSession:
         sid = f"{self.id}.{stage.opens}"
         await self._call(peer, self._opening(stage, sid))
         try:
+            if any("hidden_states" not in h for h in stage.history):  # (chained steps)
+                await fill_history(self, self.stages.index(stage))
             if stage.history:
-                out = await self._request(stage, peer, _joined(stage.history), sid)
+                out = await self._request(stage, peer, joined(stage.history), sid, past=0)
                 if out.past_len != self.past:
-                    raise _Mismatch(f"after the replay it holds {out.past_len}, not {self.past}")
+                    raise Mismatch(f"after the replay it holds {out.past_len}, not {self.past}")
         except BaseException:
             self.abandoned.append((peer, stage.key, sid))
             raise
@@ -328,8 +265,16 @@ class GenerationSession:
         return SessionOpen(session=sid, stage=stage.key, adapters=mine, check=check)
 
     async def _request(
-        self, stage: _Stage, peer: str, feeds: dict[str, Array], sid: str | None = None
+        self,
+        stage: _Stage,
+        peer: str,
+        feeds: dict[str, Array],
+        sid: str | None = None,
+        *,
+        past: int | None = None,
     ) -> SessionOutput:
+        """A step of `stage`'s session (`sid`, else its open one) on `peer`, after `past`
+        tokens (default: the session's so far; a provider that ran it answers it again)."""
         inputs = feeds  # adapter inputs: the session's adapter, or the provider's zeros
         names = {i.name for i in stage.info.inputs}
         session = sid or stage.sid
@@ -339,12 +284,15 @@ class GenerationSession:
             for k, v in inputs.items()
             if k in names
         }
-        answer = await self._call(peer, SessionStep(session=session, stage=stage.key, inputs=sent))
+        step = SessionStep(
+            session=session, stage=stage.key, inputs=sent, past=self.past if past is None else past
+        )
+        answer = await self._call(peer, step)
         if not isinstance(answer, SessionOutput):
-            raise _Mismatch(f"it answered {type(answer).__name__} to a step")
+            raise Mismatch(f"it answered {type(answer).__name__} to a step")
         back = answer.outputs.get("hidden_states_out")
         if back is not None and back.wire != self.wire:
-            raise _Mismatch(f"it answered hidden states in the {back.wire} format, not {self.wire}")
+            raise Mismatch(f"it answered hidden states in the {back.wire} format, not {self.wire}")
         out = sent.get("hidden_states")
         self.hidden_bytes += (out.nbytes if out else 0) + (back.nbytes if back else 0)
         return answer
@@ -359,7 +307,7 @@ class GenerationSession:
             return await request
         call = await unless_lost(request, lost)
         if call is None:
-            raise _Lost(f"{peer} was declared lost")
+            raise Lost(f"{peer} was declared lost")
         return call.result()
 
     async def close(self) -> None:
@@ -367,7 +315,7 @@ class GenerationSession:
         gone has dropped them)."""
         for stage in self.stages:
             self._abandon(stage)
-            self._drop_shadow(stage)
+            drop_shadow(self, stage)
         if self.mux is not None:
             self.mux.forget(self.client, self.id)
         todo, self.abandoned = self.abandoned, []
@@ -383,13 +331,13 @@ class GenerationSession:
         await asyncio.gather(*(one(*t) for t in todo))
 
 
-async def _known(value: T) -> T:
-    return value
-
-
-def _joined(history: list[dict[str, Array]]) -> dict[str, Array]:
-    """A stage's past steps as one step (a replay)."""
-    return {name: np.concatenate([h[name] for h in history], axis=1) for name in history[0]}
+def _feeds(stage: _Stage, hidden: Array | None, positions: Array) -> dict[str, Array]:
+    """A stage's inputs of a step (no hidden states: those of a chained step, which the
+    previous stage's provider keeps)."""
+    feeds = {} if hidden is None else {"hidden_states": hidden}
+    if any(i.name == "position_ids" for i in stage.info.inputs):
+        feeds["position_ids"] = positions
+    return feeds
 
 
 async def unless_lost(
@@ -411,14 +359,6 @@ async def unless_lost(
         if abandoned:
             call.cancel()  # lost, or we were cancelled: the request is abandoned
     return None if abandoned else call
-
-
-class _Mismatch(Exception):
-    """The provider's session does not hold the context it should."""
-
-
-class _Lost(Exception):
-    pass
 
 
 async def generate(

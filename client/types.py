@@ -74,6 +74,7 @@ class Generation:
     checked: int = 0  # with verify: stage steps a second provider's answer confirmed
     unchecked: int = 0  # with verify: stage steps no second provider could check
     distrusted: list[str] = field(default_factory=list)  # providers found wrong (quarantined)
+    chained: int = 0  # steps that went provider to provider (the others: to each and back)
 
 
 class GenerationStream:

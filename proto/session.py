@@ -6,6 +6,16 @@ ones. A client running many sessions sends their steps to one provider in one `S
 (answered by one `SessionOutputs`, a result or a failure per step). Sessions belong to the
 peer that opened them, expire after an idle timeout, and the provider bounds the total cache
 memory (a step that would exceed it is refused as busy).
+
+A step that names `past` (the tokens cached before it) may be sent again: a provider that ran
+it already answers it again from what it kept. A provider keeps each session's outputs so far,
+which `SessionHistory` asks for (what a replacement of the next stage is replayed with).
+
+`/fusionai/session-chain/1` carries a step along a route the client signed: each provider runs
+its hop on the client's session and sends the hidden states straight on to the next hop; the
+last pushes the outputs to the client over `/fusionai/session-result/1`. A token then crosses
+the network n + 1 times for n stages instead of 2n. Answers come back along the route as on
+`/fusionai/forward/1` (`ForwardResult.hops`, or `ChainBroken` naming the hop that broke).
 """
 
 from __future__ import annotations
@@ -14,9 +24,10 @@ import msgspec
 
 from p2p.codec import Message, ProtocolSpec
 from p2p.tensor import Tensor
-from proto.forward import MAX_ACTIVATION_BYTES
+from proto.forward import MAX_ACTIVATION_BYTES, ChainAccepted, ChainBroken, ForwardResult
 
 MAX_STEPS = 256  # steps in one SessionSteps
+STEP_ROUTE_DOMAIN = "fusionai-session-route/1"  # signature domain of a chained step's route
 
 
 class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
@@ -32,6 +43,7 @@ class SessionStep(Message, frozen=True, tag="SessionStep/1"):
     session: str
     stage: str
     inputs: dict[str, Tensor]  # the stage's inputs other than its past_* cache inputs
+    past: int = -1  # tokens cached before this step (-1: unsaid; the step cannot be repeated)
 
 
 class SessionSteps(Message, frozen=True, tag="SessionSteps/1"):
@@ -39,6 +51,48 @@ class SessionSteps(Message, frozen=True, tag="SessionSteps/1"):
     stage): the provider runs them together where it can and answers each on its own."""
 
     steps: list[SessionStep]  # 1 to MAX_STEPS, no (stage, session) twice
+
+
+class SessionHistory(Message, frozen=True, tag="SessionHistory/1"):
+    """The session's outputs for every token so far, as one `SessionOutput`."""
+
+    session: str
+    stage: str
+
+
+class StepHop(msgspec.Struct, frozen=True, array_like=True):
+    peer: str  # the provider that runs this hop
+    stage: str  # stage key
+    session: str  # the client's session on it
+    addrs: list[str] = msgspec.field(default_factory=list)  # where to dial it
+
+
+class ChainStep(Message, frozen=True, tag="ChainStep/1"):
+    """A step of `origin`'s sessions along `route`; this request is for `route[hop]`."""
+
+    chain: str  # the step's id, unique per request
+    origin: str  # the client: the sessions' owner, who signed the route and gets the outputs
+    route: list[StepHop]
+    hop: int
+    past: int  # tokens cached before this step, on every hop
+    inputs: dict[str, Tensor]  # this hop's hidden states, and the inputs the hops share
+    expires: float  # unix time after which the route is void
+    signature: bytes  # origin's, over `step_route_bytes(...)`
+
+
+class ChainStepResult(Message, frozen=True, tag="ChainStepResult/1"):
+    """The last hop's outputs, pushed to the client (answered `ChainAccepted`)."""
+
+    chain: str
+    outputs: dict[str, Tensor]
+    past_len: int
+
+
+def step_route_bytes(chain: str, route: list[StepHop], past: int, expires: float) -> bytes:
+    """What the client signs: the step's id, each hop's provider, stage and session, the
+    tokens cached before it, the expiry."""
+    hops = [[h.peer, h.stage, h.session] for h in route]
+    return msgspec.msgpack.encode(["session-route", chain, hops, past, expires])
 
 
 class SessionClose(Message, frozen=True, tag="SessionClose/1"):
@@ -75,7 +129,21 @@ class SessionOutputs(Message, frozen=True, tag="SessionOutputs/1"):
 
 SESSION = ProtocolSpec(
     "/fusionai/session/1",
-    request=(SessionOpen, SessionStep, SessionSteps, SessionClose),
+    request=(SessionOpen, SessionStep, SessionSteps, SessionClose, SessionHistory),
     response=(SessionOpened, SessionOutput, SessionOutputs, SessionClosed),
+    max_message_bytes=MAX_ACTIVATION_BYTES,
+)
+
+SESSION_CHAIN = ProtocolSpec(
+    "/fusionai/session-chain/1",
+    request=ChainStep,
+    response=(ForwardResult, ChainBroken),
+    max_message_bytes=MAX_ACTIVATION_BYTES,
+)
+
+SESSION_RESULT = ProtocolSpec(
+    "/fusionai/session-result/1",
+    request=ChainStepResult,
+    response=ChainAccepted,
     max_message_bytes=MAX_ACTIVATION_BYTES,
 )

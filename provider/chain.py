@@ -26,6 +26,7 @@ from proto.forward import (
     HopDone,
     route_bytes,
 )
+from proto.session import StepHop
 
 
 def check_route(request: Forward, peer: str, me: str, broker: str) -> None:
@@ -48,9 +49,10 @@ def check_route(request: Forward, peer: str, me: str, broker: str) -> None:
 
 
 def finisher(
-    done: list[HopDone], nxt: Hop | None, relayed: Callable[[], None]
+    done: list[HopDone], nxt: Hop | StepHop | None, relayed: Callable[[], None]
 ) -> Callable[[Any], ForwardResult | ChainBroken]:
-    """How a chain hop answers once the next hop (`nxt`; None: the broker) has answered."""
+    """How a chain hop answers once the next hop (`nxt`; None: the broker, or the client
+    that sent a chained session step) has answered."""
 
     relaying = True
 

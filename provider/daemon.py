@@ -33,7 +33,7 @@ from proto.challenge import CHALLENGE
 from proto.forward import FORWARD
 from proto.join import JOIN, Leave
 from proto.ping import PING, Ping, Pong
-from proto.session import SESSION
+from proto.session import SESSION, SESSION_CHAIN
 from proto.snapshot import SHARD, SNAPSHOT
 from proto.train import TRAIN
 from provider.addresses import broker_peer_id, dialable
@@ -268,6 +268,7 @@ class Provider:
         host.add_compute_handler(FORWARD, self.server.forward)
         host.add_control_handler(PING, self._on_ping)
         host.add_compute_handler(SESSION, self.server.session)
+        host.add_compute_handler(SESSION_CHAIN, self.server.chain_step)
         host.add_control_handler(ASSIGN, self.assignments.on_assign)
         if self.membership.checks is not None:  # the broker's hardware check at join
             host.add_compute_handler(CHALLENGE, self.membership.checks.on_challenge)

@@ -9,7 +9,8 @@ and the batcher that runs steps of different sessions together, `batching.py`).
 
 Admitted requests then wait for one of `compute_slots` execution slots (`gate.py`: session
 steps first, then forward requests, then training work). Chained requests (`chain.py`) run
-this provider's hops of a route the broker signed and relay the rest.
+this provider's hops of a route the broker signed and relay the rest; chained session steps
+(`stepchain.py`) those of a route a client signed.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from provider.faults import Fault
 from provider.gate import ComputeGate, Priority
 from provider.sessions import SessionServing
 from provider.stage import Array, LoadedStage, Session, arrays, run, tensors, wire_of
+from provider.stepchain import StepChains
 
 log = logging.getLogger(__name__)
 
 
-class Server(SessionServing):
+class Server(SessionServing, StepChains):
     """`max_batch`: session steps of one stage run together, up to this many (1: each alone);
     `batch_window_s`: how long a run waits for the sessions expected to join it."""
 

@@ -23,11 +23,13 @@ from ir.executors.base import check_feeds
 from ir.pipeline import KEY_MASK, key_mask
 from ir.training import TrainingError, check_adapters
 from p2p import ErrorCode, Refused, Tensor
+from p2p.tensor import encode
 from proto.session import (
     MAX_STEPS,
     SessionClose,
     SessionClosed,
     SessionFailed,
+    SessionHistory,
     SessionOpen,
     SessionOpened,
     SessionOutput,
@@ -70,7 +72,9 @@ class SessionServing:
         def _outputs(self, outputs: dict[str, Array], wire: str) -> dict[str, Tensor]: ...
 
     def session(
-        self, peer: str, request: SessionOpen | SessionStep | SessionSteps | SessionClose
+        self,
+        peer: str,
+        request: SessionOpen | SessionStep | SessionSteps | SessionClose | SessionHistory,
     ) -> SessionOpened | SessionOutput | SessionOutputs | SessionClosed:
         if time.monotonic() - self._last_sweep >= SWEEP_EVERY_S:  # not a scan per request
             self.expire()
@@ -85,7 +89,23 @@ class SessionServing:
             return SessionClosed(session=request.session)
         if isinstance(request, SessionSteps):
             return self._steps(peer, request)
+        if isinstance(request, SessionHistory):
+            return self._history(peer, request)
         return self._step(peer, request)
+
+    def _history(self, peer: str, request: SessionHistory) -> SessionOutput:
+        """The session's outputs for every token so far (a replacement of the next stage is
+        replayed with them)."""
+        session = self._session(peer, request.stage, request.session)
+        with session.lock:
+            trail, past = list(session.trail), session.past_len
+        if not trail or any(t.wire != trail[0].wire for t in trail):
+            raise Refused(ErrorCode.NOT_FOUND, "this session has no outputs to give")
+        joined = np.concatenate([t.to_numpy() for t in trail], axis=1)
+        if joined.shape[1] != past:
+            raise Refused(ErrorCode.NOT_FOUND, "this session's outputs are not whole")
+        outputs = {"hidden_states_out": encode(joined, trail[0].wire)}
+        return SessionOutput(session=request.session, outputs=outputs, past_len=past)
 
     def _open(self, peer: str, request: SessionOpen) -> SessionOpened:
         if not 1 <= len(request.session) <= MAX_SESSION_ID:
@@ -153,17 +173,21 @@ class SessionServing:
             ]
         )
 
-    def _lookup(
-        self, peer: str, request: SessionStep
-    ) -> tuple[Session, LoadedStage, dict[str, Array]]:
+    def _session(self, peer: str, stage: str, sid: str) -> Session:
         with self._lock:
-            session = self.sessions.get((peer, request.stage, request.session))
+            session = self.sessions.get((peer, stage, sid))
         if session is None:
             raise Refused(
                 ErrorCode.NOT_FOUND,
-                f"no session {request.session!r} here (never opened, closed, or expired after "
+                f"no session {sid!r} here (never opened, closed, or expired after "
                 f"{self.idle_timeout_s:g} s idle): open it again and replay its history",
             )
+        return session
+
+    def _lookup(
+        self, peer: str, request: SessionStep
+    ) -> tuple[Session, LoadedStage, dict[str, Array]]:
+        session = self._session(peer, request.stage, request.session)
         stage = self._stage(session.stage, session.check)
         ours = [n for n in request.inputs if n.startswith("past_") or n == KEY_MASK]
         if ours:
@@ -182,6 +206,9 @@ class SessionServing:
                     number = held.enter_context(self._admit(peer, stepping=session))
                     held.enter_context(session.lock)
                     session.last_used = time.monotonic()  # in use: not idle while it runs
+                    if _repeated(session, request):  # run already: the same answer again
+                        answers[i] = session.last[1] if session.last else None
+                        continue
                     self._apply_fault(number, session.stage)
                     if self.batcher.max_batch > 1 and batchable(stage, session, inputs):
                         _check_step(stage, inputs)  # a bad step must not fail a shared run
@@ -210,16 +237,17 @@ class SessionServing:
         if step.error is not None:
             raise step.error
         assert step.outputs is not None
+        session, before = step.session, step.session.past_len
+        visible = {k: v for k, v in step.outputs.items() if not k.startswith("present_")}
+        outputs = self._outputs(visible, wire_of(request.inputs))
+        hidden = outputs.get("hidden_states_out")
         try:
-            self._keep(step.session, step.outputs)
+            self._keep(session, step.outputs, [hidden] if hidden is not None else [])
         except Refused as exc:
             return exc
-        visible = {k: v for k, v in step.outputs.items() if not k.startswith("present_")}
-        return SessionOutput(
-            session=request.session,
-            outputs=self._outputs(visible, wire_of(request.inputs)),
-            past_len=step.session.past_len,
-        )
+        answer = SessionOutput(session=request.session, outputs=outputs, past_len=session.past_len)
+        session.last = (before, answer)
+        return answer
 
     def _alone(
         self, stage: LoadedStage, session: Session, inputs: dict[str, Array]
@@ -241,14 +269,16 @@ class SessionServing:
         self._count(feeds)
         return outputs
 
-    def _keep(self, session: Session, outputs: dict[str, Array]) -> None:
-        """The step's new cache becomes the session's, if the KV budget has room for it."""
+    def _keep(self, session: Session, outputs: dict[str, Array], trail: list[Tensor]) -> None:
+        """The step's new cache becomes the session's, and its `trail` of outputs grows, if
+        the KV budget has room for them."""
         new_cache = {
             name.replace("present_", "past_", 1): value
             for name, value in outputs.items()
             if name.startswith("present_")
         }
-        new_bytes = sum(a.nbytes for a in new_cache.values())
+        grown = [*session.trail, *trail]
+        new_bytes = sum(a.nbytes for a in new_cache.values()) + sum(t.nbytes for t in grown)
         with self._lock:
             others = self._kv_used - session.nbytes
             if others + new_bytes > self.kv_budget:
@@ -257,7 +287,7 @@ class SessionServing:
                     f"KV cache memory full ({others + new_bytes} of {self.kv_budget} "
                     f"bytes); the session is unchanged: retry later or elsewhere",
                 )
-            session.cache = new_cache
+            session.cache, session.trail = new_cache, grown
             self._kv_used = others + new_bytes
             if new_cache:  # (batch, heads, tokens, head_dim)
                 session.past_len = int(next(iter(new_cache.values())).shape[2])
@@ -298,6 +328,20 @@ class SessionServing:
 
     def kv_bytes(self) -> int:
         return self._kv_used
+
+
+def _repeated(session: Session, request: SessionStep) -> bool:
+    """Whether `request` is the session's last step again (its `past` is what was cached
+    before that step); a step that is neither that nor the next one is refused."""
+    if request.past < 0 or request.past == session.past_len:
+        return False
+    if session.last is not None and session.last[0] == request.past:
+        return True
+    raise Refused(
+        ErrorCode.NOT_FOUND,
+        f"this session holds {session.past_len} tokens, not the step's {request.past}: open "
+        "it again and replay its history",
+    )
 
 
 def _tokens(inputs: dict[str, Array]) -> int:

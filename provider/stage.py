@@ -55,10 +55,14 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     stepping: bool = False  # a step is admitted (one at a time; guarded by the server's lock)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # the outputs so far, one entry a step (wire tensors): what the next stage replays from
+    trail: list[Tensor] = field(default_factory=list)
+    last: tuple[int, Any] | None = None  # (tokens cached before it, answer) of the last step
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.cache.values())
+        """Bytes its cache and its trail of outputs hold."""
+        return sum(a.nbytes for a in self.cache.values()) + sum(t.nbytes for t in self.trail)
 
 
 def tensors(arrays: dict[str, Array], wire: str = "native") -> dict[str, Tensor]:

@@ -130,13 +130,16 @@ async def test_greedy_generation_equals_local_through_a_provider_death(
         assert result.tokens == tokens
         assert "".join(pieces) == result.text == text
         assert result.finish_reason == "length"
-        # the stage that hit the fault fails over first; any other stage the dead provider
-        # also served fails over when its next step finds the provider gone
+        # every stage the dead provider served fails over (in stage order: the chained step
+        # that found it dead goes again the star way, stage after stage)
         served = [p for p, s in enumerate(route["stages"]) if victim in peers_of(s)]
         assert [f.peer for f in result.failovers] == [victim] * len(served), result.failovers
-        assert result.failovers[0].stage == 1
+        assert 1 in served and result.failovers[0].stage == served[0]
         assert sorted(f.stage for f in result.failovers) == served
         assert result.route[1] != victim
+        # a lone generation's steps went provider to provider, over the real transport, but
+        # for the prompt and the step that found the provider dead (the star way)
+        assert result.chained == steps - 2, result.chained
         gap = np.diff(result.token_times).max()
         assert gap < 10, f"the answer stalled {gap:.1f} s at the failover"
         # a second, short greedy run on the repaired route (its providers stay under their 14

@@ -1,0 +1,217 @@
+"""Chained session steps, the client's side: a step goes client → stage 1 → … → stage n →
+client along a route the client signs (`proto.session`, `/fusionai/session-chain/1`), n + 1
+trips over the network where the star (client → each stage → client) makes 2n.
+
+`ChainInbox` (one per host) is where the last hop pushes the outputs. `chained_step` runs one
+step of a `GenerationSession` that way; when the chain breaks (a hop died, two providers cannot
+reach each other, an older provider) it answers None and the session runs the step the star
+way instead: hops that ran it answer it again from what they kept, a dead one fails over. A
+session whose chains broke twice without a provider failing goes on the star way.
+`fill_history` gives a replacement of stage k what it is replayed with, stage k-1's outputs
+so far, which a chained session does not see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from client.errors import GenerationError
+from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout
+from p2p.tensor import encode
+from proto.forward import ChainAccepted, ChainBroken, ForwardResult
+from proto.session import (
+    SESSION,
+    SESSION_CHAIN,
+    SESSION_RESULT,
+    STEP_ROUTE_DOMAIN,
+    ChainStep,
+    ChainStepResult,
+    SessionHistory,
+    SessionOutput,
+    StepHop,
+    step_route_bytes,
+)
+
+if TYPE_CHECKING:
+    from client.session import GenerationSession
+
+log = logging.getLogger("fusionai.client")
+Array = np.ndarray[Any, Any]
+STRIKES = 2  # chains broken with every provider still serving: then the star way only
+
+
+class ChainFailed(Exception):
+    """A chained step that brought no outputs back (why)."""
+
+
+class ChainInbox:
+    """Where the last hop of each of this host's chained steps pushes the outputs."""
+
+    def __init__(self, host: Host, *, always: bool = False) -> None:
+        self.host = host
+        self.always = always  # chain a session's steps even beside the client's others
+        self.waiting: dict[str, tuple[str, asyncio.Future[ChainStepResult]]] = {}
+        self.acks: set[asyncio.Future[Any]] = set()  # answers still travelling back
+        host.add_control_handler(SESSION_RESULT, self._arrived)
+
+    async def _arrived(self, peer: str, msg: ChainStepResult) -> ChainAccepted:
+        waiting = self.waiting.get(msg.chain)
+        if waiting is None or waiting[0] != peer:
+            raise Refused(ErrorCode.NOT_FOUND, "no chained step of ours with that id is waiting")
+        if not waiting[1].done():
+            waiting[1].set_result(msg)
+        return ChainAccepted(chain=msg.chain)
+
+    async def step(
+        self, route: list[StepHop], inputs: dict[str, Any], past: int, timeout: float
+    ) -> ChainStepResult:
+        """Send a step along `route` (signed here); its outputs, or `ChainFailed`."""
+        chain = uuid.uuid4().hex
+        expires = time.time() + timeout + 5.0
+        signed = step_route_bytes(chain, route, past, expires)
+        msg = ChainStep(
+            chain=chain,
+            origin=self.host.peer_id,
+            route=route,
+            hop=0,
+            past=past,
+            inputs=inputs,
+            expires=expires,
+            signature=self.host.identity.sign(signed, domain=STEP_ROUTE_DOMAIN),
+        )
+        arrived: asyncio.Future[ChainStepResult] = asyncio.get_running_loop().create_future()
+        self.waiting[chain] = (route[-1].peer, arrived)
+        call = asyncio.ensure_future(
+            self.host.request(route[0].peer, SESSION_CHAIN, msg, timeout=timeout)
+        )
+        try:
+            await asyncio.wait({arrived, call}, timeout=timeout, return_when="FIRST_COMPLETED")
+            if not arrived.done() and _answered(call):  # (the push comes first, normally)
+                await asyncio.wait({arrived}, timeout=1.0)
+            if arrived.done():
+                if not call.done():  # its answer travels back along the route meanwhile
+                    self.acks.add(call)
+                    call.add_done_callback(self._acked)
+                return arrived.result()
+            raise ChainFailed(_why(call))
+        finally:
+            del self.waiting[chain]
+            if not call.done() and call not in self.acks:
+                call.cancel()
+
+    def _acked(self, call: asyncio.Future[Any]) -> None:
+        self.acks.discard(call)
+        if not call.cancelled():
+            call.exception()  # (retrieved: the step's outputs had come)
+
+
+def _answered(call: asyncio.Future[Any]) -> bool:
+    return call.done() and not call.cancelled() and call.exception() is None
+
+
+def _why(call: asyncio.Future[Any]) -> str:
+    if not call.done():
+        return "no answer in time"
+    if call.cancelled():
+        return "cancelled"
+    exc = call.exception()
+    if exc is not None:
+        return f"{type(exc).__name__}: {exc}"
+    answer = call.result()
+    if isinstance(answer, ChainBroken):
+        where = f"{answer.peer or 'the client'} ({answer.stage})"
+        return f"broken at {where}: {answer.code}: {answer.reason}"
+    if isinstance(answer, ForwardResult):
+        return "the route answered but the outputs never came"
+    return f"unexpected {type(answer).__name__}"
+
+
+def chainable(session: GenerationSession) -> bool:
+    """Whether `session`'s next step may go as a chain: every stage has an open session, no
+    shadow checks, fewer than `STRIKES` chains broken without a failover, and (unless the
+    client asked for chains always) no other session of the model running on this client,
+    whose steps would travel with this one's (`client.stepmux`: many sessions' steps in one
+    message each way beat a message per session and hop)."""
+    return (
+        session.chains is not None
+        and not session.verify
+        and session.chain_strikes < STRIKES
+        and len(session.stages) > 1
+        and all(s.sid is not None and s.peer is not None for s in session.stages)
+        and (
+            session.chains.always
+            or session.mux is None
+            or session.mux.alone(session.client, session.id)
+        )
+    )
+
+
+async def chained_step(
+    session: GenerationSession, hidden: Array, positions: Array, expect: int
+) -> Array | None:
+    """Run a step through every stage as one chain; the last stage's hidden states, or None
+    when the chain broke (the session then runs the step the star way)."""
+    assert session.chains is not None
+    addrs = getattr(session.router, "addrs", {})
+    route = [
+        StepHop(s.peer, s.key, s.sid, list(addrs.get(s.peer, [])))
+        for s in session.stages
+        if s.peer is not None and s.sid is not None
+    ]
+    sent = encode(hidden, session.wire)
+    inputs = {"hidden_states": sent}
+    if any(i.name == "position_ids" for s in session.stages for i in s.info.inputs):
+        inputs["position_ids"] = encode(positions, "native")
+    try:
+        result = await session.chains.step(
+            route, inputs, session.past, session.timeout * len(route)
+        )
+    except (ChainFailed, P2PError) as exc:
+        log.info("session %s: a chained step broke (%s); the star way", session.id, exc)
+        return None
+    out = result.outputs.get("hidden_states_out")
+    if result.past_len != expect or out is None or out.wire != session.wire:
+        log.info("session %s: a chained step answered unlike a step; the star way", session.id)
+        return None
+    session.hidden_bytes += sent.nbytes + out.nbytes
+    try:
+        return out.to_numpy()
+    except ValueError:
+        return None
+
+
+async def fill_history(session: GenerationSession, pos: int) -> None:
+    """Stage `pos`'s inputs so far (for a replay), from the outputs that stage `pos - 1`'s
+    provider kept: chained steps went there without the client."""
+    stage, prev = session.stages[pos], session.stages[pos - 1]
+    if prev.peer is None or prev.sid is None:
+        raise GenerationError(f"the inputs of {stage.key} so far are lost with {prev.key}'s")
+    try:
+        answer = await session.host.request(
+            prev.peer,
+            SESSION,
+            SessionHistory(session=prev.sid, stage=prev.key),
+            timeout=session.timeout,
+        )
+        if not isinstance(answer, SessionOutput):
+            raise ValueError(f"it answered {type(answer).__name__}")
+        out = answer.outputs.get("hidden_states_out")
+        if out is None:
+            raise ValueError("it answered no hidden states")
+        hidden = out.to_numpy()
+    except (RemoteError, RequestTimeout, P2PError, ValueError) as exc:
+        raise GenerationError(
+            f"the inputs of {stage.key} so far went with {prev.key}'s provider {prev.peer}: {exc}"
+        ) from None
+    if hidden.ndim != 3 or hidden.shape[1] < session.past:
+        raise GenerationError(f"{prev.key}'s provider kept {hidden.shape} of its outputs")
+    feeds = {"hidden_states": np.ascontiguousarray(hidden[:, : session.past])}
+    if any(i.name == "position_ids" for i in stage.info.inputs):
+        feeds["position_ids"] = np.arange(session.past, dtype=np.int64)[None, :]
+    stage.history[:] = [feeds]

@@ -1,0 +1,230 @@
+"""Chained session steps, in-process on the memory network with real stage servers: a chained
+session gives the star session's tokens in n + 1 network trips a token instead of 2n; a hop
+killed mid-chain fails over to a spare with the same tokens; a pair of providers that cannot
+reach each other sends the session back the star way; a forged or replayed route is refused,
+and a step sent again is answered from what the provider kept."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from client.chained import ChainInbox
+from client.sampling import Sampler
+from client.session import GenerationSession, generate
+from client.stages import ClientStages
+from client.stepmux import StepMux
+from ir.executors.ort import OrtExecutor
+from ir.package import load_package
+from p2p import ErrorCode, Identity, RemoteError, Tensor
+from p2p.testing import MemoryHost, MemoryNetwork
+from proto.session import (
+    SESSION,
+    SESSION_CHAIN,
+    STEP_ROUTE_DOMAIN,
+    ChainStep,
+    SessionOpen,
+    SessionOutput,
+    SessionStep,
+    StepHop,
+    step_route_bytes,
+)
+from provider.serving import Server
+from provider.stage import LoadedStage
+from tests.tiny_models import greedy_with_gaps, same_as_alone
+
+pytestmark = pytest.mark.timeout(120)
+PROMPT, NEW_TOKENS = [5, 17, 300, 42], 12
+
+
+class Swarm:
+    """A provider per stage of a 3-stage decoder, and a spare for the middle one."""
+
+    def __init__(self, net: MemoryNetwork, package: Path) -> None:
+        self.net, self.package = net, package
+        self.loaded = load_package(package)
+        self.stages = [s for s in self.loaded.manifest.stages if s.placement == "provider"]
+        self.keys = [f"m/{s.index}" for s in self.stages]
+        self.holders: list[list[str]] = [[] for _ in self.stages]
+        self.servers: dict[str, Server] = {}
+        self.client_stages = ClientStages(package)  # one per model, as in a client
+        self.hosts: list[MemoryHost] = []
+
+    async def provider(self, pos: int) -> str:
+        host = self.net.host()
+        await host.__aenter__()
+        self.hosts.append(host)
+        info = self.stages[pos]
+        server = Server()
+        executor = OrtExecutor(self.loaded.models[info.index], threads=1)
+        server.add(LoadedStage(self.keys[pos], info, executor, "active"))
+        server.peer_id = host.peer_id
+        host.add_compute_handler(SESSION, server.session)
+        host.add_compute_handler(SESSION_CHAIN, server.chain_step)
+        self.servers[host.peer_id] = server
+        self.holders[pos].append(host.peer_id)
+        return host.peer_id
+
+    async def pick(self, pos: int, avoid: set[str]) -> str:  # (the session's router)
+        alive = [p for p in self.holders[pos] if p in self.net.hosts]
+        return next((p for p in alive if p not in avoid), alive[0])
+
+    async def failed(self, pos: int, peer: str, reason: str) -> None:
+        pass
+
+    def lost(self, peer: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        for host in self.hosts:
+            if host.peer_id in self.net.hosts:
+                await host.__aexit__(None, None, None)
+
+
+@pytest.fixture
+async def swarm(llama3_packages: dict[str, Path]) -> AsyncIterator[Swarm]:
+    s = Swarm(MemoryNetwork(), llama3_packages["fp32"])
+    for pos in (0, 1, 2, 1):  # the last: a spare for the middle stage
+        await s.provider(pos)
+    yield s
+    await s.close()
+
+
+async def _generate(
+    swarm: Swarm, client: MemoryHost, chains: ChainInbox | None, **hooks: Any
+) -> GenerationSession:
+    stages = swarm.client_stages
+    session = GenerationSession(
+        client, stages, swarm.keys, swarm, timeout=5, chains=chains, mux=hooks.get("mux")
+    )
+    tokens = []
+    try:
+        async for token in generate(session, PROMPT, NEW_TOKENS, Sampler(0.0)):
+            tokens.append(token)
+            if len(tokens) == hooks.get("kill_at"):
+                swarm.net.kill(session.stages[1].peer or "")
+    finally:
+        await session.close()
+    session.tokens = tokens  # type: ignore[attr-defined]
+    return session
+
+
+def _legs(net: MemoryNetwork, since: int, protocols: tuple[str, ...]) -> int:
+    return sum(1 for c in net.calls[since:] if c[2] in protocols)
+
+
+async def test_a_chained_session_gives_the_star_tokens_in_fewer_trips(swarm: Swarm) -> None:
+    want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
+    async with swarm.net.host() as client:
+        inbox = ChainInbox(client)
+        n = len(swarm.net.calls)
+        star = await _generate(swarm, client, None)
+        star_legs = _legs(swarm.net, n, (SESSION.protocol_id,))
+        n = len(swarm.net.calls)
+        chained = await _generate(swarm, client, inbox)
+        protocols = (SESSION.protocol_id, SESSION_CHAIN.protocol_id, "/fusionai/session-result/1")
+        chain_legs = _legs(swarm.net, n, protocols)
+    assert same_as_alone(star.tokens, want, gaps) and chained.tokens == star.tokens  # type: ignore[attr-defined]
+    # the prompt goes the star way (it opens the sessions), every later step as one chain
+    assert star.chained == 0 and chained.chained == NEW_TOKENS - 1
+    assert chained.failovers == star.failovers == 0
+    # per chained token: client -> 1 -> 2 -> 3 -> client, 4 legs for 3 stages, not 6
+    opens_and_closes = 2 * 3
+    assert star_legs == opens_and_closes + 3 * NEW_TOKENS
+    assert chain_legs == opens_and_closes + 3 + 4 * (NEW_TOKENS - 1)
+    assert not inbox.waiting
+
+
+async def test_a_hop_killed_mid_chain_fails_over_with_the_same_tokens(swarm: Swarm) -> None:
+    want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
+    async with swarm.net.host() as client:
+        inbox = ChainInbox(client)
+        session = await _generate(swarm, client, inbox, kill_at=5)
+    assert same_as_alone(session.tokens, want, gaps), session.tokens  # type: ignore[attr-defined]
+    victim = swarm.holders[1][0]
+    assert session.failovers == 1 and session.stages[1].peer == swarm.holders[1][1]
+    assert victim not in swarm.net.hosts
+    # the spare was replayed with the first stage's outputs so far (kept by its provider):
+    # the chain broke once, that step went the star way, and the next ones chained again
+    assert session.chained == NEW_TOKENS - 2 and session.chain_strikes == 0
+
+
+async def test_providers_that_cannot_reach_each_other_get_the_star_way(swarm: Swarm) -> None:
+    want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
+    first, second = swarm.holders[0][0], swarm.holders[1][0]
+    swarm.net.block(first, second)
+    async with swarm.net.host() as client:
+        session = await _generate(swarm, client, ChainInbox(client))
+    assert same_as_alone(session.tokens, want, gaps)  # type: ignore[attr-defined]
+    assert session.failovers == 0 and session.chained == 0 and session.chain_strikes == 2
+
+
+async def test_generations_running_together_send_their_steps_together(swarm: Swarm) -> None:
+    """A client's concurrent generations of a model go the star way, their steps to a
+    provider in one message; one running alone afterwards chains."""
+    import asyncio
+
+    async with swarm.net.host() as client:
+        inbox, mux = ChainInbox(client), StepMux(client)
+        together = await asyncio.gather(
+            *(_generate(swarm, client, inbox, mux=mux) for _ in range(2))
+        )
+        alone = await _generate(swarm, client, inbox, mux=mux)
+    assert [s.chained for s in together] == [0, 0] and mux.messages > 0
+    assert alone.chained == NEW_TOKENS - 1
+    assert together[0].tokens == together[1].tokens == alone.tokens  # type: ignore[attr-defined]
+
+
+async def test_forged_and_repeated_chained_steps(swarm: Swarm) -> None:
+    peers = [h[0] for h in swarm.holders]
+    server = swarm.servers[peers[0]]
+    async with swarm.net.host() as client:
+        for peer, key in zip(peers, swarm.keys, strict=True):
+            await client.request(peer, SESSION, SessionOpen(session="s", stage=key))
+        route = [StepHop(p, k, "s") for p, k in zip(peers, swarm.keys, strict=True)]
+        hidden = np.random.default_rng(1).standard_normal((1, 1, 128)).astype(np.float32)
+        inputs = {
+            "hidden_states": Tensor.from_numpy(hidden),
+            "position_ids": Tensor.from_numpy(np.zeros((1, 1), dtype=np.int64)),
+        }
+
+        def step(signer: Identity, **changes: Any) -> ChainStep:
+            chain, expires = uuid.uuid4().hex, time.time() + 30
+            signed = step_route_bytes(chain, route, 0, expires)
+            msg = dict(
+                chain=chain, origin=client.peer_id, route=route, hop=0, past=0, inputs=inputs,
+                expires=expires, signature=signer.sign(signed, domain=STEP_ROUTE_DOMAIN),
+            )  # fmt: skip
+            return ChainStep(**{**msg, **changes})
+
+        stranger = Identity.ephemeral()
+        for bad, why in [
+            (step(stranger), "not signed by its origin"),
+            (step(client.identity, hop=1), "not this provider's"),
+            (step(client.identity, expires=time.time() - 1), "expired"),
+            (step(client.identity, past=3), "not signed by its origin"),  # (it covers past)
+        ]:
+            with pytest.raises(RemoteError, match=why) as info:
+                await client.request(peers[0], SESSION_CHAIN, bad)
+            assert info.value.code == ErrorCode.REFUSED
+        assert all(s.past_len == 0 for s in server.sessions.values())
+        # a step sent again after it ran: the same answer from what was kept, nothing run
+        one = SessionStep(session="s", stage=swarm.keys[0], inputs=inputs, past=0)
+        first = await client.request(peers[0], SESSION, one)
+        runs = server.runs
+        again = await client.request(peers[0], SESSION, one)
+        assert isinstance(again, SessionOutput) and again == first and server.runs == runs
+        assert again.past_len == 1
+        with pytest.raises(RemoteError, match="holds 1 tokens, not the step's 5") as info:
+            await client.request(peers[0], SESSION, SessionStep(**{**_fields(one), "past": 5}))
+        assert info.value.code == ErrorCode.NOT_FOUND
+
+
+def _fields(msg: Any) -> dict[str, Any]:
+    return {f: getattr(msg, f) for f in msg.__struct_fields__}
