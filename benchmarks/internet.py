@@ -17,11 +17,13 @@ fresh broker and the same three providers (one compute thread each):
 
 Prints one JSON object: `routes`, an object per route kind with
     token_ms         p50 time per generated token (greedy, batch 1, a 3-stage decoder), the
-                     client in its home driving the session (each stage: a round trip)
-    token_floor_ms   the sum over that token's legs (client to each stage's provider and
-                     back; a relayed leg is two legs, to the relay and from it) of one-way
-                     latency plus bytes over the slowest link, plus all stages' compute for
-                     one token measured in this process (one thread)
+                     client in its home driving the session, its steps chained (client ->
+                     each stage's provider in turn -> client); `chained` counts those steps
+    token_floor_ms   the sum over that token's legs (a relayed leg is two legs, to the relay
+                     and from it) of one-way latency plus bytes over the slowest link, plus
+                     all stages' compute for one token measured in this process (one thread)
+    token_ms_star, token_floor_star_ms   the same with the client's steps to each stage and
+                     back (`Client(chain=False)`): 2n legs a token where the chain has n + 1
     texts_s          texts/s of a batch job of --microbatches x 32 texts x 128 tokens
                      (3-stage all-MiniLM-L6-v2, activations chained provider to provider)
     texts_ceiling_s  the lesser of the stages' texts/s in this process with the serving
@@ -78,8 +80,14 @@ with Client(url, timeout=120) as fa:
         prompt = list(range(1, 9))
         for _ in range(2):  # connections and sessions warm
             fa.generate(prompt, 5, stream=False, model=name)
-        run = fa.generate(prompt, int(tokens), stream=False, model=name)
+        run = fa.generate(prompt, int(tokens), stream=False, model=name)  # (alone: chained)
         out["token_ms"] = float(np.median(np.diff(run.token_times))) * 1e3
+        out["chained"] = run.chained
+        with Client(url, timeout=120, chain=False) as star:  # to each stage and back
+            for _ in range(2):
+                star.generate(prompt, 5, stream=False, model=name)
+            run = star.generate(prompt, int(tokens), stream=False, model=name)
+        out["token_ms_star"] = float(np.median(np.diff(run.token_times))) * 1e3
         out["punches"] = punched() if fa._async._puncher else []
     else:
         ids = json.load(open(ids))
@@ -233,17 +241,27 @@ def bounds(
     """The floor of a token and the ceiling of texts/s on this route's legs."""
     delay, rate = lab.delay_ms / 1e3, lab.rate_mbit * 1e6 / 8
     tokens = Legs(delay, rate, kind == "relayed")
-    floor = local["token_ms"] / 1e3
-    for i, p in enumerate(placement["decoder"]):  # the client steps each stage in turn
-        floor += tokens.leg("client", p, local["token_bytes"][i])
-        floor += tokens.leg(p, "client", local["token_bytes"][i + 1])
+    floor = star = local["token_ms"] / 1e3
+    hops = ["client", *placement["decoder"], "client"]  # a chained step: stage to stage
+    for i, (src, dst) in enumerate(itertools.pairwise(hops)):
+        floor += tokens.leg(src, dst, local["token_bytes"][i]) if src != dst else 0.0
+    for i, p in enumerate(placement["decoder"]):  # the star: to each stage and back
+        star += tokens.leg("client", p, local["token_bytes"][i])
+        star += tokens.leg(p, "client", local["token_bytes"][i + 1])
     texts = Legs(delay, rate, kind == "relayed")
     chain = ["broker", *placement["minilm"], "broker"]  # the broker sends, providers chain
     for i, (src, dst) in enumerate(itertools.pairwise(chain)):
         if src != dst:
             texts.leg(src, dst, local["text_bytes"][i])
+    if not placement["minilm"]:  # (--generate-only)
+        return {"token_floor_ms": floor * 1e3, "token_floor_star_ms": star * 1e3,
+                "texts_ceiling_s": float("nan")}  # fmt: skip
     compute = local["texts_s"][len(set(placement["minilm"]))]
-    return {"token_floor_ms": floor * 1e3, "texts_ceiling_s": min(compute, texts.ceiling())}
+    return {
+        "token_floor_ms": floor * 1e3,
+        "token_floor_star_ms": star * 1e3,
+        "texts_ceiling_s": min(compute, texts.ceiling()),
+    }
 
 
 def main() -> int:
@@ -260,6 +278,9 @@ def main() -> int:
         "--in-flight", type=int, default=4, help="the broker's microbatches in flight"
     )
     parser.add_argument("--embed-only", action="store_true", help="skip the generation (profiling)")
+    parser.add_argument(
+        "--generate-only", action="store_true", help="skip the embedding job (profiling)"
+    )
     parser.add_argument(
         "--broker-arg", action="append", default=[], help="more `broker start` flags"
     )
@@ -282,6 +303,7 @@ def main() -> int:
             "texts_s": {
                 n: embed_local(pkgs["minilm"], args.microbatches, threads=n)[0]
                 for n in range(1, STAGES + 1)
+                if not args.generate_only
             },
             "token_bytes": hop_bytes(pkgs["decoder"], 1, step=True),
             "text_bytes": hop_bytes(pkgs["minilm"], BATCH, step=False),
@@ -292,7 +314,9 @@ def main() -> int:
                 got = {"token_ms": float("nan"), "placement": ["p0", "p1", "p2"], "punches": []}
                 if not args.embed_only:
                     got = run_route(lab, tmp, kind, pkgs["decoder"], args)
-                embed = run_route(lab, tmp, kind, pkgs["minilm"], args)
+                embed = {"texts_s": float("nan"), "placement": [], "punches": []}
+                if not args.generate_only:
+                    embed = run_route(lab, tmp, kind, pkgs["minilm"], args)
                 got["texts_s"] = embed["texts_s"]
                 punches = [*got["punches"], *embed["punches"]]
                 got["placement"] = {"decoder": got["placement"], "minilm": embed["placement"]}
@@ -301,6 +325,9 @@ def main() -> int:
                     "token_ms": round(got["token_ms"], 1),
                     "token_floor_ms": round(bound["token_floor_ms"], 1),
                     "token_ratio": round(got["token_ms"] / bound["token_floor_ms"], 3),
+                    "token_ms_star": round(got.get("token_ms_star", float("nan")), 1),
+                    "token_floor_star_ms": round(bound["token_floor_star_ms"], 1),
+                    "chained": got.get("chained"),
                     "texts_s": round(got["texts_s"], 2),
                     "texts_ceiling_s": round(bound["texts_ceiling_s"], 2),
                     "texts_ratio": round(got["texts_s"] / bound["texts_ceiling_s"], 3),
