@@ -191,17 +191,26 @@ class PipelineMetrics:
 
 
 def pipeline_metrics(
-    model: ModelSpec, stages: Sequence[tuple[HardwareProfile, int]], work: Workload
+    model: ModelSpec,
+    stages: Sequence[tuple[HardwareProfile, int]],
+    work: Workload,
+    *,
+    star: bool = False,
 ) -> PipelineMetrics:
-    """Throughput and latency of one pipeline of (machine, number of blocks) stages."""
+    """Throughput and latency of one pipeline of (machine, number of blocks) stages. The
+    hidden states go client -> stage 1 -> ... -> stage n -> client (chained: n + 1 legs), or
+    with `star` from the client to each stage and back (2n legs)."""
     hidden = model.hidden_bytes_per_token * work.tokens
     times = [stage_time(model, profile, layers, work) for profile, layers in stages]
     path = 0.0
     previous: HardwareProfile | None = None  # the client sends the first hop
     for profile, layers in stages:
         path += transfer_time(hidden, previous, profile) + layers * layer_time(model, profile, work)
-        previous = profile
-    path += transfer_time(hidden, previous, None)
+        previous = None if star else profile  # (star: back to the client after each stage)
+        if star:
+            path += transfer_time(hidden, profile, None)
+    if not star:
+        path += transfer_time(hidden, previous, None)
     bottleneck = max(times) if times else float("inf")
     return PipelineMetrics(
         bottleneck=bottleneck,

@@ -24,12 +24,12 @@ class ReplicaRates:
         `replicas`: for inference, jobs' prefill passes and decode steps share the stages; for
         training, the optimizer step with its allreduce over the replicas (no first token)."""
         stages = [(self.profiles[st.provider], st.layers) for st in replica.stages]
-        m = pipeline_metrics(self.model, stages, self.w.work)
+        m = pipeline_metrics(self.model, stages, self.w.work, star=self.w.star)
         if self.w.kind == "inference":
             # Jobs in flight keep the pipeline full: each stage's busy time per job is its
             # share of the prefill pass plus its decode steps, and the busiest stage sets the
             # rate. The first token waits for the prefill's trip through every stage.
-            prefill = pipeline_metrics(self.model, stages, self.w.prefill_work)
+            prefill = pipeline_metrics(self.model, stages, self.w.prefill_work, star=self.w.star)
             busy = max(
                 p + self.w.microbatches * d
                 for p, d in zip(prefill.stage_times, m.stage_times, strict=True)

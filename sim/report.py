@@ -45,6 +45,7 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             "bytes_per_weight": WEIGHT_BYTES[scenario.weights],
             "block_weight_gb": w.model.layer_param_bytes / 1e9,
             "wire": scenario.wire,
+            "steps": scenario.steps,
             "hidden_bytes_per_token": w.model.hidden_bytes_per_token,
             "compute_dtype": "fp16 (weights de-quantized in the kernel; KV cache fp16)",
         },

@@ -27,7 +27,7 @@ from typing import Any
 from broker.core import CoreConfig
 from broker.core.placement import PlacementConfig
 from sim.catalog import CHURN, GPUS, NETWORKS, Churn, churn_with_mean
-from sim.workloads import WorkloadSpec, quantized, workload
+from sim.workloads import WorkloadSpec, quantized, served, workload
 
 SHIPPED = Path(__file__).parent / "scenarios"
 
@@ -44,6 +44,10 @@ class Scenario:
     workload: str = "llama2-7b-inference"
     weights: str = "fp16"  # "fp16", or weight-only "int8"/"int4" blocks (inference)
     wire: str = "fp16"  # hidden states between stages: "fp16" or "int8" (per-token scales)
+    # inference: decode steps "chained" (client -> stage 1 -> ... -> client) or "star" (to
+    # each stage and back), and the sequences a step decodes together (None: the workload's)
+    steps: str = "chained"
+    batch: int | None = None
     hours: float = 1.0
     churn: Churn = field(default_factory=lambda: CHURN["none"])
     seed: int = 0
@@ -73,14 +77,17 @@ class Scenario:
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
         kind = workload(self.workload).kind  # raises on an unknown workload
-        quantized(workload(self.workload), self.weights, self.wire)  # raises on a bad choice
+        _ = self.spec  # raises on a bad choice of weights, wire, steps or batch
         if self.placement == "petals" and kind != "inference":
             raise ValueError("the Petals-style baseline serves inference workloads only")
 
     @property
     def spec(self) -> WorkloadSpec:
-        """The workload as this run serves it (its weights' and wire's bytes)."""
-        return quantized(workload(self.workload), self.weights, self.wire)
+        """The workload as this run serves it (its weights' and wire's bytes, its steps' legs
+        and batch)."""
+        return served(
+            quantized(workload(self.workload), self.weights, self.wire), self.steps, self.batch
+        )
 
     def core_config(self, work: PlacementConfig) -> CoreConfig:
         """The broker's settings for this scenario (the pool keeps the broker's defaults)."""

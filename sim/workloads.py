@@ -34,6 +34,7 @@ class WorkloadSpec:
     microbatches: int = 1  # per job (one optimizer step for training)
     adapter_fraction: float = 0.002  # trainable share of a block's weights (LoRA-FA's B)
     prompt_tokens: int = 0  # inference: prompt length per sequence, prefilled before decoding
+    star: bool = False  # inference: the client sends each step to each stage and back
 
     @property
     def prefill_work(self) -> Workload:
@@ -96,6 +97,27 @@ def quantized(spec: WorkloadSpec, weights: str = "fp16", wire: str = "fp16") -> 
         hidden_bytes_per_token=values * WIRE_BYTES[wire] + (4 if wire == "int8" else 0),
     )
     return replace(spec, model=model)
+
+
+STEPS = ("chained", "star")
+
+
+def served(spec: WorkloadSpec, steps: str = "chained", batch: int | None = None) -> WorkloadSpec:
+    """`spec` with its decode steps `chained` (client -> stage 1 -> ... -> client, n + 1 legs
+    a step) or `star` (to each stage and back, 2n), and `batch` sequences decoded together in
+    each step (a stage's step reads its weights once for the whole batch and each sequence's
+    KV cache: the cost of a step as a function of the batch size)."""
+    if steps not in STEPS:
+        raise ValueError(f"steps must be one of {STEPS}, got {steps!r}")
+    if spec.kind != "inference" and (steps != "chained" or batch is not None):
+        raise ValueError("steps and batch model inference workloads only")
+    if batch is not None and not 1 <= batch <= 4096:
+        raise ValueError(f"batch must be 1 to 4096 sequences, got {batch}")
+    work = spec.work
+    if batch is not None and batch != work.sequences:
+        per = work.kv_tokens // max(work.sequences, 1)  # KV room per sequence
+        work = replace(work, tokens=batch, sequences=batch, kv_tokens=batch * per)
+    return replace(spec, work=work, star=steps == "star")
 
 
 def workload(name: str) -> WorkloadSpec:

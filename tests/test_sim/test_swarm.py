@@ -235,3 +235,37 @@ def test_quantized_weights_and_an_int8_wire_shrink_what_a_block_holds_and_sends(
         0.625,
     )
     assert simulate(run).summary()["tokens_completed"] > 0
+
+
+def test_chained_steps_and_batches_are_modelled() -> None:
+    """A decode step's legs (chained: n + 1 a token; star: 2n) and the batch it decodes
+    together (its weights read once for every sequence). The simulated client sits at the
+    network's middle (a gateway), where a provider-to-provider trip costs what going through
+    it does: a star step pays n - 1 more sends of the hidden states on home uplinks. A
+    larger batch makes more tokens per second at a slower step."""
+    from dag.cost import latency, pipeline_metrics
+    from sim.catalog import profile
+    from sim.workloads import served, workload
+
+    spec = workload("llama2-7b-inference")
+    home = NETWORKS["home-broadband"]
+    gpu = profile(GPUS["rtx3080"], home.up_median, home.rtt)
+    stages = [(gpu, 8)] * 4
+    chained = pipeline_metrics(spec.model, stages, spec.work)
+    star = pipeline_metrics(spec.model, stages, served(spec, "star").work, star=True)
+    assert 2 * latency(gpu, None) == latency(gpu, gpu)  # (home -> middle -> home)
+    hidden = spec.model.hidden_bytes_per_token * spec.work.tokens / gpu.net_bandwidth
+    assert star.latency - chained.latency == pytest.approx(3 * hidden, rel=1e-6)
+    assert chained.stage_times == star.stage_times  # the stages' work is the same
+    one = pipeline_metrics(spec.model, stages, served(spec, batch=1).work)
+    assert one.latency < chained.latency and one.throughput * 2 < chained.throughput
+    assert chained.bottleneck < 16 * one.bottleneck / 2  # 16 sequences: not 16 steps' cost
+    runs = {
+        steps: simulate(Scenario(peers=8, hours=0.2, seed=3, steps=steps)).summary()
+        for steps in ("chained", "star")
+    }
+    assert runs["star"]["token_latency_ms_p50"] > runs["chained"]["token_latency_ms_p50"]
+    with pytest.raises(ValueError, match="steps must be one of"):
+        Scenario(steps="ring")
+    with pytest.raises(ValueError, match="inference workloads only"):
+        Scenario(workload="llama2-7b-finetune", batch=4)
