@@ -157,9 +157,10 @@ class GenerationSession:
         expect = self.past + ids.shape[1]
         try_chain = chainable(self)
         if try_chain and (out := await chained_step(self, hidden, positions, expect)) is not None:
-            for pos, stage in enumerate(self.stages):  # (a later stage's inputs: its
+            for pos, stage in enumerate(self.stages):  # (a later stage's hidden inputs
+                # are kept by the previous stage's provider: `fill_history` asks for them)
                 stage.history.append(_feeds(stage, hidden if pos == 0 else None, positions))
-            hidden = out  # provider keeps them)
+            hidden = out
             self.chained += 1
         else:
             failovers = self.failovers
