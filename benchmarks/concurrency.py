@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))  # tests.procs: the child-process helper the tests
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
-from e2e import Swarm  # noqa: E402
+from e2e import Swarm, decoder_model  # noqa: E402
 
 STAGES = 3
 
@@ -65,25 +65,11 @@ STAGES = 3
 def build_decoder(out: Path, stages: int = STAGES) -> Path:
     """The e2e benchmark's decoder (same seed and config), with a small tokenizer for the
     gateway, in `stages` provider stages."""
-    import torch
-    import transformers
-
     from cli.demo_models import bpe_tokenizer
     from ir.export import build_package
     from tests.tiny_models import CORPUS
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=8,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=512,
-        vocab_size=1024,
-        max_position_embeddings=1024,
-        eos_token_id=None,
-    )
-    llama = transformers.LlamaForCausalLM(config).eval()
+    llama = decoder_model()
     tokenizer = out.parent / "decoder-tokenizer.json"
     bpe_tokenizer(CORPUS * 8, tokenizer, 1024)
     with warnings.catch_warnings():

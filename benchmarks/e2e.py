@@ -59,12 +59,11 @@ BATCH, SEQ = 32, 128
 DECODER_STAGES = 4
 
 
-def _packages(tmp: Path) -> dict[str, Path]:
+def decoder_model() -> Any:
+    """The benchmarks' decoder: a random 8-block Llama of hidden 256 (seed 0), no
+    end-of-sequence token."""
     import torch
     import transformers
-
-    from cli.demo_models import build_minilm
-    from ir.export import Encoding, build_package
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -77,7 +76,14 @@ def _packages(tmp: Path) -> dict[str, Path]:
         max_position_embeddings=1024,
         eos_token_id=None,
     )
-    llama = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _packages(tmp: Path) -> dict[str, Path]:
+    from cli.demo_models import build_minilm
+    from ir.export import Encoding, build_package
+
+    llama = decoder_model()
     out = {name: tmp / name for name in ("minilm", "minilm-fp16", "decoder")}
     build_minilm(out["minilm"], 3, name="minilm")
     build_minilm(out["minilm-fp16"], 3, name="minilm-fp16", encoding=Encoding(fp16=True))

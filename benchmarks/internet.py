@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.procs and lab: the helpers the lab tests use
 
 import numpy as np  # noqa: E402
-from e2e import BATCH, SEQ, _ids, embed_local, token_local  # noqa: E402
+from e2e import BATCH, SEQ, _ids, decoder_model, embed_local, token_local  # noqa: E402
 
 from lab.net import missing  # noqa: E402
 from lab.topology import BROKER_IP, Lab  # noqa: E402
@@ -103,22 +103,13 @@ print(json.dumps(out))
 def packages(tmp: Path) -> dict[str, Path]:
     """A random 8-block Llama (hidden 256, no end-of-sequence token) and all-MiniLM-L6-v2,
     each cut into 3 provider stages."""
-    import torch
-    import transformers
-
     from cli.demo_models import build_minilm
     from ir.export import build_package
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=8, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=512, vocab_size=1024, max_position_embeddings=1024, eos_token_id=None,
-    )  # fmt: skip
     out = {"decoder": tmp / "decoder", "minilm": tmp / "minilm"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(transformers.LlamaForCausalLM(config).eval(), STAGES, out["decoder"],
-                      name="decoder")  # fmt: skip
+        build_package(decoder_model(), STAGES, out["decoder"], name="decoder")
     build_minilm(out["minilm"], STAGES, name="minilm")
     return out
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ir.pipeline import batchable
-from p2p import ErrorCode, Refused, Relay, Tensor
+from p2p import ErrorCode, Message, ProtocolSpec, Refused, Relay, Tensor
 from p2p.tensor import through_wire
 from proto.forward import (
     CHAIN,
@@ -33,8 +33,10 @@ from proto.forward import (
     ChainResult,
     Forward,
     ForwardResult,
+    Hop,
     HopDone,
 )
+from proto.session import StepHop
 from provider.batching import Batcher
 from provider.chain import check_route, finisher
 from provider.events import event
@@ -296,18 +298,12 @@ class Server(SessionServing, StepChains):
             feeds = {**feeds, "hidden_states": through_wire(hidden, wire)}
             i += 1
         sent = tensors(feeds, wire)
-        timeout = max(request.expires - time.time(), 1.0)
-        with self._lock:  # a drain waits for the rest of the route too
-            self._relaying += 1
         if i + 1 == len(route):  # the last hop: the outputs go to the broker
             result = ChainResult(
                 chain=request.chain, outputs={"hidden_states_out": sent["hidden_states"]}
             )
-            finish = finisher(done, None, self._relayed)
-            return Relay(self.broker_id, [], CHAIN, result, timeout, finish)
+            return self._pass_on(self.broker_id, CHAIN, result, request.expires, done, None)
         nxt = route[i + 1]
-        if self.before_relay is not None:  # (a hole punch to a peer we have not met yet)
-            self.before_relay(nxt.peer, nxt.addrs)
         message = Forward(
             stage=nxt.stage,
             inputs=sent,
@@ -318,9 +314,27 @@ class Server(SessionServing, StepChains):
             expires=request.expires,
             signature=request.signature,
         )
-        return Relay(
-            nxt.peer, nxt.addrs, FORWARD, message, timeout, finisher(done, nxt, self._relayed)
-        )
+        return self._pass_on(nxt.peer, FORWARD, message, request.expires, done, nxt)
+
+    def _pass_on(
+        self,
+        peer: str,
+        spec: ProtocolSpec,
+        message: Message,
+        expires: float,
+        done: list[HopDone],
+        nxt: Hop | StepHop | None,
+    ) -> Relay:
+        """A chain hop's `Relay` of `message` to `peer` (the next hop `nxt`, or None: the end
+        of the route), counted until it is answered: a drain waits for the rest of the route
+        too."""
+        with self._lock:
+            self._relaying += 1
+        if nxt is not None and self.before_relay is not None:  # (a hole punch to a peer we
+            self.before_relay(nxt.peer, nxt.addrs)  # have not met yet)
+        addrs = nxt.addrs if nxt is not None else []
+        timeout = max(expires - time.time(), 1.0)
+        return Relay(peer, addrs, spec, message, timeout, finisher(done, nxt, self._relayed))
 
     def _relayed(self) -> None:
         with self._lock:

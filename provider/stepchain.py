@@ -9,13 +9,11 @@ back to plain steps after a broken chain finds every hop that ran it answering i
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ir.pipeline import KEY_MASK
-from p2p import ErrorCode, Refused, Relay, verify
+from p2p import ErrorCode, Message, ProtocolSpec, Refused, Relay, verify
 from proto.forward import MAX_HOPS, HopDone
 from proto.session import (
     SESSION_CHAIN,
@@ -25,9 +23,9 @@ from proto.session import (
     ChainStepResult,
     SessionOutput,
     SessionStep,
+    StepHop,
     step_route_bytes,
 )
-from provider.chain import finisher
 from provider.stage import LoadedStage
 
 MAX_ROUTE_S = 3600.0  # a route may not be valid for longer than this
@@ -57,16 +55,21 @@ class StepChains:
     """The chained-step half of `Server`."""
 
     if TYPE_CHECKING:  # provided by Server
-        _lock: threading.Lock
-        _relaying: int
         peer_id: str
-        before_relay: Callable[[str, Sequence[str]], None] | None
 
         def _stage(self, key: str, check: bool = False) -> LoadedStage: ...
         def _run_steps(
             self, peer: str, requests: list[SessionStep]
         ) -> list[SessionOutput | Refused]: ...
-        def _relayed(self) -> None: ...
+        def _pass_on(
+            self,
+            peer: str,
+            spec: ProtocolSpec,
+            message: Message,
+            expires: float,
+            done: list[HopDone],
+            nxt: StepHop | None,
+        ) -> Relay: ...
 
     def chain_step(self, peer: str, request: ChainStep) -> Relay:
         """Run this hop (and the next ones while they are ours) on the origin's sessions,
@@ -98,18 +101,14 @@ class StepChains:
             if route[i + 1].peer != self.peer_id:
                 break
             i += 1
-        timeout = max(request.expires - time.time(), 1.0)
-        with self._lock:  # a drain waits for the rest of the route too
-            self._relaying += 1
         if i + 1 == len(route):  # the last hop: the outputs go to the origin
             result = ChainStepResult(
                 chain=request.chain, outputs=answer.outputs, past_len=answer.past_len
             )
-            finish = finisher(done, None, self._relayed)
-            return Relay(request.origin, [], SESSION_RESULT, result, timeout, finish)
+            return self._pass_on(
+                request.origin, SESSION_RESULT, result, request.expires, done, None
+            )
         nxt = route[i + 1]
-        if self.before_relay is not None:  # (a hole punch to a peer we have not met yet)
-            self.before_relay(nxt.peer, nxt.addrs)
         message = ChainStep(
             chain=request.chain,
             origin=request.origin,
@@ -120,6 +119,4 @@ class StepChains:
             expires=request.expires,
             signature=request.signature,
         )
-        return Relay(
-            nxt.peer, nxt.addrs, SESSION_CHAIN, message, timeout, finisher(done, nxt, self._relayed)
-        )
+        return self._pass_on(nxt.peer, SESSION_CHAIN, message, request.expires, done, nxt)
