@@ -16,4 +16,9 @@ class Unavailable(Exception):
 
 
 class TooBusy(Exception):
-    """Too many requests in progress: 429, try again shortly."""
+    """Too many requests in progress: 429, with `Retry-After` of `retry_after_s` (whole
+    seconds, at least 1)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -18,34 +18,24 @@ import base64
 import contextlib
 import dataclasses
 import logging
-import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterator
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 import numpy as np
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 
 from broker.admission import Admission, Limits, tokens_of_texts
-from broker.config import BrokerConfig
-from broker.embedjobs import EmbedJobs
-from broker.errors import NotFound, Unavailable
-from broker.events import EventLog
-from broker.httpkit import answer, event_stream, sse
+from broker.errors import Unavailable
+from broker.httpkit import answer, event_stream, presented_key, sse
 from broker.jobkinds import JobError
-from broker.metrics import Metrics
-from broker.models import ModelStore
 from broker.openai import Completion, parse_chat, parse_completion, parse_input
-from broker.registry import Registry
-from broker.serving import Serving
-from broker.verify import Verifier
 from client.errors import GenerationError
 from client.sampling import Sampler
-from client.session import GenerationSession, generate
+from client.session import GenerationSession, Router, generate
 from client.stages import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, ClientStageError, ClientStages
 from client.stepmux import StepMux
 from client.text import TextStream
@@ -57,85 +47,69 @@ log = logging.getLogger("fusionai.broker")
 CHAT_MAX_TOKENS = 4096  # a chat answer without max_tokens: the rest of the context, at most this
 
 
-@dataclass(frozen=True)
-class Parts:
-    """What the gateway uses of the broker, handed over by the composition root."""
+class Backend(Protocol):
+    """What the OpenAI endpoints use of the swarm: the broker's own parts in a one-machine
+    setup (`broker.local_gateway`), or the broker's HTTP API from a gateway process
+    (`gateway.remote`)."""
 
-    config: BrokerConfig
-    serving: Serving
-    registry: Registry
-    models: ModelStore
-    verifier: Verifier
-    embeds: EmbedJobs
-    metrics: Metrics
-    events: EventLog
     host: Host
-    inflight: dict[str, int]  # stage requests outstanding per provider (shared with jobs)
-    using: Callable[[str], AbstractContextManager[None]]  # a model in interactive use
-    stopping: Callable[[], bool]
-    rng: random.Random  # who checks a generation step: unpredictable
+    limits: Limits  # this process's own bound on work in progress
+    timeout_s: float  # a stage request's
+    max_attempts: int  # providers tried for a stage before a session fails
 
+    async def decoder(self, model: str) -> ClientStages:
+        """The model's client stages (`NotFound` for an unknown model)."""
+        ...
 
-class BrokerRouter:
-    """Routes for generation sessions the broker runs itself (`client.session.Router`)."""
+    async def stage_keys(self, model: str) -> list[str]: ...
 
-    def __init__(self, parts: Parts, model: str, load: dict[str, int]) -> None:
-        self.parts = parts
-        self.model = model
-        self.load = load
+    def router(self, model: str) -> Router: ...
 
-    async def pick(self, pos: int, avoid: set[str]) -> str:
-        timeout = self.parts.config.request_timeout_s
-        peer = await self.parts.serving.pick(self.model, pos, avoid, self.load, timeout)
-        if peer is None:
-            raise GenerationError(
-                f"no provider has served stage {pos} of {self.model} for {timeout:.0f} s"
-            )
-        return peer
+    async def embed(
+        self, model: str, texts: list[str] | None, ids: list[list[int]] | None
+    ) -> tuple[np.ndarray[Any, Any], int]: ...
 
-    async def failed(self, pos: int, peer: str, reason: str) -> None:
-        await self.parts.serving.suspect(peer, f"a generation step failed: {reason}")
+    def admit(
+        self, key: str | None, model: str, session: bool
+    ) -> AbstractAsyncContextManager[None]:
+        """Held while one request's work runs: a lease under the key's limits and, for a
+        generation `session`, the model's batch slots (`TooBusy` when over one)."""
+        ...
 
-    def lost(self, peer: str) -> asyncio.Event | None:
-        return self.parts.registry.lost_event(peer)
+    def stopping(self) -> bool: ...
 
-    async def checker(self, pos: int, avoid: set[str]) -> str | None:
-        plan = self.parts.serving.plans[self.model]
-        key = self.parts.serving.unit_keys(plan)[pos]
-        holders = self.parts.registry.holders(key, avoid)
-        return self.parts.rng.choice(holders) if holders else None  # unpredictable checkers
+    def served(self, endpoint: str, model: str, seconds: float) -> None:
+        """One request answered: its endpoint, model and latency."""
+        ...
 
-    async def distrust(self, pos: int, key: str, peer: str, reason: str) -> bool:
-        return (await self.parts.verifier.report(peer, self.model, pos, reason))[1]
+    def generated(self, model: str, tokens: int) -> None:
+        """A session ended having generated `tokens`."""
+        ...
+
+    def failover(self, model: str, session: str, stage: str, peer: str, reason: str) -> None:
+        """A session's provider was replaced."""
+        ...
 
 
 class Gateway:
-    def __init__(self, parts: Parts) -> None:
-        self.parts = parts
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         # concurrent completions' steps to a provider travel together, and their embeddings
         # and heads run in batches (client.stepmux)
-        self.mux = StepMux(parts.host)
-        config = parts.config
-        self.admission = Admission(
-            Limits(
-                config.max_interactive,
-                config.max_reading_bytes,
-                config.max_work_tokens,
-                config.max_body_bytes,
-            )
-        )
+        self.mux = StepMux(backend.host)
+        self.admission = Admission(backend.limits)
 
     # ---- embeddings ------------------------------------------------------------------------
 
-    async def embeddings(self, body: oa.EmbeddingRequest) -> oa.EmbeddingList:
+    async def embeddings(self, request: web.Request, body: oa.EmbeddingRequest) -> oa.EmbeddingList:
         model = body.model
         texts, ids = parse_input(body.input, "input")
         fmt, dims = body.encoding_format or "float", body.dimensions
         work = (
             tokens_of_texts(texts, DEFAULT_MAX_TOKENS) if texts else sum(len(i) for i in ids or [])
         )
-        with self._interactive("embeddings", work):
-            vectors, tokens = await self.parts.embeds.embed_now(model, texts, ids)
+        async with self._interactive(request, "embeddings", model, work):
+            vectors, tokens = await self.backend.embed(model, texts, ids)
         if dims is not None and dims != vectors.shape[1]:
             raise JobError("dimensions", f"{model} gives {vectors.shape[1]} dimensions only")
         data = []
@@ -152,9 +126,7 @@ class Gateway:
 
     async def _decoder(self, model: str) -> ClientStages:
         """The client stages of a stored decoder with a tokenizer (else a clear error)."""
-        if self.parts.models.models.get(model) is None:
-            raise NotFound(f"no model named {model!r}")
-        client = await asyncio.to_thread(self.parts.models.client, model)
+        client = await self.backend.decoder(model)
         if not client.decoder:
             raise JobError("model", f"{model} is an encoder; use /v1/embeddings")
         if client.tokenizer is None:
@@ -181,15 +153,20 @@ class Gateway:
             )
         return req
 
-    @contextlib.contextmanager
-    def _interactive(self, kind: str, tokens: int) -> Iterator[None]:
-        """Admitted with at most `tokens` tokens of work (else `TooBusy`), and timed."""
+    @contextlib.asynccontextmanager
+    async def _interactive(
+        self, request: web.Request, kind: str, model: str, tokens: int
+    ) -> AsyncIterator[None]:
+        """Admitted here with at most `tokens` tokens of work, and under the key's and the
+        model's limits (else `TooBusy`), and timed."""
         with self.admission.working(tokens):
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.parts.metrics.interactive(kind, time.perf_counter() - start)
+            session = kind != "embeddings"
+            async with self.backend.admit(presented_key(request), model, session):
+                start = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    self.backend.served(kind, model, time.perf_counter() - start)
 
     async def completions(
         self, request: web.Request, body: oa.CompletionRequest
@@ -201,7 +178,8 @@ class Gateway:
             _check_chars(text, context, f"prompt[{i}]" if len(req.prompts or []) > 1 else "prompt")
         many = len(req.prompts or req.prompt_ids or [])
         work = tokens_of_texts(req.prompts or [], context) + sum(map(len, req.prompt_ids or []))
-        with self._interactive("completions", work + many * (req.max_tokens or context)):
+        budget = work + many * (req.max_tokens or context)
+        async with self._interactive(request, "completions", req.model, budget):
             prompts = await asyncio.to_thread(self._prompt_ids, client, req)
             req = self._fitted(req, client, prompts)
             cid = "cmpl-" + uuid.uuid4().hex[:24]
@@ -234,7 +212,8 @@ class Gateway:
                 "model", f"{req.model} has no chat template: use /v1/completions with a prompt"
             )
         context = _context(client)
-        with self._interactive("chat", context + (req.max_tokens or context)):
+        budget = context + (req.max_tokens or context)
+        async with self._interactive(request, "chat", req.model, budget):
             try:
                 text = await asyncio.to_thread(
                     render, manifest.chat_template, messages, manifest.special_tokens
@@ -276,23 +255,20 @@ class Gateway:
         self, req: Completion, client: ClientStages, prompt: list[int]
     ) -> AsyncGenerator[tuple[str, str | None, int]]:
         """(text piece, finish reason once finished, tokens so far) as the answer grows."""
-        parts = self.parts
-        keys = parts.serving.unit_keys(parts.serving.plans[req.model])
+        backend = self.backend
+        keys = await backend.stage_keys(req.model)
         sid = uuid.uuid4().hex[:12]
 
         def on_failover(pos: int, peer: str, reason: str) -> None:
-            parts.events.emit(
-                "session_failover", peer=peer, session=sid, stage=keys[pos], reason=reason
-            )
-            parts.metrics.failover("session_retry")
+            backend.failover(req.model, sid, keys[pos], peer, reason)
 
         session = GenerationSession(
-            parts.host,
+            backend.host,
             client,
             keys,
-            BrokerRouter(parts, req.model, parts.inflight),
-            timeout=parts.config.request_timeout_s,
-            max_attempts=parts.config.max_attempts,
+            backend.router(req.model),
+            timeout=backend.timeout_s,
+            max_attempts=backend.max_attempts,
             on_failover=on_failover,
             mux=self.mux,
         )
@@ -301,23 +277,22 @@ class Gateway:
         count = 0
         tokens = generate(session, prompt, req.max_tokens, sampler, stops=client.stops)
         try:
-            with parts.using(req.model):  # no rebalancing under an open session
-                async for token in tokens:
-                    if parts.stopping():
-                        raise Unavailable("the broker is shutting down")
-                    count += 1
-                    piece = text.push(token)
-                    if token in client.stops or text.stopped:
-                        yield piece + text.finish(), "stop", count
-                        return
-                    yield piece, None, count
-                yield text.finish(), "length", count
+            async for token in tokens:  # (the lease holds the model: no rebalancing)
+                if backend.stopping():
+                    raise Unavailable("the gateway is shutting down")
+                count += 1
+                piece = text.push(token)
+                if token in client.stops or text.stopped:
+                    yield piece + text.finish(), "stop", count
+                    return
+                yield piece, None, count
+            yield text.finish(), "length", count
         except GenerationError as exc:
             raise Unavailable(str(exc)) from None
         finally:
             await tokens.aclose()
             await session.close()
-            parts.metrics.tokens(req.model, count)
+            backend.generated(req.model, count)
 
     async def _stream(
         self,

@@ -26,17 +26,21 @@
     POST /v1/embeddings                   OpenAI-style embeddings (`broker.gateway`)
     POST /v1/completions                  OpenAI-style completions, `stream` as SSE
     POST /v1/chat/completions             OpenAI-style chat, through the model's chat template
+    GET|POST /v1/keys, DELETE /v1/keys/{id}   managed API keys (admin key; `broker.keys_api`)
+    POST /v1/gateway/keys|admit|release|report   what gateway processes ask (a gateway's key)
     GET  /metrics                         Prometheus metrics (`broker.metrics`)
     GET  /openapi.json                    this API as an OpenAPI 3.1 document
     GET  /                                the dashboard (static files in broker/dashboard/)
 
-With API keys configured, everything but `/healthz`, `/openapi.json` and the dashboard's
-static files needs `Authorization: Bearer KEY` or `X-API-Key: KEY`, and adding a model or
-uploading an artifact an admin key (`broker.auth`); providers download artifacts with the
-token of their assignment's link instead. Errors are JSON `{"error": {"message", "field"?}}`
-with 400 (bad input, naming the field), 401 (no valid key), 403 (not an admin key), 404
-(unknown model or job), 409 (not yet possible), 413 (too large), 429 (too many requests in
-progress) or 503 (no provider serves the model in time).
+With API keys configured (static ones, `broker.auth`, or managed ones, `broker.keystore`),
+everything but `/healthz`, `/openapi.json` and the dashboard's static files needs
+`Authorization: Bearer KEY` or `X-API-Key: KEY`; managing keys, adding a model or uploading
+an artifact needs an admin key, and `/v1/gateway/...` a gateway's or an admin key; providers
+download artifacts with the token of their assignment's link instead. Errors are JSON
+`{"error": {"message", "field"?}}` with 400 (bad input, naming the field), 401 (no valid
+key), 403 (not an admin or gateway key where one is needed), 404 (unknown model or job), 409
+(not yet possible), 413 (too large), 429 (too many requests in progress, or over a key's or
+the model's limit: `broker.leases`) or 503 (no provider serves the model in time).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 
-from broker.auth import ArtifactTokens, Keys
+from broker.auth import ArtifactTokens
 from broker.config import BrokerConfig
 from broker.errors import NotFound
 from broker.events import EventLog
@@ -76,6 +80,8 @@ from broker.httpkit import (
 )
 from broker.jobs import JobRunner
 from broker.jobs_api import JobRoutes
+from broker.keys_api import KeyRoutes
+from broker.keystore import KeyStore
 from broker.metrics import Metrics
 from broker.models import ModelStore, StoredModel
 from broker.openapi import OPS, SSE, document_bytes
@@ -89,12 +95,25 @@ from proto.api import openai as oa
 
 log = logging.getLogger("fusionai.broker")
 ADMIN = frozenset((op.method, op.path) for op in OPS if op.admin)  # (an admin key's alone)
+GATEWAY = frozenset((op.method, op.path) for op in OPS if op.gateway)  # (a gateway's, admin's)
+# even on an open API: a key added closes it, and a lease holds capacity
+ALWAYS = {k: "admin" for k in ADMIN if k[1].startswith("/v1/keys")} | dict.fromkeys(
+    GATEWAY, "gateway"
+)
+ALWAYS_NEEDED = {
+    "admin": "managing API keys needs an admin key (start the broker with --admin-key KEY, "
+    "or put `admin` after a key in its --api-keys-file)",
+    "gateway": "a gateway's operation: it needs a gateway's key (`fusionai keys add NAME "
+    "--role gateway`) or an admin key, even on an open API",
+}
 KEY_NEEDED = "a valid API key is needed: Authorization: Bearer KEY (or X-API-Key: KEY)"
 LINK_REFUSED = (
     "this artifact link has expired, or is not this provider's, or its provider has left the "
     "swarm; the broker sends a fresh link with each assignment"
 )
-ADMIN_NEEDED = "adding or replacing models and uploading artifacts needs an admin key"
+ADMIN_NEEDED = (
+    "managing keys, adding or replacing models and uploading artifacts needs an admin key"
+)
 NO_ADMIN_KEY = (
     f"{ADMIN_NEEDED}, and this broker has none: start it with --admin-key KEY, or put "
     "`admin` after a key in its --api-keys-file"
@@ -115,7 +134,8 @@ class ApiParts:
     finetunes: FinetuneJobs
     verifier: Verifier
     gateway: Gateway
-    keys: Keys
+    keys: KeyStore
+    key_routes: KeyRoutes
     tokens: ArtifactTokens
     metrics: Metrics
     inflight: dict[str, int]  # stage requests outstanding per provider (shared with jobs)
@@ -147,6 +167,13 @@ def make_app(parts: ApiParts) -> web.Application:
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        op = (request.method, route.canonical) if route is not None else None
+        if op in ALWAYS:
+            holder = keys.holder(presented_key(request))
+            if holder is None or holder.role not in (ALWAYS[op], "admin"):
+                return error(401 if holder is None else 403, ALWAYS_NEEDED[ALWAYS[op]])
+            return await handler(request)
         if not keys.required or public_path(request.path) or request.method == "OPTIONS":
             return await handler(request)
         sha, query = request.match_info.get("sha"), request.query
@@ -155,14 +182,12 @@ def make_app(parts: ApiParts) -> web.Application:
             peer = query.get("peer", "")
             if tokens.valid(sha or "", peer, query["token"]) and parts.registry.alive(peer):
                 return await handler(request)
-        key = presented_key(request)
-        if not keys.valid(key):
+        holder = keys.holder(presented_key(request))
+        if holder is None:
             response = error(401, LINK_REFUSED if link else KEY_NEEDED)
             response.headers["WWW-Authenticate"] = 'Bearer realm="fusionai"'
             return response
-        route = request.match_info.route.resource
-        needs_admin = route is not None and (request.method, route.canonical) in ADMIN
-        if needs_admin and not keys.admin(key):
+        if op in ADMIN and holder.role != "admin":
             return error(403, ADMIN_NEEDED if keys.has_admin else NO_ADMIN_KEY)
         return await handler(request)
 
@@ -266,7 +291,8 @@ def make_app(parts: ApiParts) -> web.Application:
             await parts.events.wait(max(0.0, 2.0 - interval))  # load changes without events
 
     async def embeddings(request: web.Request) -> web.Response:
-        return answer(await gateway.embeddings(await body_as(request, oa.EmbeddingRequest)))
+        body = await body_as(request, oa.EmbeddingRequest)
+        return answer(await gateway.embeddings(request, body))
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await gateway.completions(request, await body_as(request, oa.CompletionRequest))
@@ -323,6 +349,13 @@ def make_app(parts: ApiParts) -> web.Application:
         ("POST", "/v1/embeddings"): embeddings,
         ("POST", "/v1/completions"): completions,
         ("POST", "/v1/chat/completions"): chat,
+        ("GET", "/v1/keys"): parts.key_routes.list,
+        ("POST", "/v1/keys"): parts.key_routes.add,
+        ("DELETE", "/v1/keys/{id}"): parts.key_routes.revoke,
+        ("POST", "/v1/gateway/keys"): parts.key_routes.decide,
+        ("POST", "/v1/gateway/admit"): parts.key_routes.admit,
+        ("POST", "/v1/gateway/release"): parts.key_routes.release,
+        ("POST", "/v1/gateway/report"): parts.key_routes.report,
     }
     documented = {(op.method, op.path) for op in OPS}
     if set(handlers) != documented:  # the router is the documented operations, no more

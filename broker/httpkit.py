@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -55,7 +56,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error(409, str(exc))
     except TooBusy as exc:
         response = error(429, str(exc))
-        response.headers["Retry-After"] = "1"
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
         return response
     except Unavailable as exc:
         return error(503, str(exc))

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ir.manifest import ModelManifest
-from proto.api import common, jobs, openai, swarm
+from proto.api import common, jobs, keys, openai, swarm
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -39,6 +39,7 @@ class Op:
     streams: bool = False  # it may answer with server-sent events instead (`stream: true`)
     public: bool = False  # no API key needed
     admin: bool = False  # an admin key needed (with keys configured; 403 for other keys)
+    gateway: bool = False  # a gateway's key (or an admin key) needed, as for `admin`
     errors: tuple[int, ...] = (400, 401, 404)
 
 
@@ -110,12 +111,30 @@ OPS: tuple[Op, ...] = (
        "server-sent events, ending in `data: [DONE]`",
        openai.ChatCompletion, body=openai.ChatCompletionRequest, streams=True,
        errors=(400, 401, 404, 429, 503)),
+    Op("GET", "/v1/keys", "keys", "The managed API keys (never the keys themselves)",
+       keys.KeyList, admin=True, errors=(401, 403)),
+    Op("POST", "/v1/keys", "keys", "Add a managed API key with a role and optional limits; "
+       "the key is in this answer alone", keys.KeyCreated, status=201, body=keys.KeyRequest,
+       admin=True, errors=(400, 401, 403)),
+    Op("DELETE", "/v1/keys/{id}", "keys", "Revoke a managed key (gateways refuse it within "
+       "the `ttl_s` of their cached decision)", keys.KeyInfo, admin=True,
+       errors=(401, 403, 404)),
+    Op("POST", "/v1/gateway/keys", "gateway", "A key's decision, for a gateway to cache for "
+       "`ttl_s`", keys.Decision, body=keys.KeyQuery, gateway=True, errors=(400, 401, 403)),
+    Op("POST", "/v1/gateway/admit", "gateway", "A lease on one request of a user's key, under "
+       "its limits and the model's batch slots (429 with Retry-After when over one)",
+       keys.Admitted, body=keys.AdmitRequest, gateway=True, errors=(400, 401, 403, 429)),
+    Op("POST", "/v1/gateway/release", "gateway", "End a lease", keys.Released,
+       body=keys.Release, gateway=True, errors=(400, 401, 403)),
+    Op("POST", "/v1/gateway/report", "gateway", "A gateway's leases still held (renewed) and "
+       "its traffic counters", keys.ReportAck, body=keys.GatewayReport, gateway=True,
+       errors=(400, 401, 403)),
 )  # fmt: skip
 
-PARAMS = {"name": "the model's name", "id": "the job's id", "sha": "SHA-256 (hex)",
+PARAMS = {"name": "the model's name", "id": "the job's or the key's id", "sha": "SHA-256 (hex)",
           "peer": "the provider's peer id", "path": "a file name"}  # fmt: skip
 WHY = {400: "bad input; `field` names it", 401: "no valid API key",
-       403: "an admin key is needed (this one may only use models)", 404: "no such thing",
+       403: "an admin (or for /v1/gateway, a gateway) key is needed", 404: "no such thing",
        409: "not yet possible", 413: "too large", 429: "too many requests in progress",
        503: "no provider in time"}  # fmt: skip
 
@@ -208,6 +227,8 @@ def document() -> dict[str, Any]:
             entry["security"] = []
         if op.admin:
             entry["x-admin"] = True  # (the same schemes; the key must be an admin key)
+        if op.gateway:
+            entry["x-gateway"] = True  # (a gateway's key or an admin key)
         paths.setdefault(op.path, {})[op.method.lower()] = entry
     for schema in components.values():
         _tidy(schema)
@@ -220,8 +241,9 @@ def document() -> dict[str, Any]:
             "description": "The broker's HTTP API: the swarm, models, batch jobs, OpenAI-style "
             "embeddings and completions, metrics and the dashboard. With API keys configured "
             "every operation but those with empty `security` needs `Authorization: Bearer "
-            "KEY` or `X-API-Key: KEY`, and those marked `x-admin` (adding or replacing a "
-            "model, uploading an artifact) an admin key: other keys get 403 there. Every "
+            "KEY` or `X-API-Key: KEY`, those marked `x-admin` (managing keys, adding or "
+            "replacing a model, uploading an artifact) an admin key, and those marked "
+            "`x-gateway` a gateway's or an admin key: other keys get 403 there. Every "
             'error is `{"error": {"message", "field"?}}`.',
         },
         "security": [{"bearer": []}, {"apiKey": []}],
@@ -234,7 +256,7 @@ def document() -> dict[str, Any]:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "an API key given to the broker with --api-key, "
-                    "--admin-key or --api-keys-file",
+                    "--admin-key or --api-keys-file, or added with `fusionai keys add`",
                 },
                 "apiKey": {
                     "type": "apiKey",

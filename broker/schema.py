@@ -13,9 +13,9 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 1  # bump with a step in MIGRATIONS whenever the tables change
+VERSION = 2  # bump with a step in MIGRATIONS whenever the tables change
 
-SCHEMA = """
+SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS models (
     name TEXT PRIMARY KEY,
     manifest BLOB NOT NULL,
@@ -88,10 +88,24 @@ CREATE INDEX IF NOT EXISTS events_job ON events (job, id);
 CREATE INDEX IF NOT EXISTS work_peer ON work (peer, at);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, seq);
 """
+# version 2: managed API keys (`broker.keystore`): a key's SHA-256 alone is kept
+KEYS_TABLE = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    digest BLOB NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    role TEXT NOT NULL,
+    max_streams INTEGER,
+    per_minute INTEGER,
+    created REAL NOT NULL,
+    revoked REAL
+)
+"""
+SCHEMA = SCHEMA_V1 + KEYS_TABLE + ";"
 
 
 # MIGRATIONS[v] brings a version-v database to v + 1 (SQL run in one transaction).
-MIGRATIONS: dict[int, str] = {}
+MIGRATIONS: dict[int, str] = {1: KEYS_TABLE}
 
 
 class SchemaError(RuntimeError):
@@ -114,9 +128,8 @@ def open_schema(db: sqlite3.Connection) -> int:
         db.execute(f"PRAGMA user_version = {VERSION}")
         return 0
     if not found:  # written before the schema was versioned: version 1's tables, of which
-        # the oldest such databases lack some (all IF NOT EXISTS). When VERSION passes 1,
-        # this must create version 1's tables (keep them as SCHEMA_V1), not today's.
-        db.executescript(SCHEMA)
+        # the oldest such databases lack some (all IF NOT EXISTS)
+        db.executescript(SCHEMA_V1)
     version = found or 1
     while version < VERSION:  # each step and its version number in one transaction
         try:

@@ -35,9 +35,14 @@ from broker.errors import Conflict
 from broker.events import EventLog
 from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
-from broker.gateway import Parts as GatewayParts
+from broker.gateways import Gateways
 from broker.http import ApiParts, make_app
 from broker.jobs import JobRunner
+from broker.keys_api import KeyRoutes
+from broker.keystore import KeyStore
+from broker.leases import Leases
+from broker.local_gateway import BrokerBackend
+from broker.local_gateway import Parts as GatewayParts
 from broker.metrics import Metrics, Readings
 from broker.models import ModelStore, StoredModel
 from broker.reach import Reachability
@@ -107,7 +112,7 @@ class Broker:
         self.driver.carry(
             Notice, lambda n: self.events.emit(n.kind, peer=n.peer, job=n.job, **n.data)
         )
-        self.keys = Keys(config.api_keys, config.admin_keys)
+        self.keys = KeyStore(self.store.db, Keys(config.api_keys, config.admin_keys))
         self.tokens = ArtifactTokens(config.data_dir, config.artifact_token_s)
         self.metrics = Metrics()
         self.events.sinks.append(self.metrics.event)
@@ -213,8 +218,11 @@ class Broker:
             )
         )
         context = self._tls()
+        leases = Leases(self._batch_slots, self.jobs.using)
+        gateways = Gateways(leases)
+        self.metrics.registry.register(gateways)
         gateway = Gateway(
-            GatewayParts(
+            BrokerBackend(GatewayParts(
                 self.config,
                 self.serving,
                 self.registry,
@@ -225,11 +233,12 @@ class Broker:
                 self.events,
                 self.host,
                 self.calls.inflight,
-                self.jobs.using,
+                self.keys,
+                leases,
                 lambda: self.stopping,
                 self.rng,
-            )
-        )
+            ))
+        )  # fmt: skip
         api = ApiParts(
             self.config,
             self.store,
@@ -242,6 +251,7 @@ class Broker:
             self.verifier,
             gateway,
             self.keys,
+            KeyRoutes(self.keys, leases, gateways),
             self.tokens,
             self.metrics,
             self.calls.inflight,
@@ -271,7 +281,7 @@ class Broker:
             # providers download from this server: pin its certificate
             self.tls_sha256 if self.config.public_url is None else "",
             # providers have no API key: their URLs carry a token
-            self.tokens.token if self.keys.required else None,
+            self.tokens.token,  # (unused while the API is open: keys can be added later)
         )
         self.host.add_control_handler(JOIN, self.registry.on_join)
         self.host.add_control_handler(HEARTBEAT, self.registry.on_heartbeat)
@@ -284,6 +294,11 @@ class Broker:
             asyncio.create_task(self.jobs.schedule(self._stop)),
         ]
         self.events.emit("broker_started", peer=self.peer_id, addrs=self.addrs, http=self.http_url)
+
+    def _batch_slots(self, model: str) -> int:
+        """The batch slots of the providers serving `model` now (0: none said)."""
+        peers = {p for stage in self.serving.route(model) or [] for p in stage}
+        return sum(p.max_batch for peer in peers if (p := self.registry.profiles.get(peer)))
 
     def _tls(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import chat_cmd
 
     chat_cmd.add_parser(sub)
+    from cli import gateway_cmd
+
+    gateway_cmd.add_parsers(sub)
     return parser
 
 

@@ -63,6 +63,9 @@ class JoinProfile(msgspec.Struct, frozen=True):
     # control port (0: none) and its bandwidth cap, bytes/s
     relay_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     relay_rate: Rate = 0.0
+    # session steps it runs together at most (`--max-batch`): its batch slots per stage, from
+    # which the broker sizes admission (0: not said, by a provider of an earlier release)
+    max_batch: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
 
 
 class Join(Message, frozen=True, tag="Join/1"):

@@ -227,6 +227,7 @@ class Membership:
             addrs=addrs,
             mapped=[a for a in mapped(addrs) if a not in relayed],
             relayed=relayed,
+            max_batch=self.config.max_batch,
             relay_port=self.relay_offer[0] if self.relay_offer else 0,
             relay_rate=self.relay_offer[1] if self.relay_offer else 0.0,
         )

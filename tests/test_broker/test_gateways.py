@@ -1,0 +1,291 @@
+"""Gateway processes in front of a broker, all real processes: the SDK's tokens through two
+gateways, managed keys (a revoked key refused by both, a key's stream limit counted across
+both), their traffic in the broker's `/metrics`, a gateway killed mid-stream, and (slow)
+200 streams against a small swarm."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import statistics
+import subprocess
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import ROOT, Proc, fusionai, wait_until
+from tests.test_broker.conftest import BrokerProc, add_model
+from tests.test_broker.test_gateway import local_greedy
+
+pytestmark = pytest.mark.timeout(300)
+ADMIN = "fai-test-admin-key-0123456789"
+PROMPT = "the swarm"
+
+
+def keys(http: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        fusionai("keys", *args, "--broker", http, "--api-key", ADMIN, "--json"),
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
+def call(
+    url: str, method: str, path: str, key: str | None, body: Any = None
+) -> tuple[int, dict[str, str], Any]:
+    """(status, headers, JSON) of one request."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+class Stream:
+    """A streamed completion read chunk by chunk."""
+
+    def __init__(self, url: str, key: str, max_tokens: int, **extra: Any) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, **extra}  # fmt: skip
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        self.conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        self.resp = self.conn.getresponse()
+        self.times: list[float] = []
+        self.done = False
+
+    def next(self) -> Any:
+        """The next chunk's data ("[DONE]" at the end); raises once the connection fails."""
+        while True:
+            line = self.resp.readline()
+            if not line:
+                raise ConnectionError("the stream ended without [DONE]")
+            text = line.decode().strip()
+            if text.startswith("data: "):
+                self.times.append(time.monotonic())
+                data = text[6:]
+                self.done = data == "[DONE]"
+                return data if self.done else json.loads(data)
+
+    def rest(self) -> str:
+        text = ""
+        while (chunk := self.next()) != "[DONE]":
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+        return text
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def start_gateway(spawn: Callable[..., Proc], http: str, key: str, name: str) -> tuple[Proc, str]:
+    proc = spawn(
+        fusionai("gateway", "--broker", http, "--api-key", key, "--name", name, "--http",
+                 "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0", "--json")
+    )  # fmt: skip
+    url: str = proc.wait_for("gateway_ready", timeout=60)["http"]
+    return proc, url
+
+
+def swarm(
+    broker: Callable[..., BrokerProc], provider: Callable[..., Proc], package: Path, *extra: str
+) -> BrokerProc:
+    b = broker("--admin-key", ADMIN)
+    procs = [provider(b.addr, *extra) for _ in range(2)]
+    peers = {p.wait_for("listening", timeout=60)["peer_id"] for p in procs}
+
+    def joined() -> bool:
+        out = call(b.http, "GET", "/v1/providers", ADMIN)[2]
+        return peers <= {p["peer_id"] for p in out["providers"]}
+
+    wait_until("providers joined", joined, timeout=60)
+    add_model(b.http, package, "--api-key", ADMIN)
+    wait_until(
+        "tiny-llama served",
+        lambda: call(b.http, "GET", "/v1/models/tiny-llama", ADMIN)[2]["ready"],
+        timeout=90,
+    )
+    return b
+
+
+def metric(text: str, name: str, gateway: str) -> float:
+    found = re.search(rf'^{name}\{{gateway="{gateway}",model="tiny-llama"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
+    broker: Callable[..., BrokerProc],
+    provider: Callable[..., Proc],
+    spawn: Callable[..., Proc],
+    llama_package: Path,
+) -> None:
+    b = swarm(broker, provider, llama_package)
+    gw_key = keys(b.http, "add", "gateways", "--role", "gateway")["key"]
+    user = keys(b.http, "add", "alice")["key"]
+    limited = keys(b.http, "add", "bob", "--max-streams", "4")["key"]
+    doomed = keys(b.http, "add", "carol")
+    # a user's key is not a gateway's: the broker refuses it as one
+    status, _, out = call(b.http, "POST", "/v1/gateway/admit", user,
+                          {"gateway": "g", "model": "tiny-llama"})  # fmt: skip
+    assert status == 403, out
+    procs = {g: start_gateway(spawn, b.http, gw_key, g) for g in ("gw-a", "gw-b")}
+    gateways = {g: url for g, (_, url) in procs.items()}
+
+    # Both give the tokens one process gives (greedy): the SDK's session logic behind them.
+    _, expected = local_greedy(llama_package, PROMPT, 12)
+    for url in gateways.values():
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        status, _, out = call(url, "POST", "/v1/completions", user, body)
+        assert status == 200, out
+        assert out["choices"][0]["text"] == expected
+        stream = Stream(url, user, 12)
+        assert stream.rest() == expected
+        stream.close()
+    # No key, or a made-up one: 401 at a gateway, as at the broker.
+    assert call(gateways["gw-a"], "GET", "/v1/models", None)[0] == 401
+    assert call(gateways["gw-b"], "GET", "/v1/models", "fai-made-up-key-000000000")[0] == 401
+
+    # A key limited to 4 streams: the 5th is refused, whichever gateway it goes to.
+    urls = list(gateways.values())
+    open_ = [Stream(urls[i % 2], limited, 400) for i in range(4)]
+    for s in open_:
+        first = s.next()
+        assert "error" not in first, first
+    for url in urls:
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4}
+        status, headers, out = call(url, "POST", "/v1/completions", limited, body)
+        assert status == 429, out
+        assert int(headers["Retry-After"]) >= 1
+        assert "limit" in out["error"]["message"]
+    for s in open_:
+        s.close()  # the client leaves: its lease ends with the stream
+    wait_until(
+        "bob's streams freed",
+        lambda: call(urls[1], "POST", "/v1/completions", limited,
+                     {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2})[0] == 200,
+        timeout=20,
+    )  # fmt: skip
+
+    # Both gateways' traffic reaches the broker's /metrics.
+    def counted() -> bool:
+        text = call_text(b.http + "/metrics")
+        return all(
+            metric(text, "fusionai_gateway_generated_tokens_total", g) >= 24 for g in gateways
+        )
+
+    wait_until("gateways' tokens in the broker's metrics", counted, timeout=15)
+
+    # A revoked key: refused at once for new work, and within the decision's lifetime (5 s)
+    # for everything, by both gateways.
+    for url in urls:
+        assert call(url, "GET", "/v1/models", doomed["key"])[0] == 200
+    keys(b.http, "revoke", doomed["info"]["id"])
+    revoked = time.monotonic()
+    for url in urls:
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2}
+        assert call(url, "POST", "/v1/completions", doomed["key"], body)[0] == 401
+    wait_until(
+        "the revoked key refused everywhere",
+        lambda: all(call(u, "GET", "/v1/models", doomed["key"])[0] == 401 for u in urls),
+        timeout=10,
+    )
+    assert time.monotonic() - revoked <= 5.0 + 2.0
+
+    # A gateway killed mid-stream: its client's stream fails within 5 s; the other serves on.
+    stream = Stream(gateways["gw-b"], user, 400)
+    assert "error" not in stream.next()
+    other = Stream(gateways["gw-a"], user, 40)
+    killed = time.monotonic()
+    procs["gw-b"][0].signal(signal.SIGKILL)
+    with pytest.raises((ConnectionError, OSError, http.client.HTTPException)):
+        while stream.next() != "[DONE]":
+            pass
+    assert time.monotonic() - killed < 5.0
+    assert not stream.done
+    assert len(other.rest()) > 0
+    wait_until("gw-a's tokens reported", counted, timeout=15)
+
+
+def call_text(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("GET", parts.path, headers={"Authorization": f"Bearer {ADMIN}"})
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_hundred_streams_get_200_or_429_and_the_admitted_keep_their_pace(
+    broker: Callable[..., BrokerProc],
+    provider: Callable[..., Proc],
+    spawn: Callable[..., Proc],
+    llama_package: Path,
+) -> None:
+    max_batch, providers = 8, 2
+    b = swarm(broker, provider, llama_package, "--max-batch", str(max_batch))
+    gw_key = keys(b.http, "add", "gateways", "--role", "gateway")["key"]
+    user = keys(b.http, "add", "alice")["key"]
+    _, url = start_gateway(spawn, b.http, gw_key, "gw-a")
+
+    def run(n: int) -> tuple[list[int], list[float], int]:
+        """n streams at once: their statuses, inter-token gaps, and how many completed."""
+        statuses: list[int] = [0] * n
+        gaps: list[list[float]] = [[] for _ in range(n)]
+        completed = [0]
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            try:
+                s = Stream(url, user, 24)
+            except OSError:
+                statuses[i] = -1
+                return
+            statuses[i] = s.resp.status
+            if s.resp.status != 200:
+                body = json.loads(s.resp.read())
+                assert "error" in body
+                if s.resp.status == 429:
+                    assert int(s.resp.headers["Retry-After"]) >= 1
+                s.close()
+                return
+            s.rest()
+            gaps[i] = [b - a for a, b in zip(s.times[1:-2], s.times[2:-1], strict=True)]
+            with lock:
+                completed[0] += 1
+            s.close()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        return statuses, [g for row in gaps for g in row], completed[0]
+
+    statuses, gaps16, done16 = run(16)
+    assert statuses == [200] * 16 and done16 == 16
+    statuses, gaps, done = run(200)
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    admitted = statuses.count(200)
+    assert admitted >= max_batch * providers, admitted
+    assert done == admitted  # every accepted stream completed
+    p50_16, p50 = statistics.median(gaps16), statistics.median(gaps)
+    print(json.dumps({"admitted": admitted, "p50_16_ms": p50_16 * 1e3, "p50_ms": p50 * 1e3}))
+    assert p50 <= 1.5 * p50_16, (p50, p50_16)
