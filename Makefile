@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/http_api.py
 	$(PY) benchmarks/e2e.py
 	$(PY) benchmarks/concurrency.py
+	$(PY) benchmarks/gateways.py
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/models.py
 	$(PY) benchmarks/quantized.py

@@ -121,13 +121,22 @@ def _cpu(pids: list[int]) -> float:
 
 class Swarm:
     def __init__(
-        self, tmp: Path, name: str, providers: int, *extra: str, relay: str = "chain"
+        self,
+        tmp: Path,
+        name: str,
+        providers: int,
+        *extra: str,
+        relay: str = "chain",
+        broker_args: tuple[str, ...] = (),
     ) -> None:
+        """A broker (`broker_args` added to its command) and `providers` providers (each
+        with `extra`)."""
         self.procs: list[Proc] = []
         self.peers: dict[str, Proc] = {}
         try:
             env = {"FUSIONAI_THREADS": "1", "FUSIONAI_CACHE_DIR": str(tmp / "client-cache")}
-            command = broker_command(tmp / f"{name}-{relay}", "--relay", relay, heartbeat_s=0.5)
+            data = tmp / f"{name}-{relay}"
+            command = broker_command(data, "--relay", relay, *broker_args, heartbeat_s=0.5)
             self.broker = Proc(command, env)
             self.procs.append(self.broker)
             started = self.broker.wait_for("broker_started", timeout=60)

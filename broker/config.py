@@ -70,6 +70,9 @@ class BrokerConfig:
     verify_atol: float = 1e-3  # atol + rtol * (largest magnitude of the reference)
     verify_redo_s: float = 3600.0  # a quarantined provider's results this recent are redone
     max_interactive: int = 64  # embedding and completion requests served at once (then 429)
+    # generation sessions admitted per batch slot of a model's providers, across all gateways
+    # (then 429: `broker.leases`); above 1, sessions queue on providers and slow each other
+    sessions_per_slot: float = 1.0
     max_work_tokens: int = 2_000_000  # tokens of interactive work at once (then 429)
     max_reading_bytes: int = 256 * 1024**2  # bytes of JSON bodies read at once (then 429)
     rebalance_every_s: float = 600.0  # how often idle models are checked for a better placement

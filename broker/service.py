@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import ssl
 import time
@@ -296,9 +297,10 @@ class Broker:
         self.events.emit("broker_started", peer=self.peer_id, addrs=self.addrs, http=self.http_url)
 
     def _batch_slots(self, model: str) -> int:
-        """The batch slots of the providers serving `model` now (0: none said)."""
+        """Sessions `model` takes: its serving providers' batch slots (0: none said)."""
         peers = {p for stage in self.serving.route(model) or [] for p in stage}
-        return sum(p.max_batch for peer in peers if (p := self.registry.profiles.get(peer)))
+        slots = sum(p.max_batch for peer in peers if (p := self.registry.profiles.get(peer)))
+        return math.ceil(slots * self.config.sessions_per_slot)
 
     def _tls(self) -> ssl.SSLContext | None:
         cert, key = self.config.tls_cert, self.config.tls_key

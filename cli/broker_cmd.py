@@ -98,6 +98,13 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     )
     start.add_argument("--json", action="store_true", help="print events as JSON lines")
     start.add_argument(
+        "--sessions-per-slot",
+        type=float,
+        default=1.0,
+        help="generation sessions admitted per batch slot of a model's providers, counted "
+        "across gateways (default 1: more get 429 rather than slowing the others)",
+    )
+    start.add_argument(
         "--max-body-mb", type=float, default=64, help="largest JSON request body (MiB)"
     )
     start.add_argument(
@@ -212,9 +219,11 @@ def start(args: argparse.Namespace) -> int:
         or args.missed_heartbeats < 1
         or args.microbatch < 1
         or args.max_body_mb <= 0
+        or args.sessions_per_slot <= 0
     ):
         print(
-            "error: --heartbeat-s, --missed-heartbeats, --microbatch, --max-body-mb must be "
+            "error: --heartbeat-s, --missed-heartbeats, --microbatch, --max-body-mb, "
+            "--sessions-per-slot must be "
             "positive",
             file=sys.stderr,
         )
@@ -279,6 +288,7 @@ def start(args: argparse.Namespace) -> int:
         verify_fraction=args.verify_fraction,
         verify_rtol=args.verify_tolerance,
         max_body_bytes=int(args.max_body_mb * 1024**2),
+        sessions_per_slot=args.sessions_per_slot,
         api_keys=tuple(keys),
         admin_keys=tuple(admin),
         tls_cert=cert,
