@@ -49,6 +49,23 @@ class Gateways(Collector):
         now = self.clock()
         return sorted(g for g, s in self.seen.items() if now - s.at <= SEEN_S)
 
+    def summary(self) -> list[dict[str, object]]:
+        """Each gateway for the dashboard: up, seconds since its report, leases, traffic."""
+        now, held = self.clock(), self.leases.held()
+        out: list[dict[str, object]] = []
+        for name, seen in sorted(self.seen.items()):
+            models = seen.report.models.values()
+            out.append({
+                "gateway": name,
+                "up": now - seen.at <= SEEN_S,
+                "last_report_s": round(now - seen.at, 1),
+                "leases": held.get(name, 0),
+                "tokens": sum(t.tokens for t in models),
+                "requests": sum(t.requests for t in models),
+                "refused": seen.report.refused,
+            })  # fmt: skip
+        return out
+
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "fusionai_gateways", "Gateways that reported lately", len(self.up())

@@ -268,6 +268,7 @@ def make_app(parts: ApiParts) -> web.Application:
             "providers": providers_now(),
             "models": [serving.describe(n) for n in sorted(serving.plans)],
             "jobs": [job_view(j, store.count_done(j.id)) for j in store.jobs(limit=50)],
+            "gateways": parts.key_routes.gateways.summary(),
         }
 
     async def stream(request: web.Request) -> web.StreamResponse:

@@ -52,6 +52,13 @@ function renderJobs(jobs) {
       <td>${new Date(j.updated * 1000).toLocaleTimeString()}</td></tr>`).join("") || `<tr><td colspan="5" class="muted">no jobs yet</td></tr>`;
 }
 
+function renderGateways(gateways) {
+  $("#gateways tbody").innerHTML = (gateways || []).map((g) => `<tr data-gateway="${esc(g.gateway)}">
+      <td class="mono">${esc(g.gateway)}</td><td>${g.up ? "up" : "silent"} · report ${esc(g.last_report_s)} s ago</td>
+      <td>${esc(g.leases)}</td><td>${esc(g.requests)}</td><td>${esc(g.tokens)}</td><td>${esc(g.refused)}</td></tr>`).join("")
+    || `<tr><td colspan="6" class="muted">none: the broker serves the OpenAI endpoints itself (<code>fusionai gateway --broker URL</code> adds one)</td></tr>`;
+}
+
 function renderEvent(e) {
   state.events.unshift(e);
   state.events.length = Math.min(state.events.length, 200);
@@ -70,6 +77,7 @@ function handle(event, data) {
     renderProviders(s.providers);
     renderModels(s.models);
     renderJobs(s.jobs);
+    renderGateways(s.gateways);
     document.body.dataset.updated = String(Date.now());
   } else if (event === "event") {
     renderEvent(JSON.parse(data));

@@ -190,6 +190,10 @@ def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
         )
 
     wait_until("gateways' tokens in the broker's metrics", counted, timeout=15)
+    shown = {g["gateway"]: g for g in dashboard_snapshot(b.http)["gateways"]}
+    assert set(shown) == {"gw-a", "gw-b"} and all(
+        g["up"] and g["tokens"] >= 24 for g in shown.values()
+    )
 
     # A revoked key: refused at once for new work, and within the decision's lifetime (5 s)
     # for everything, by both gateways.
@@ -220,6 +224,25 @@ def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
     assert not stream.done
     assert len(other.rest()) > 0
     wait_until("gw-a's tokens reported", counted, timeout=15)
+
+
+def dashboard_snapshot(base: str) -> dict[str, Any]:
+    """The first snapshot of the dashboard's feed."""
+    parts = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("GET", "/v1/stream", headers={"Authorization": f"Bearer {ADMIN}"})
+    resp = conn.getresponse()
+    event = ""
+    try:
+        while line := resp.readline().decode():
+            if line.startswith("event: "):
+                event = line[7:].strip()
+            elif line.startswith("data: ") and event == "snapshot":
+                out: dict[str, Any] = json.loads(line[6:])
+                return out
+    finally:
+        conn.close()
+    raise AssertionError("the feed ended without a snapshot")
 
 
 def call_text(url: str) -> str:
