@@ -111,9 +111,7 @@ LINK_REFUSED = (
     "this artifact link has expired, or is not this provider's, or its provider has left the "
     "swarm; the broker sends a fresh link with each assignment"
 )
-ADMIN_NEEDED = (
-    "managing keys, adding or replacing models and uploading artifacts needs an admin key"
-)
+ADMIN_NEEDED = "this needs an admin key (managing keys, adding models, uploading artifacts)"
 NO_ADMIN_KEY = (
     f"{ADMIN_NEEDED}, and this broker has none: start it with --admin-key KEY, or put "
     "`admin` after a key in its --api-keys-file"

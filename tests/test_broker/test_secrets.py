@@ -174,7 +174,8 @@ async def test_only_admin_keys_add_models_and_upload_artifacts(
         (m.upper(), path) for path, ops in doc["paths"].items() for m, op in ops.items()
         if op.get("x-admin")
     }  # fmt: skip
-    assert admin_ops == {("POST", "/v1/models"), ("PUT", "/v1/artifacts/{sha}")}
+    keys = {("GET", "/v1/keys"), ("POST", "/v1/keys"), ("DELETE", "/v1/keys/{id}")}
+    assert admin_ops == {("POST", "/v1/models"), ("PUT", "/v1/artifacts/{sha}")} | keys
     assert doc["paths"]["/v1/models"]["post"]["responses"]["403"]
 
 
