@@ -55,8 +55,10 @@ def add_parsers(sub: Any) -> None:
 
 def gateway(args: argparse.Namespace) -> int:
     from broker.admission import Limits
+    from broker.errors import Unavailable
     from client import AsyncClient
     from client.errors import FusionAIError
+    from gateway.remote import KeyRefused
     from gateway.server import serve
 
     host, _, port = args.http.rpartition(":")
@@ -82,7 +84,11 @@ def gateway(args: argparse.Namespace) -> int:
         limits = Limits(requests=args.max_requests)
         try:
             await serve(sdk, name, host, int(port), limits, stop, ready)
-        except (FusionAIError, OSError) as exc:
+        except KeyRefused as exc:
+            print(f"error: the broker refused this gateway's key ({exc}): give it a key "
+                  "made with `fusionai keys add NAME --role gateway`", file=sys.stderr)  # fmt: skip
+            return 1
+        except (FusionAIError, Unavailable, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0

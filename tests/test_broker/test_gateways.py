@@ -144,6 +144,11 @@ def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
     status, _, out = call(b.http, "POST", "/v1/gateway/admit", user,
                           {"gateway": "g", "model": "tiny-llama"})  # fmt: skip
     assert status == 403, out
+    refused = subprocess.run(
+        fusionai("gateway", "--broker", b.http, "--api-key", user, "--http", "127.0.0.1:0"),
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "--role gateway" in refused.stderr, refused.stderr
     procs = {g: start_gateway(spawn, b.http, gw_key, g) for g in ("gw-a", "gw-b")}
     gateways = {g: url for g, (_, url) in procs.items()}
 
