@@ -18,7 +18,22 @@ def add_parser(sub: Any, dispatch: Any) -> None:
         "placement, pool and re-plan code. Give --scenario for a study file (or the name of "
         "a shipped one: see --list), or describe one run with the options below.",
     )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["calibrate"],
+        help="calibrate: measure the simulator's constants on this machine (round trips "
+        "through the p2p stack, the hardware profile) into --out (default calibration.json)",
+    )
     p.add_argument("--scenario", help="a TOML scenario file, or a shipped scenario's name")
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="use the software's costs per hop measured by `fusionai sim calibrate`",
+    )
+    p.add_argument("--count", type=int, default=400, help="calibrate: small round trips")
+    p.add_argument("--mib", type=int, default=4, help="calibrate: the large payload, MiB")
+    p.add_argument("--executor", choices=["ort", "torch"], help="calibrate: profile this one")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
     p.add_argument(
         "--queue-study",
@@ -99,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
     from sim.scenario import load_study, shipped
     from sim.swarm import simulate
 
+    if args.action == "calibrate":
+        from cli import sim_calibrate
+
+        if args.out is None:
+            args.out = "calibration.json"
+        return sim_calibrate.run(args)
     if args.list:
         for name in shipped():
             print(name)
@@ -120,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
         return 1 if result.mismatches else 0
     try:
         study = load_study(args.scenario) if args.scenario else _single(args)
+        if args.calibration:
+            from sim.calibration import load
+
+            calibration = load(args.calibration)
+            study.runs[:] = [calibration.apply(r) for r in study.runs]
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 A task takes max(FLOPs / FLOP/s, bytes moved / memory bandwidth): compute-bound prefill and
 training, memory-bound decoding. A transfer between two machines takes the one-way latency plus
 bytes over the sender's upload bandwidth (home uplinks are far slower than downlinks, so the
-sender's link bounds a hop). In a pipeline with microbatches in flight, latency overlaps with
+sender's link bounds a hop), plus the software's time at each end (`call_s` and
+`wire_s_per_byte`: framing, encryption, encoding; `fusionai sim calibrate` measures them, and
+they are 0 unless given). In a pipeline with microbatches in flight, latency overlaps with
 other work but a link's busy time does not: a stage's time per microbatch (what bounds
 throughput) is its compute plus its send time; latency counts towards per-token latency only.
 Observed times correct a profile through a per-machine factor.
@@ -32,6 +34,8 @@ class HardwareProfile:
     net_bandwidth: float  # upload bandwidth; bytes/s
     rtt: float = 0.02  # round trip to the broker; seconds
     slowdown: float = 1.0  # correction from observed stage times (1 = as profiled)
+    call_s: float = 0.0  # software time this machine spends on each hop it sends or receives
+    wire_s_per_byte: float = 0.0  # and per byte of it (encode, encrypt, copy); seconds
 
     def flops_for(self, dtype: str) -> float:
         for name in (dtype, "float16", "bfloat16", "float32"):
@@ -80,22 +84,33 @@ def latency(src: HardwareProfile | None, dst: HardwareProfile | None) -> float:
     return sum(p.rtt for p in (src, dst) if p is not None) / 4
 
 
+def end_time(nbytes: float, profile: HardwareProfile | None) -> float:
+    """The software's time at one end of a hop of `nbytes` (0 for the client: `transfer_time`
+    counts its end as its peer's)."""
+    if profile is None or nbytes <= 0:
+        return 0.0
+    return profile.call_s + nbytes * profile.wire_s_per_byte
+
+
 def send_time(nbytes: float, src: HardwareProfile | None) -> float:
-    """Time `src`'s uplink is busy sending `nbytes` (the client's link is not modelled)."""
+    """Time `src` is busy sending `nbytes`: its uplink, and its end of the hop (the client's
+    link is not modelled)."""
     if src is None or nbytes <= 0:
         return 0.0
-    return nbytes / src.net_bandwidth
+    return nbytes / src.net_bandwidth + end_time(nbytes, src)
 
 
 def transfer_time(nbytes: float, src: HardwareProfile | None, dst: HardwareProfile | None) -> float:
     """Time to send `nbytes` from `src` to `dst`, two different machines (None: the client,
-    whose link is not the bottleneck). Callers skip transfers within one machine."""
+    whose link is not the bottleneck and whose software costs as its peer's). Callers skip
+    transfers within one machine."""
     if nbytes <= 0:
         return 0.0
     bandwidth = (
         src.net_bandwidth if src is not None else (dst.net_bandwidth if dst is not None else 0)
     )
-    return latency(src, dst) + (nbytes / bandwidth if bandwidth else 0.0)
+    ends = end_time(nbytes, src or dst) + end_time(nbytes, dst or src)
+    return latency(src, dst) + (nbytes / bandwidth if bandwidth else 0.0) + ends
 
 
 def critical_path(
@@ -175,11 +190,13 @@ def blocks_that_fit(
 
 
 def stage_time(model: ModelSpec, profile: HardwareProfile, layers: int, work: Workload) -> float:
-    """A stage's busy time per microbatch: its blocks, then its uplink sending hidden states."""
+    """A stage's busy time per microbatch: receiving hidden states, its blocks, then sending
+    them on."""
     if layers <= 0:
         return 0.0
-    send = send_time(model.hidden_bytes_per_token * work.tokens, profile)
-    return layers * layer_time(model, profile, work) + send
+    hidden = model.hidden_bytes_per_token * work.tokens
+    send = send_time(hidden, profile)
+    return end_time(hidden, profile) + layers * layer_time(model, profile, work) + send
 
 
 @dataclass(frozen=True)

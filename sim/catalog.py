@@ -163,6 +163,9 @@ class Network:
     spread: float  # sigma of the log-normal spread around the medians (0: all the same)
     rtt: float  # seconds, round trip to the middle of the network
     source: str
+    # hops go through the swarm's p2p stack (its calibrated software costs apply), not a
+    # GPU interconnect's collectives
+    p2p: bool = True
 
     def draw(self, rng: random.Random) -> tuple[float, float]:
         """(upload, download) bytes/s for one peer."""
@@ -202,6 +205,7 @@ NETWORKS: dict[str, Network] = {
             0.0,
             0.00002,
             "InfiniBand NDR, 400 Gbit/s per port (NVIDIA Quantum-2 datasheet)",
+            p2p=False,
         ),
         Network(
             "nvlink4",
@@ -211,6 +215,7 @@ NETWORKS: dict[str, Network] = {
             0.000005,
             "NVIDIA H100 SXM datasheet: NVLink 4, 900 GB/s bidirectional per GPU, "
             "so 450 GB/s each way",
+            p2p=False,
         ),
     )
 }

@@ -4,7 +4,7 @@ with a GPU drawn from the scenario's mix and a home connection drawn from its ne
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dag.cost import HardwareProfile
 from sim.catalog import GPUS, NETWORKS, profile
@@ -31,7 +31,12 @@ def draw(scenario: Scenario, rng: random.Random) -> Population:
         gpu = GPUS[rng.choices(names, weights)[0]]
         up, down = network.draw(rng)
         peer = f"{gpu.name}-{i}"
-        out.profiles[peer] = profile(gpu, up, network.rtt)
+        software = network.p2p  # (a GPU interconnect's hops do not go through our stack)
+        out.profiles[peer] = replace(
+            profile(gpu, up, network.rtt),
+            call_s=scenario.call_s if software else 0.0,
+            wire_s_per_byte=scenario.wire_s_per_byte if software else 0.0,
+        )
         out.download[peer] = down
         out.power[peer] = gpu.power_w
         return peer

@@ -33,6 +33,9 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             "download_mbit_s_median": net.down_median * 8 / 1e6,
             "rtt_ms": net.rtt * 1e3,
             "source": net.source,
+            # the software's time at each end of a hop (`--calibration`; 0: not charged)
+            "hop_end_ms": scenario.call_s * 1e3 if net.p2p else 0.0,
+            "hop_end_ns_per_byte": scenario.wire_s_per_byte * 1e9 if net.p2p else 0.0,
         },
         "workload": {
             "name": w.name,

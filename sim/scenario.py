@@ -63,6 +63,10 @@ class Scenario:
     energy_usd_per_kwh: float = 0.15  # electricity price
     rent_usd_per_gpu_hour: float = 0.0  # rental price (0 for contributed machines)
     sample_every_s: float = 60.0  # spacing of the time series in the result
+    # the software's time at each end of a hop, and per byte (`fusionai sim calibrate`
+    # measures them; `fusionai sim --calibration FILE` sets them): 0 leaves software free
+    call_s: float = 0.0
+    wire_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = [g for g in self.gpus if g not in GPUS]
@@ -70,6 +74,8 @@ class Scenario:
             raise ValueError(f"unknown GPUs {unknown}; known: {sorted(GPUS)}")
         if self.network not in NETWORKS:
             raise ValueError(f"unknown network {self.network!r}; known: {sorted(NETWORKS)}")
+        if not (0 <= self.call_s < 1 and 0 <= self.wire_s_per_byte < 1e-3):
+            raise ValueError("call_s is 0 to 1 s, wire_s_per_byte 0 to 1e-3 s")
         if self.peers < 1 or self.hours <= 0:
             raise ValueError("a scenario needs at least one peer and a positive duration")
         if self.placement not in PLACEMENTS:

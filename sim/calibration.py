@@ -1,0 +1,89 @@
+"""The simulator's constants from micro-measurements (`fusionai sim calibrate`): a JSON file
+of what one run measured on a machine, read back by `fusionai sim --calibration FILE`.
+
+    call_s            software time at one end of a stage call's hop: framing, Noise
+                      encryption, dispatch (from round trips of a few bytes between two hosts
+                      on loopback: one round trip is two hops, four ends)
+    wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
+                      few MiB, less the small ones')
+    profile           this machine's measured executor: FLOP/s per dtype, memory bandwidth
+                      and memory (the provider daemon's own measurement)
+    link              one link's one-way latency and throughput, when measured (else null)
+
+Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from dag.cost import HardwareProfile
+from sim.scenario import Scenario
+
+VERSION = 1
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
+Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
+
+
+class MeasuredProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    executor: str
+    flops: dict[str, Positive]  # FLOP/s per dtype
+    mem_bandwidth: Positive  # bytes/s
+    memory_bytes: Positive
+
+
+class Link(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    latency_s: Seconds  # one way
+    bytes_s: Positive  # throughput of one bulk transfer
+
+
+class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    version: int
+    machine: str
+    measured_at: float  # Unix time
+    call_s: Seconds
+    wire_s_per_byte: Annotated[float, msgspec.Meta(ge=0, le=1e-3)]
+    small_rtt_s: Seconds  # the medians the two constants come from
+    large_rtt_s: Seconds
+    large_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    samples: int
+    profile: MeasuredProfile
+    link: Link | None = None
+
+    def hardware(self, net_bandwidth: float, rtt: float = 0.0) -> HardwareProfile:
+        """This machine as the cost model sees it, with its software costs per hop."""
+        p = self.profile
+        return HardwareProfile(
+            p.name, dict(p.flops), p.memory_bytes, p.mem_bandwidth, net_bandwidth, rtt,
+            call_s=self.call_s, wire_s_per_byte=self.wire_s_per_byte,
+        )  # fmt: skip
+
+    def apply(self, scenario: Scenario) -> Scenario:
+        """`scenario` with the software's costs per hop measured here."""
+        return dataclasses.replace(
+            scenario, call_s=self.call_s, wire_s_per_byte=self.wire_s_per_byte
+        )
+
+
+def load(path: Path | str) -> Calibration:
+    """A calibration file, checked (a clear `ValueError` otherwise)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read calibration {path}: {exc.strerror}") from None
+    try:
+        out = msgspec.json.decode(raw, type=Calibration)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"{path} is not a calibration file: {exc}") from None
+    if out.version != VERSION:
+        raise ValueError(f"{path}: calibration version {out.version}; this reads {VERSION}")
+    return out
+
+
+def save(calibration: Calibration, path: Path | str) -> None:
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(calibration)) + b"\n")
