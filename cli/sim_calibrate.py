@@ -5,8 +5,10 @@ tensors on a compute handler, as a stage call carries hidden states: round trips
 float32 values and of `--mib` MiB. One round trip is two hops, each with a sending and a
 receiving end, so the software's time at one end of a hop is the small round trip over 4
 (`call_s`), and its time per byte the difference of the large and small round trips over
-4 x the large payload (`wire_s_per_byte`). The machine's profile is the provider daemon's own
-measurement (`provider.profile.measure`). Medians throughout; nothing set by hand.
+4 x the large payload (`wire_s_per_byte`). One executor call's fixed time (`stage_call_s`) is
+onnxruntime running a 64 x 64 MatMul on one row, on one thread. The machine's profile is the
+provider daemon's own measurement (`provider.profile.measure`). Medians throughout; nothing
+set by hand.
 """
 
 from __future__ import annotations
@@ -43,6 +45,32 @@ async def _round_trips(values: int, count: int) -> list[float]:
     return samples
 
 
+def _executor_calls(count: int) -> list[float]:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ir.executors.ort import OrtExecutor
+
+    weight = numpy_helper.from_array(np.eye(SMALL, dtype=np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "call",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, SMALL])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, SMALL])], [weight],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.checker.check_model(model)
+    executor = OrtExecutor(model, threads=1)
+    feeds = {"x": np.ones((1, SMALL), dtype=np.float32)}
+    for _ in range(20):
+        executor.run(feeds)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        executor.run(feeds)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
 def calibrate(count: int = 400, mib: int = 4, executor: str | None = None) -> object:
     from provider.profile import measure
     from sim.calibration import VERSION, Calibration, MeasuredProfile
@@ -62,6 +90,7 @@ def calibrate(count: int = 400, mib: int = 4, executor: str | None = None) -> ob
         measured_at=round(time.time(), 3),
         call_s=small_rtt / 4,
         wire_s_per_byte=max(0.0, large_rtt - small_rtt) / (4 * large * 4),
+        stage_call_s=statistics.median(_executor_calls(count)),
         small_rtt_s=small_rtt,
         large_rtt_s=large_rtt,
         large_bytes=large * 4,
@@ -82,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     save(out, Path(args.out))
     print(
         f"{args.out}: call_s {out.call_s * 1e3:.3f} ms a hop's end, "
-        f"{out.wire_s_per_byte * 1e9:.3f} ns a byte ({out.profile.executor} on {out.machine})"
+        f"{out.wire_s_per_byte * 1e9:.3f} ns a byte, an executor call "
+        f"{out.stage_call_s * 1e3:.3f} ms ({out.profile.executor} on {out.machine})"
     )
     return 0

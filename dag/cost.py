@@ -4,8 +4,9 @@ A task takes max(FLOPs / FLOP/s, bytes moved / memory bandwidth): compute-bound 
 training, memory-bound decoding. A transfer between two machines takes the one-way latency plus
 bytes over the sender's upload bandwidth (home uplinks are far slower than downlinks, so the
 sender's link bounds a hop), plus the software's time at each end (`call_s` and
-`wire_s_per_byte`: framing, encryption, encoding; `fusionai sim calibrate` measures them, and
-they are 0 unless given). In a pipeline with microbatches in flight, latency overlaps with
+`wire_s_per_byte`: framing, encryption, encoding). A task or a stage's run also pays one
+executor call's fixed time (`stage_call_s`). `fusionai sim calibrate` measures these three,
+and they are 0 unless given. In a pipeline with microbatches in flight, latency overlaps with
 other work but a link's busy time does not: a stage's time per microbatch (what bounds
 throughput) is its compute plus its send time; latency counts towards per-token latency only.
 Observed times correct a profile through a per-machine factor.
@@ -36,6 +37,7 @@ class HardwareProfile:
     slowdown: float = 1.0  # correction from observed stage times (1 = as profiled)
     call_s: float = 0.0  # software time this machine spends on each hop it sends or receives
     wire_s_per_byte: float = 0.0  # and per byte of it (encode, encrypt, copy); seconds
+    stage_call_s: float = 0.0  # fixed time of one executor call (a stage's run), beyond compute
 
     def flops_for(self, dtype: str) -> float:
         for name in (dtype, "float16", "bfloat16", "float32"):
@@ -76,7 +78,8 @@ def compute_time(
 
 
 def task_time(task: Task, profile: HardwareProfile, dtype: str = "float16") -> float:
-    return compute_time(task.flops, task.mem_bytes, profile, dtype)
+    """One task: one executor call."""
+    return profile.stage_call_s + compute_time(task.flops, task.mem_bytes, profile, dtype)
 
 
 def latency(src: HardwareProfile | None, dst: HardwareProfile | None) -> float:
@@ -196,7 +199,8 @@ def stage_time(model: ModelSpec, profile: HardwareProfile, layers: int, work: Wo
         return 0.0
     hidden = model.hidden_bytes_per_token * work.tokens
     send = send_time(hidden, profile)
-    return end_time(hidden, profile) + layers * layer_time(model, profile, work) + send
+    run = profile.stage_call_s + layers * layer_time(model, profile, work)
+    return end_time(hidden, profile) + run + send
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,8 @@ def pipeline_metrics(
     path = 0.0
     previous: HardwareProfile | None = None  # the client sends the first hop
     for profile, layers in stages:
-        path += transfer_time(hidden, previous, profile) + layers * layer_time(model, profile, work)
+        run = profile.stage_call_s + layers * layer_time(model, profile, work)
+        path += transfer_time(hidden, previous, profile) + run
         previous = None if star else profile  # (star: back to the client after each stage)
         if star:
             path += transfer_time(hidden, profile, None)

@@ -6,6 +6,8 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       on loopback: one round trip is two hops, four ends)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
                       few MiB, less the small ones')
+    stage_call_s      one executor call's fixed time: onnxruntime running a 64 x 64 MatMul
+                      on one row, whose arithmetic is negligible
     profile           this machine's measured executor: FLOP/s per dtype, memory bandwidth
                       and memory (the provider daemon's own measurement)
     link              one link's one-way latency and throughput, when measured (else null)
@@ -48,6 +50,7 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     measured_at: float  # Unix time
     call_s: Seconds
     wire_s_per_byte: Annotated[float, msgspec.Meta(ge=0, le=1e-3)]
+    stage_call_s: Seconds
     small_rtt_s: Seconds  # the medians the two constants come from
     large_rtt_s: Seconds
     large_bytes: Annotated[int, msgspec.Meta(gt=0)]
@@ -61,12 +64,16 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return HardwareProfile(
             p.name, dict(p.flops), p.memory_bytes, p.mem_bandwidth, net_bandwidth, rtt,
             call_s=self.call_s, wire_s_per_byte=self.wire_s_per_byte,
+            stage_call_s=self.stage_call_s,
         )  # fmt: skip
 
     def apply(self, scenario: Scenario) -> Scenario:
-        """`scenario` with the software's costs per hop measured here."""
+        """`scenario` with the software's costs per hop and per call measured here."""
         return dataclasses.replace(
-            scenario, call_s=self.call_s, wire_s_per_byte=self.wire_s_per_byte
+            scenario,
+            call_s=self.call_s,
+            wire_s_per_byte=self.wire_s_per_byte,
+            stage_call_s=self.stage_call_s,
         )
 
 

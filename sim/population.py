@@ -36,6 +36,8 @@ def draw(scenario: Scenario, rng: random.Random) -> Population:
             profile(gpu, up, network.rtt),
             call_s=scenario.call_s if software else 0.0,
             wire_s_per_byte=scenario.wire_s_per_byte if software else 0.0,
+            # (a datacenter's GPUs run their kernels back to back: no Python call per stage)
+            stage_call_s=scenario.stage_call_s if software else 0.0,
         )
         out.download[peer] = down
         out.power[peer] = gpu.power_w

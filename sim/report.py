@@ -36,6 +36,7 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             # the software's time at each end of a hop (`--calibration`; 0: not charged)
             "hop_end_ms": scenario.call_s * 1e3 if net.p2p else 0.0,
             "hop_end_ns_per_byte": scenario.wire_s_per_byte * 1e9 if net.p2p else 0.0,
+            "stage_call_ms": scenario.stage_call_s * 1e3 if net.p2p else 0.0,
         },
         "workload": {
             "name": w.name,

@@ -67,6 +67,7 @@ class Scenario:
     # measures them; `fusionai sim --calibration FILE` sets them): 0 leaves software free
     call_s: float = 0.0
     wire_s_per_byte: float = 0.0
+    stage_call_s: float = 0.0  # one executor call's fixed time (measured on this machine)
 
     def __post_init__(self) -> None:
         unknown = [g for g in self.gpus if g not in GPUS]
@@ -74,8 +75,10 @@ class Scenario:
             raise ValueError(f"unknown GPUs {unknown}; known: {sorted(GPUS)}")
         if self.network not in NETWORKS:
             raise ValueError(f"unknown network {self.network!r}; known: {sorted(NETWORKS)}")
-        if not (0 <= self.call_s < 1 and 0 <= self.wire_s_per_byte < 1e-3):
-            raise ValueError("call_s is 0 to 1 s, wire_s_per_byte 0 to 1e-3 s")
+        if not (0 <= self.call_s < 1 and 0 <= self.stage_call_s < 1):
+            raise ValueError("call_s and stage_call_s are 0 to 1 s")
+        if not 0 <= self.wire_s_per_byte < 1e-3:
+            raise ValueError("wire_s_per_byte is 0 to 1e-3 s")
         if self.peers < 1 or self.hours <= 0:
             raise ValueError("a scenario needs at least one peer and a positive duration")
         if self.placement not in PLACEMENTS:

@@ -25,6 +25,7 @@ def test_calibrate_measures_the_stack_and_the_machine(tmp_path: Path) -> None:
     assert 0 < out.small_rtt_s < out.large_rtt_s  # a MiB costs more than 64 floats
     assert out.call_s == pytest.approx(out.small_rtt_s / 4)
     assert 1e-11 < out.wire_s_per_byte < 1e-6  # between 1 TB/s and 1 MB/s an end
+    assert 1e-6 < out.stage_call_s < 0.05
     assert out.profile.flops["float32"] > 1e8 and out.profile.mem_bandwidth > 1e8
     save(out, tmp_path / "c.json")
     assert load(tmp_path / "c.json") == out
@@ -37,20 +38,23 @@ def test_calibrate_measures_the_stack_and_the_machine(tmp_path: Path) -> None:
 def test_every_hop_end_pays_the_software_costs() -> None:
     bare = HardwareProfile("m", {"float16": 30e12}, 10e9, 700e9, 5e6, 0.04)
     c, w = 0.5e-3, 4e-9
-    timed = dataclasses.replace(bare, call_s=c, wire_s_per_byte=w)
+    run = 2e-3
+    timed = dataclasses.replace(bare, call_s=c, wire_s_per_byte=w, stage_call_s=run)
     work = Workload(tokens=1, sequences=1, context=512)
     hidden = LLAMA2_7B.hidden_bytes_per_token
     end = c + hidden * w
     for star, legs in ((False, 4 + 1), (True, 2 * 4)):
         before = pipeline_metrics(LLAMA2_7B, [(bare, 8)] * 4, work, star=star)
         after = pipeline_metrics(LLAMA2_7B, [(timed, 8)] * 4, work, star=star)
-        assert after.latency - before.latency == pytest.approx(2 * end * legs)  # two ends a leg
-        assert after.bottleneck - before.bottleneck == pytest.approx(2 * end)  # in, and out
+        # two ends a leg, and an executor call a stage
+        assert after.latency - before.latency == pytest.approx(2 * end * legs + 4 * run)
+        assert after.bottleneck - before.bottleneck == pytest.approx(2 * end + run)  # in, out
 
 
 def test_the_simulator_charges_swarm_hops_not_nvlink(tmp_path: Path) -> None:
     fixed = Calibration(
         version=1, machine="test", measured_at=0.0, call_s=1e-3, wire_s_per_byte=5e-9,
+        stage_call_s=5e-4,
         small_rtt_s=4e-3, large_rtt_s=0.1, large_bytes=1 << 20, samples=40,
         profile=load_profile(),
     )  # fmt: skip
