@@ -153,7 +153,11 @@ class RemoteBackend:
             out = await broker_call(
                 self.sdk._call("POST", "/v1/gateway/admit", Admitted, body, retry="never")
             )
-        except (TooBusy, KeyRefused):
+        except KeyRefused:
+            self._decisions.pop(key, None)  # revoked since: ask afresh next time
+            self.traffic.refused += 1
+            raise
+        except TooBusy:
             self.traffic.refused += 1
             raise
         self.leases.add(out.lease)
