@@ -77,8 +77,9 @@ def make_app(backend: RemoteBackend, gateway: Gateway) -> web.Application:
             return await handler(request)
         try:
             decision = await backend.decision(presented_key(request))
-        except KeyRefused as exc:
-            return error(401, f"the broker refused this gateway: {exc}")
+        except KeyRefused as exc:  # the gateway's own key: not the user's to fix
+            log.error("the broker refuses this gateway's key: %s", exc)
+            return error(503, "this gateway cannot reach its broker's decisions; try again later")
         if not decision.valid:
             backend.traffic.refused += 1
             response = error(401, KEY_NEEDED)
