@@ -145,7 +145,8 @@ class Leases:
         lease.using.close()
 
     def held(self) -> dict[str, int]:
-        """Leases held per gateway."""
+        """Leases held per gateway (lapsed ones dropped first)."""
+        self.expire()
         out: dict[str, int] = defaultdict(int)
         for lease in self.leases.values():
             out[lease.gateway] += 1
