@@ -65,6 +65,7 @@ from broker.gateway import Gateway
 from broker.httpkit import (
     ADMISSION,
     DASHBOARD,
+    KEY_NEEDED,
     Handler,
     answer,
     body_as,
@@ -106,7 +107,6 @@ ALWAYS_NEEDED = {
     "gateway": "a gateway's operation: it needs a gateway's key (`fusionai keys add NAME "
     "--role gateway`) or an admin key, even on an open API",
 }
-KEY_NEEDED = "a valid API key is needed: Authorization: Bearer KEY (or X-API-Key: KEY)"
 LINK_REFUSED = (
     "this artifact link has expired, or is not this provider's, or its provider has left the "
     "swarm; the broker sends a fresh link with each assignment"

@@ -70,6 +70,7 @@ DASHBOARD = Path(__file__).parent / "dashboard"
 PUBLIC = frozenset(op.path for op in OPS if op.public and "{" not in op.path)
 BIG_BODY = 64 * 1024  # bodies larger than this are decoded off the event loop
 _encoder = msgspec.json.Encoder(enc_hook=str)  # (event fields of other types: as text)
+KEY_NEEDED = "a valid API key is needed: Authorization: Bearer KEY (or X-API-Key: KEY)"
 KEEPALIVE_S = 15.0  # a comment line this often keeps idle streams open through proxies
 
 
@@ -86,6 +87,15 @@ def results_event(job: str, offset: int, rows: list[tuple[int, list[int], bytes]
 
 def public_path(path: str) -> bool:
     return path in PUBLIC or path.startswith("/dashboard/")
+
+
+def site_url(site: web.TCPSite, host: str, tls: bool = False) -> str:
+    """The URL of a site that has started (the port it bound; 127.0.0.1 for a wildcard)."""
+    server = site._server
+    assert server is not None
+    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
 def presented_key(request: web.Request) -> str | None:

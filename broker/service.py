@@ -38,6 +38,7 @@ from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
 from broker.gateways import Gateways
 from broker.http import ApiParts, make_app
+from broker.httpkit import site_url
 from broker.jobs import JobRunner
 from broker.keys_api import KeyRoutes
 from broker.keystore import KeyStore
@@ -271,12 +272,7 @@ class Broker:
             self._runner, self.config.http_host, self.config.http_port, ssl_context=context
         )
         await site.start()
-        server = site._server
-        assert server is not None
-        port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        host = self.config.http_host
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.http_url = f"{'https' if context else 'http'}://{shown}:{port}"
+        self.http_url = site_url(site, self.config.http_host, context is not None)
         self.links.serve(
             (self.config.public_url or self.http_url).rstrip("/"),
             # providers download from this server: pin its certificate

@@ -30,7 +30,17 @@ from prometheus_client.registry import Collector
 
 from broker.admission import Limits
 from broker.gateway import Gateway
-from broker.httpkit import ADMISSION, Handler, answer, body_as, error, errors, presented_key
+from broker.httpkit import (
+    ADMISSION,
+    KEY_NEEDED,
+    Handler,
+    answer,
+    body_as,
+    error,
+    errors,
+    presented_key,
+    site_url,
+)
 from broker.leases import REPORT_EVERY_S
 from client.api import AsyncClient
 from client.errors import FusionAIError
@@ -40,7 +50,6 @@ from proto.api.openai import ChatCompletionRequest, CompletionRequest, Embedding
 
 log = logging.getLogger("fusionai.gateway")
 MODELS_TTL_S = 5.0
-KEY_NEEDED = "a valid API key is needed: Authorization: Bearer KEY (or X-API-Key: KEY)"
 
 
 class _Counters(Collector):
@@ -164,11 +173,7 @@ async def serve(
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        server = site._server
-        assert server is not None
-        bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        ready(f"http://{shown}:{bound}")
+        ready(site_url(site, host))
         await report_loop(backend, stop)
     finally:
         backend.close()  # open streams end with a clean error event

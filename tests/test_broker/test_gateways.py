@@ -137,9 +137,9 @@ def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
 ) -> None:
     b = swarm(broker, provider, llama_package)
     gw_key = keys(b.http, "add", "gateways", "--role", "gateway")["key"]
-    user = keys(b.http, "add", "alice")["key"]
-    limited = keys(b.http, "add", "bob", "--max-streams", "4")["key"]
-    doomed = keys(b.http, "add", "carol")
+    user = call(b.http, "POST", "/v1/keys", ADMIN, {"name": "alice"})[2]["key"]  # (the API)
+    limited = keys(b.http, "add", "bob", "--max-streams", "4")["key"]  # (the CLI)
+    doomed = call(b.http, "POST", "/v1/keys", ADMIN, {"name": "carol"})[2]
     # a user's key is not a gateway's: the broker refuses it as one
     status, _, out = call(b.http, "POST", "/v1/gateway/admit", user,
                           {"gateway": "g", "model": "tiny-llama"})  # fmt: skip

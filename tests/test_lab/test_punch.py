@@ -22,6 +22,7 @@ from lab.topology import BROKER_IP, Lab
 from tests.procs import Proc, fusionai
 from tests.test_broker.test_gateway import local_greedy
 from tests.test_lab.conftest import need_lab
+from tests.test_lab.test_embed import CLIENT  # an embed job's client, run in a home
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(420)]
 RELAY_PORT = 7372
@@ -223,22 +224,6 @@ def test_a_client_generates_on_a_relayed_provider_over_a_punched_connection(
     assert answer["connections"][provider_id] == [direct], answer
 
 
-EMBED = """
-import base64, json, sys, time
-from client import Client
-with Client(sys.argv[1], timeout=60) as fa:
-    fa.add_model(sys.argv[2])
-    end = time.monotonic() + 180
-    while not fa.model("minilm").ready:
-        assert time.monotonic() < end, "the model was never served"
-        time.sleep(0.5)
-    job = fa.submit({"model": "minilm", "texts": json.loads(sys.argv[3]), "microbatch": 4})
-    assert fa.wait(job.id, timeout=120).state == "succeeded"
-    got = fa.results(job.id).astype("<f4")
-    print(json.dumps({"shape": got.shape, "data": base64.b64encode(got).decode()}))
-"""
-
-
 def test_chained_hops_between_relayed_cone_providers_punch_a_direct_connection(
     lab: Lab, spawn: Callable[..., Proc], tmp_path: Path
 ) -> None:
@@ -263,7 +248,7 @@ def test_chained_hops_between_relayed_cone_providers_punch_a_direct_connection(
                         and e["reach"] == "relayed", timeout=120, since=0)  # fmt: skip
 
     texts = sample_texts(16)
-    out = lab.run(lab.homes[2].host, sys.executable, "-c", EMBED, f"http://{BROKER_IP}:7371",
+    out = lab.run(lab.homes[2].host, sys.executable, "-c", CLIENT, f"http://{BROKER_IP}:7371",
                   str(package), json.dumps(texts), timeout=240)  # fmt: skip
     answer = json.loads(out.strip().splitlines()[-1])
     got = np.frombuffer(base64.b64decode(answer["data"]), "<f4").reshape(answer["shape"])

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,6 +183,16 @@ with Client(sys.argv[1], timeout=30) as fa:
 """
 
 
+def paused_client(lab: Lab, package: Path) -> subprocess.Popen[Any]:
+    """The `PAUSED` client in the fourth home, once it has paused mid-generation."""
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "cwd": ROOT}
+    client = lab.spawn(lab.homes[3].host, sys.executable, "-c", PAUSED,
+                       f"http://{BROKER_IP}:7371", str(package), PROMPT, **pipes)  # fmt: skip
+    assert client.stdout is not None and client.stdin is not None
+    assert client.stdout.readline().strip() == "paused"
+    return client
+
+
 def test_a_session_recovers_when_its_relay_dies(
     lab: Lab, spawn: Callable[..., Proc], tmp_path: Path, llama_package: Path
 ) -> None:
@@ -194,11 +205,7 @@ def test_a_session_recovers_when_its_relay_dies(
                               "--listen", "/ip4/0.0.0.0/tcp/4750", "--no-upnp")  # fmt: skip
         assert proc.wait_for("relay", timeout=120)["held"] is True
     tokens, _ = local_greedy(llama_package, PROMPT, 12)
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "cwd": ROOT}
-    client = lab.spawn(lab.homes[3].host, sys.executable, "-c", PAUSED,
-                       f"http://{BROKER_IP}:7371", str(llama_package), PROMPT, **pipes)  # fmt: skip
-    assert client.stdout is not None and client.stdin is not None
-    assert client.stdout.readline().strip() == "paused"
+    client = paused_client(lab, llama_package)
     broker.signal(signal.SIGKILL)
     broker.wait(timeout=10)
     broker, _ = start_broker(lab, spawn, tmp_path / "broker")  # the same identity and ports
@@ -240,11 +247,7 @@ def test_a_provider_relay_carries_providers_and_its_death_moves_them_to_the_brok
         broker.wait_for("provider_reach", lambda e, p=peer: e["peer"] == p
                         and e["reach"] == "relayed", timeout=120, since=0)  # fmt: skip
     tokens, _ = local_greedy(llama_package, PROMPT, 12)
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "cwd": ROOT}
-    client = lab.spawn(lab.homes[3].host, sys.executable, "-c", PAUSED,
-                       f"http://{BROKER_IP}:7371", str(llama_package), PROMPT, **pipes)  # fmt: skip
-    assert client.stdout is not None and client.stdin is not None
-    assert client.stdout.readline().strip() == "paused"
+    client = paused_client(lab, llama_package)
     marks = [proc.mark() for proc in providers]
     relay.signal(signal.SIGKILL)
     relay.wait(timeout=10)
