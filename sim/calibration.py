@@ -10,7 +10,6 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       on one row, whose arithmetic is negligible
     profile           this machine's measured executor: FLOP/s per dtype, memory bandwidth
                       and memory (the provider daemon's own measurement)
-    link              one link's one-way latency and throughput, when measured (else null)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
@@ -23,7 +22,6 @@ from typing import Annotated
 
 import msgspec
 
-from dag.cost import HardwareProfile
 from sim.scenario import Scenario
 
 VERSION = 1
@@ -39,11 +37,6 @@ class MeasuredProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory_bytes: Positive
 
 
-class Link(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    latency_s: Seconds  # one way
-    bytes_s: Positive  # throughput of one bulk transfer
-
-
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     machine: str
@@ -56,16 +49,6 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     large_bytes: Annotated[int, msgspec.Meta(gt=0)]
     samples: int
     profile: MeasuredProfile
-    link: Link | None = None
-
-    def hardware(self, net_bandwidth: float, rtt: float = 0.0) -> HardwareProfile:
-        """This machine as the cost model sees it, with its software costs per hop."""
-        p = self.profile
-        return HardwareProfile(
-            p.name, dict(p.flops), p.memory_bytes, p.mem_bandwidth, net_bandwidth, rtt,
-            call_s=self.call_s, wire_s_per_byte=self.wire_s_per_byte,
-            stage_call_s=self.stage_call_s,
-        )  # fmt: skip
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""
