@@ -47,6 +47,16 @@ def build(cache: Path, say: Callable[[str], None]) -> tuple[Path, Path]:
     return encoder, decoder
 
 
+def build_decoder(out: Path, stages: int) -> Path:
+    """The demo decoder cut into `stages` provider stages (1 to 4: one per block at most), at
+    `out`, built unless it is there."""
+    if not 1 <= stages <= 4:
+        raise ValueError("the demo decoder has 4 blocks: 1 to 4 stages")
+    if not (out / "manifest.json").is_file():
+        _fresh(out, lambda tmp: _decoder(tmp, stages))
+    return out
+
+
 def _fresh(out: Path, make: Callable[[Path], None]) -> None:
     """Build into a temporary directory, then move it into place (no half-built package)."""
     tmp = out.with_name(out.name + ".tmp")
@@ -144,12 +154,12 @@ def train_decoder(tokenizer_file: Path) -> tuple[Any, float]:
     return model, float(loss.detach())
 
 
-def _decoder(out: Path) -> None:
+def _decoder(out: Path, stages: int = 2) -> None:
     from ir.export import build_package
 
     tokenizer_file = out.parent / f"{DECODER}-tokenizer.json"
     model, loss = train_decoder(tokenizer_file)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build_package(model, 2, out, name=DECODER, tokenizer_file=tokenizer_file)
+        build_package(model, stages, out, name=DECODER, tokenizer_file=tokenizer_file)
     (out / "training.json").write_text(json.dumps({"steps": STEPS, "final_loss": loss}))

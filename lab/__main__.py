@@ -3,6 +3,7 @@
 python -m lab up --kinds cone,symmetric,upnp --rate 20 --delay 25   # prints its layout
 python -m lab run h1 -- python -m cli.main provider start --broker ...
 python -m lab down            # this lab (the last one brought up); --all: every fl* one
+python -m lab scenario fidelity-latency --package DIR --out lab.json   # a lab scenario, run
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     down = sub.add_parser("down", help="tear the lab down")
     down.add_argument("--all", action="store_true", help="every fl* namespace, of any run")
     sub.add_parser("status", help="the lab brought up last, and every fl* namespace")
+    sc = sub.add_parser("scenario", help="run a lab scenario (sim/scenarios) for real")
+    sc.add_argument("scenario", help="a scenario file with a [lab] table, or a shipped name")
+    sc.add_argument("--package", required=True, help="the model package it serves")
+    sc.add_argument("--runs", type=int, help="runs (default: the scenario's)")
+    sc.add_argument("--out", help="write the result (JSON) here; default: print it")
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -63,6 +69,31 @@ def _up(args: argparse.Namespace) -> int:
     }  # fmt: skip
     STATE.write_text(json.dumps(layout, indent=1))
     print(json.dumps(layout, indent=1))
+    return 0
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    from lab.scenario import run
+    from sim.labscenario import load
+
+    try:
+        scenario = load(args.scenario)
+        manifest = json.loads((Path(args.package) / "manifest.json").read_text())
+    except (ValueError, OSError) as exc:
+        raise LabError(str(exc)) from None
+    stages = sum(1 for st in manifest["stages"] if st.get("placement") == "provider")
+    if stages != scenario.lab.stages:
+        raise LabError(f"the scenario wants {scenario.lab.stages} stages; the package has {stages}")
+    runs = args.runs or scenario.lab.runs
+    if not 1 <= runs <= 9:
+        raise LabError("--runs is 1 to 9")
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    result = run(scenario, Path(args.package), manifest["name"], runs, say)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    else:
+        print(text)
     return 0
 
 
@@ -103,7 +134,13 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"up": _up, "run": _run, "down": _down, "status": _status}
+COMMANDS = {
+    "scenario": _scenario,
+    "up": _up,
+    "run": _run,
+    "down": _down,
+    "status": _status,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -60,6 +60,7 @@ class Lab:
     kinds: Sequence[str] = KINDS
     rate_mbit: float = 20.0
     delay_ms: float = 25.0
+    links: Sequence[tuple[float, float]] = ()  # per home (rate_mbit, delay_ms); else the above
     run_id: str = field(default_factory=lambda: secrets.token_hex(2))
     homes: list[Home] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -101,6 +102,8 @@ class Lab:
         bad = [k for k in self.kinds if k not in KINDS]
         if bad:
             raise LabError(f"unknown router kinds {bad}; known: {', '.join(KINDS)}")
+        if self.links and len(self.links) != len(self.kinds):
+            raise LabError(f"{len(self.links)} links for {len(self.kinds)} homes")
         self._namespace(self.inet)
         ip(self.inet, "link", "add", "br0", "type", "bridge")
         ip(self.inet, "link", "set", "br0", "up")
@@ -115,6 +118,10 @@ class Lab:
         for i, kind in enumerate(self.kinds, start=1):
             self._home(i, kind)
         return self
+
+    def link(self, i: int) -> tuple[float, float]:
+        """Home `i`'s access link (from 1): (rate in Mbit/s each way, one-way delay in ms)."""
+        return self.links[i - 1] if self.links else (self.rate_mbit, self.delay_ms)
 
     def _namespace(self, name: str) -> None:
         sh("ip", "netns", "add", name)
@@ -136,7 +143,7 @@ class Lab:
         # the access link: router wan <-> Internet bridge, delayed in userspace
         proc = subprocess.Popen(
             [sys.executable, "-m", "lab.link", router, "wan", self.inet, f"wan{i}",
-             "--delay-ms", str(self.delay_ms)],
+             "--delay-ms", str(self.link(i)[1])],
             stdout=subprocess.PIPE, cwd=ROOT,
         )  # fmt: skip
         self.procs.append(proc)
@@ -166,7 +173,7 @@ class Lab:
         sh("iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate",
            "ESTABLISHED,RELATED,DNAT", "-j", "ACCEPT", ns=r)  # fmt: skip
         sh("iptables", "-A", "FORWARD", "-i", "wan", "-j", "DROP", ns=r)
-        rate = f"{self.rate_mbit}mbit"
+        rate = f"{self.link(home.index)[0]}mbit"
         for dev in ("wan", "lan"):  # upload leaves by wan, download by lan
             sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb",
                "latency", "200ms", ns=r)  # fmt: skip

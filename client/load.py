@@ -1,0 +1,119 @@
+"""A load generator: generations one after another through a broker's swarm, timed token by
+token, as one user sees them (`python -m client.load --help`).
+
+    python -m client.load --broker http://127.0.0.1:7371 --prompt "Models travel" \\
+        --max-new-tokens 32 --rounds 5 [--warmup] [--model NAME]
+
+Prints one JSON line per generation: when it started (Unix time), its time to the first token,
+the gaps between the tokens after it, and its failovers (stage, peer, the stall: the gap the
+failover fell in). `--warmup` first runs a one-token generation, not reported, so connections
+are open and the model's client stages loaded. `--wait S` first waits up to S seconds for the
+model to be served (`--backups`: with a backup for every stage) and prints its route;
+`--go-on-stdin` then waits for a line on stdin before the timed rounds (so that several clients
+start together). Greedy decoding: every round is the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from client.api import AsyncClient
+from client.errors import FusionAIError
+from client.types import Failover
+
+
+async def _one(fa: AsyncClient, args: argparse.Namespace, tokens: int) -> dict[str, object]:
+    failed: list[tuple[float, Failover]] = []
+    started = time.time()
+    t0 = time.perf_counter()
+    stream = fa.generate(
+        args.prompt,
+        tokens,
+        model=args.model,
+        on_failover=lambda e: failed.append((time.perf_counter(), e)),
+    )
+    times = []
+    async for _ in stream:
+        times.append(time.perf_counter())
+    if not times:
+        raise FusionAIError("the generation produced no token")
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    failovers = []
+    for at, event in failed:
+        later = [i for i, t in enumerate(times) if t >= at]
+        stall = times[later[0]] - times[later[0] - 1] if later and later[0] > 0 else None
+        failovers.append(
+            {"stage": event.stage, "peer_id": event.peer, "reason": event.reason, "stall_s": stall}
+        )
+    return {
+        "event": "generation",
+        "started": round(started, 6),
+        "ttft_s": round(times[0] - t0, 6),
+        "gaps_s": [round(g, 6) for g in gaps],
+        "tokens": len(times),
+        "failovers": failovers,
+    }
+
+
+async def _route(fa: AsyncClient, args: argparse.Namespace) -> dict[str, object]:
+    """The model's route once it is served (with backups if asked), within `--wait` s."""
+    end = time.monotonic() + args.wait
+    while True:
+        model = await fa.model(args.model)
+        if model.ready and (not args.backups or all(s.backups for s in model.stages)):
+            stages = [
+                {"index": s.index, "providers": [p.peer_id for p in s.providers],
+                 "backups": list(s.backups)}
+                for s in model.stages
+            ]  # fmt: skip
+            return {"event": "route", "model": model.model, "stages": stages}
+        if time.monotonic() > end:
+            why = model.waiting or "not every stage has a backup yet"
+            raise FusionAIError(f"{args.model} was not served within {args.wait:g} s: {why}")
+        await asyncio.sleep(0.5)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    async with AsyncClient(args.broker, timeout=args.timeout) as fa:
+        if args.wait:
+            print(json.dumps(await _route(fa, args)), flush=True)
+        if args.warmup:
+            await _one(fa, args, 1)
+        print(json.dumps({"event": "ready"}), flush=True)
+        if args.go_on_stdin:
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        for _ in range(args.rounds):
+            print(json.dumps(await _one(fa, args, args.max_new_tokens)), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m client.load", description=__doc__.splitlines()[0])
+    p.add_argument("--broker", help="the broker's HTTP URL (default: $FUSIONAI_BROKER_URL)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--model", help="the model (default: the broker's only decoder)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1, help="generations, one after another")
+    p.add_argument("--warmup", action="store_true", help="a one-token generation first")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-step deadline, seconds")
+    p.add_argument("--wait", type=float, default=0.0, help="wait for the model, seconds")
+    p.add_argument("--backups", action="store_true", help="and for a backup of every stage")
+    p.add_argument("--go-on-stdin", action="store_true", help="start on a line on stdin")
+    args = p.parse_args(argv)
+    if not (1 <= args.max_new_tokens <= 4096 and 1 <= args.rounds <= 10_000):
+        p.error("--max-new-tokens is 1 to 4096, --rounds 1 to 10000")
+    if args.wait and not args.model:
+        p.error("--wait needs --model")
+    try:
+        return asyncio.run(_run(args))
+    except (FusionAIError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Run a lab scenario (`sim.labscenario`) for real: `python -m lab scenario F --package DIR`.
+
+Each run builds a fresh lab: one home per provider (its router kind, its access link shaped
+and delayed), a home for the clients, the broker on the Internet. Providers run as processes
+in their homes, each in a cgroup (v1 `cpu.cfs_quota_us`, v2 `cpu.max`) that caps it at its
+`cpu` cores, with `threads` executor threads. The package is added, and once it is served
+(with backups when the scenario kills or freezes anyone) `sessions` clients (`python -m
+client.load`, one process each, warmed up) start together and run `rounds` greedy
+generations each; the scenario's events happen at their times after the start. The run's
+figures come from the clients' timings (`sim.labscenario.figures`); the placement from the
+route the clients were given, named by the scenario's provider names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from lab.net import LabError
+from lab.topology import BROKER_IP, ROOT, Lab
+from sim.labscenario import LabScenario, figures, summarize
+
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+PERIOD_US = 10_000  # a short period: throttling comes in slices of at most 10 ms
+PROMPT = (
+    "A broker keeps a pool of providers that join and leave at will, with a backup pool that "
+    "takes over when one quits. Models travel as ONNX, so one job can span machines with "
+    "different GPUs and runtimes. The client runs the tokenizer, the embedding and the head; "
+    "providers run the blocks and keep the cache."
+)
+
+
+def prompt(words: int) -> str:
+    return " ".join(PROMPT.split()[:words])
+
+
+class Quota:
+    """A cgroup capping its processes at `cores` CPUs; removed by `close()`."""
+
+    def __init__(self, name: str, cores: float) -> None:
+        quota = max(1000, int(cores * PERIOD_US))
+        if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
+            self.path = CGROUP_V1 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        elif (CGROUP_V2 / "cgroup.controllers").exists():
+            self.path = CGROUP_V2 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        else:
+            raise LabError("no cgroup cpu controller (v1 or v2) to cap providers with")
+
+    @property
+    def procs(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    def close(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)  # its processes are still exiting
+
+
+class Events:
+    """A child's JSON lines, collected by a thread; `wait(name)` blocks for one."""
+
+    def __init__(self, proc: subprocess.Popen[str], what: str) -> None:
+        self.proc, self.what = proc, what
+        self.lines: list[dict[str, Any]] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    def _read(self, out: IO[str] | None) -> None:
+        for line in out or ():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                with self.cond:
+                    self.lines.append(event)
+                    self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait(self, name: str, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for e in self.lines:
+                    if e.get("event") == name:
+                        return e
+                left = end - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise LabError(f"{self.what}: no {name!r} event within {timeout:g} s")
+                self.cond.wait(min(left, 0.5))
+
+    def all(self, name: str) -> list[dict[str, Any]]:
+        with self.cond:
+            return [e for e in self.lines if e.get("event") == name]
+
+
+def _fusionai(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dict[str, Any]:
+    """One run of `s` in a fresh lab: its figures, placement and the providers' reach."""
+    spec = s.lab
+    links = [(p.rate_mbit, p.delay_ms) for p in spec.provider]
+    links.append((spec.client.rate_mbit, spec.client.delay_ms))
+    kinds = [p.nat for p in spec.provider] + [spec.client.nat]
+    quotas: list[Quota] = []
+    work = Path(tempfile.mkdtemp(prefix="fusionai-lab-scenario-"))
+    stderr = open(work / "stderr.log", "w")  # noqa: SIM115 (closed below)
+    try:
+        with Lab(kinds, links=links) as lab:
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            broker = lab.spawn(
+                lab.broker, *_fusionai(
+                    "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http",
+                    "0.0.0.0:7371", "--public-url", f"http://{BROKER_IP}:7371", "--data-dir",
+                    str(work / "broker"), "--heartbeat-s", str(spec.heartbeat_s), "--json",
+                ), stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env,
+            )  # fmt: skip
+            started = Events(broker, "the broker").wait("broker_started", 60)
+            addr = f"/ip4/{BROKER_IP}/tcp/7370/p2p/{started['peer']}"
+            procs: dict[str, subprocess.Popen[str]] = {}
+            peers: dict[str, str] = {}  # peer id -> scenario name
+            for i, p in enumerate(spec.provider):
+                quota = Quota(f"fusionai-lab-{lab.run_id}-{p.name}", p.cpu)
+                quotas.append(quota)
+                cmd = _fusionai(
+                    "provider", "start", "--broker", addr, "--data-dir", str(work / p.name),
+                    "--max-memory", "2", "--listen", "/ip4/0.0.0.0/tcp/4800", "--json",
+                )  # fmt: skip
+                # (the cgroup first: `ip netns exec` mounts its own /sys, without cgroups)
+                wrapped = f'echo $$ > {quota.procs} && exec ip netns exec "$@"'
+                proc = subprocess.Popen(
+                    ["sh", "-c", wrapped, "sh", lab.homes[i].host, *cmd],
+                    stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
+                    env={**env, "FUSIONAI_THREADS": str(p.threads)},
+                )  # fmt: skip
+                lab.procs.append(proc)  # (killed at teardown)
+                procs[p.name] = proc
+                listening = Events(proc, f"provider {p.name}").wait("listening", 180)
+                peers[listening["peer_id"]] = p.name
+            say(f"{s.name}: {len(procs)} providers up; adding the model")
+            client_ns = lab.homes[-1].host
+            url = f"http://{BROKER_IP}:7371"
+            lab.run(client_ns, *_fusionai("model", "add", str(package), "--broker", url),
+                    timeout=120)  # fmt: skip
+            w = spec.workload
+            load = [
+                "-m", "client.load", "--broker", url, "--model", model, "--prompt",
+                prompt(w.prompt_words), "-n", str(w.output_tokens), "--rounds", str(w.rounds),
+                "--timeout", str(w.step_timeout_s), "--wait", "240", "--warmup", "--go-on-stdin",
+            ]  # fmt: skip
+            if spec.event:
+                load.append("--backups")
+            clients = []
+            for i in range(w.sessions):
+                proc = lab.spawn(
+                    client_ns, sys.executable, *load, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env,
+                )  # fmt: skip
+                clients.append(Events(proc, f"client {i}"))
+            for c in clients:
+                c.wait("ready", 300)
+            route = clients[0].wait("route", 1)
+            start = time.time()
+            for c in clients:
+                assert c.proc.stdin is not None
+                c.proc.stdin.write("go\n")
+                c.proc.stdin.flush()
+            for e in sorted(spec.event, key=lambda e: e.at_s):
+                time.sleep(max(0.0, start + e.at_s - time.time()))
+                victim = procs[e.provider]
+                victim.send_signal(signal.SIGKILL if e.action == "kill" else signal.SIGSTOP)
+                say(f"{s.name}: {e.action} {e.provider} at {time.time() - start:.1f} s")
+            for c in clients:
+                if c.proc.wait(timeout=600) != 0:
+                    raise LabError(f"{c.what} failed; see {work / 'stderr.log'}")
+            gens = [g for c in clients for g in c.all("generation")]
+            placement = [
+                {"stage": st["index"],
+                 "providers": [peers.get(x, x) for x in st["providers"]],
+                 "backups": [peers.get(x, x) for x in st["backups"]]}
+                for st in route["stages"]
+            ]  # fmt: skip
+            return {"figures": figures(gens, start), "placement": placement}
+    finally:
+        stderr.close()
+        for q in quotas:
+            q.close()
+
+
+def run(s: LabScenario, package: Path, model: str, runs: int, say: Any = print) -> dict[str, Any]:
+    """`runs` runs of `s`: the result `fusionai sim --compare` reads (medians, spreads)."""
+    done = []
+    for i in range(runs):
+        t = time.monotonic()
+        one = run_once(s, package, model, say)
+        say(f"{s.name}: run {i + 1}/{runs} in {time.monotonic() - t:.0f} s: {one['figures']}")
+        done.append(one)
+    median, spread = summarize([d["figures"] for d in done])
+    return {
+        "scenario": s.name,
+        "source": "lab",
+        "runs": len(done),
+        "figures": median,
+        "spread": spread,
+        "per_run": [d["figures"] for d in done],
+        "placement": done[0]["placement"],
+    }

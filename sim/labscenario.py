@@ -1,0 +1,229 @@
+"""Lab scenarios: a swarm small enough to build for real, in one format the simulator
+(`fusionai sim --scenario F`) and the home-internet lab's runner (`python -m lab scenario F`)
+both run, so their figures can be compared (`fusionai sim --compare`).
+
+A scenario file is a study file (`sim/scenarios/*.toml`) with a `[lab]` table:
+
+    name = "fidelity-latency"
+    [lab]
+    stages = 4                        # provider stages of the package it serves
+    client = { rate_mbit = 50, delay_ms = 5, nat = "cone" }
+    [[lab.provider]]                  # at least one; each in its own home
+    name = "a"
+    nat = "upnp"                      # its router: cone, symmetric or upnp
+    cpu = 0.3                         # cores it may use (a CPU quota; at most 1.2 together)
+    threads = 1                       # executor threads
+    rate_mbit = 20                    # its access link, each way
+    delay_ms = 25                     # and one-way latency
+    [lab.workload]
+    sessions = 2                      # generations running at once, one client each
+    rounds = 3                        # generations each client runs, one after another
+    prompt_words = 8                  # words of the demo corpus the prompt takes
+    output_tokens = 24
+    [[lab.event]]                     # churn at given times (seconds after the load starts)
+    at_s = 3.0
+    provider = "b"
+    action = "kill"                   # kill or freeze
+
+Every figure is validated here, for both sides: nothing else reads the `[lab]` table.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+NATS = ("cone", "symmetric", "upnp")
+MAX_CPU = 1.2  # cores all providers' quotas may take together (the rest: broker, client, links)
+
+Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,15}$")]
+Mbit = Annotated[float, msgspec.Meta(ge=0.1, le=1000)]
+Delay = Annotated[float, msgspec.Meta(ge=0, le=500)]
+
+
+class Link(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    rate_mbit: Mbit = 20.0
+    delay_ms: Delay = 25.0
+    nat: Literal["cone", "symmetric", "upnp"] = "cone"
+
+    @property
+    def bytes_s(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+
+class LabProvider(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: Name
+    cpu: Annotated[float, msgspec.Meta(ge=0.05, le=1.2)] = 0.3
+    threads: Annotated[int, msgspec.Meta(ge=1, le=8)] = 1
+    rate_mbit: Mbit = 20.0
+    delay_ms: Delay = 25.0
+    nat: Literal["cone", "symmetric", "upnp"] = "upnp"
+
+    @property
+    def link(self) -> Link:
+        return Link(self.rate_mbit, self.delay_ms, self.nat)
+
+
+class LabWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: Literal["generate"] = "generate"
+    sessions: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
+    rounds: Annotated[int, msgspec.Meta(ge=1, le=50)] = 1
+    prompt_words: Annotated[int, msgspec.Meta(ge=1, le=60)] = 8
+    output_tokens: Annotated[int, msgspec.Meta(ge=1, le=200)] = 24
+    step_timeout_s: Annotated[float, msgspec.Meta(ge=0.5, le=60)] = 5.0  # a client's deadline
+
+
+class LabEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    at_s: Annotated[float, msgspec.Meta(ge=0, le=600)]
+    provider: Name
+    action: Literal["kill", "freeze"]  # SIGKILL, or SIGSTOP (it stops answering)
+
+
+class LabSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    provider: list[LabProvider]
+    stages: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    client: Link = Link(50.0, 5.0, "cone")
+    workload: LabWorkload = LabWorkload()
+    event: list[LabEvent] = []
+    heartbeat_s: Annotated[float, msgspec.Meta(ge=0.2, le=10)] = 1.0
+    runs: Annotated[int, msgspec.Meta(ge=1, le=9)] = 3  # lab runs whose median is reported
+
+
+class LabScenario(msgspec.Struct, frozen=True):
+    name: str
+    description: str
+    lab: LabSpec
+
+    def provider(self, name: str) -> LabProvider:
+        return next(p for p in self.lab.provider if p.name == name)
+
+
+def check(scenario: LabScenario) -> LabScenario:
+    """What the types cannot say: unique names, the quota budget, events naming providers."""
+    names = [p.name for p in scenario.lab.provider]
+    if not names:
+        raise ValueError(f"{scenario.name}: a lab scenario needs at least one [[lab.provider]]")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{scenario.name}: provider names must be unique")
+    total = sum(p.cpu for p in scenario.lab.provider)
+    if total > MAX_CPU + 1e-9:
+        raise ValueError(
+            f"{scenario.name}: providers' cpu quotas add up to {total:.2f} cores; at most "
+            f"{MAX_CPU} (the broker, the clients and the links need the rest)"
+        )
+    for e in scenario.lab.event:
+        if e.provider not in names:
+            raise ValueError(f"{scenario.name}: event at {e.at_s} s names no provider {e.provider!r}")
+    return scenario
+
+
+def is_lab(doc: dict[str, object]) -> bool:
+    return "lab" in doc
+
+
+def parse(doc: dict[str, object], where: str) -> LabScenario:
+    try:
+        scenario = msgspec.convert(
+            {
+                "name": doc.get("name", Path(where).stem),
+                "description": doc.get("description", ""),
+                "lab": doc["lab"],
+            },
+            LabScenario,
+        )
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return check(scenario)
+
+
+def load(path: Path | str) -> LabScenario:
+    """A lab scenario file; a bare name means one shipped in `sim/scenarios/`."""
+    path = Path(path)
+    shipped = Path(__file__).parent / "scenarios" / f"{path}.toml"
+    if not path.exists() and shipped.exists():
+        path = shipped
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read scenario file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    if not is_lab(doc):
+        raise ValueError(f"{path} has no [lab] table: it is not a lab scenario")
+    return parse(doc, str(path))
+
+
+# ---- the result both sides write --------------------------------------------------------
+
+# figures of one run, and the headline ones `--compare` bounds
+FIGURES = (
+    "throughput_tokens_s",
+    "ttft_ms_p50",
+    "token_ms_p50",
+    "token_ms_p90",
+    "generation_s_p50",
+    "failover_stall_ms",
+)
+HEADLINE = ("throughput_tokens_s", "token_ms_p50", "ttft_ms_p50", "failover_stall_ms")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def figures(generations: list[dict[str, Any]], start: float) -> dict[str, float | None]:
+    """One run's figures from its generations (`python -m client.load`'s lines): tokens per
+    second over the run (from `start`, Unix time, to the last token), time to first token, gaps
+    between tokens (p50, p90: without the gaps failovers fell in), a generation's time, and
+    the median failover stall (None without failovers)."""
+    if not generations:
+        raise ValueError("no generation completed")
+    ends, gaps, stalls, ttft, took = [], [], [], [], []
+    for g in generations:
+        own = list(g["gaps_s"])
+        for f in g["failovers"]:
+            if f.get("stall_s") is not None:
+                stalls.append(f["stall_s"])
+                if f["stall_s"] in own:
+                    own.remove(f["stall_s"])
+        gaps += own
+        ttft.append(g["ttft_s"])
+        took.append(g["ttft_s"] + sum(g["gaps_s"]))
+        ends.append(g["started"] + took[-1])
+    tokens = sum(g["tokens"] for g in generations)
+    span = max(ends) - start
+
+    def ms(v: float | None) -> float | None:
+        return None if v is None else round(1e3 * v, 3)
+
+    return {
+        "throughput_tokens_s": round(tokens / span, 3) if span > 0 else None,
+        "ttft_ms_p50": ms(percentile(ttft, 0.5)),
+        "token_ms_p50": ms(percentile(gaps, 0.5)),
+        "token_ms_p90": ms(percentile(gaps, 0.9)),
+        "generation_s_p50": round(percentile(took, 0.5) or 0.0, 4),
+        "failover_stall_ms": ms(percentile(stalls, 0.5)),
+    }
+
+
+def summarize(runs: list[dict[str, float | None]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the median of each figure over runs, its [min, max]); None where no run had it."""
+    median: dict[str, Any] = {}
+    spread: dict[str, Any] = {}
+    for key in FIGURES:
+        values = sorted(v for r in runs if (v := r.get(key)) is not None)
+        if not values:
+            median[key] = spread[key] = None
+            continue
+        mid = len(values) // 2
+        median[key] = (
+            values[mid] if len(values) % 2 else round((values[mid - 1] + values[mid]) / 2, 4)
+        )
+        spread[key] = [values[0], values[-1]]
+    return median, spread
