@@ -20,8 +20,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sim.calibration import PackageTimes
 
 SMALL = 64  # float32 values of the small payload
 
@@ -71,7 +75,73 @@ def _executor_calls(count: int) -> list[float]:
     return samples
 
 
-def calibrate(count: int = 400, mib: int = 4, executor: str | None = None) -> object:
+def _package_times(package: Path, count: int) -> PackageTimes:
+    """A provider stage's decode step and prefill cost per token, as `provider.serving` runs
+    them on one thread, and the client's embedding and head for a token."""
+    from client.stages import ClientStages
+    from ir.executors.ort import OrtExecutor
+    from ir.package import load_package
+    from p2p.tensor import Tensor
+    from proto.session import SessionOpen, SessionStep
+    from provider.serving import Server
+    from provider.stage import LoadedStage
+    from sim.calibration import PackageTimes
+
+    pkg = load_package(package)
+    info = next(s for s in pkg.manifest.stages if s.placement == "provider")
+    executor = OrtExecutor(
+        pkg.models[info.index], inputs=info.inputs, outputs=info.outputs, threads=1
+    )
+    key = f"{pkg.manifest.name}/{info.index}"
+    server = Server(kv_budget_bytes=1 << 30)
+    server.add(LoadedStage(key, info, executor, "active"))
+    width = info.activation_bytes_per_token // 4
+
+    def feeds(first: int, n: int) -> dict[str, Tensor]:
+        return {
+            "hidden_states": Tensor.from_numpy(np.ones((1, n, width), dtype=np.float32)),
+            "position_ids": Tensor.from_numpy(np.arange(first, first + n, dtype=np.int64)[None]),
+        }
+
+    def prefill(sid: str, n: int) -> float:
+        server.session("calibrate", SessionOpen(session=sid, stage=key))
+        start = time.perf_counter()
+        server.session("calibrate", SessionStep(session=sid, stage=key, inputs=feeds(0, n)))
+        return time.perf_counter() - start
+
+    long = 33
+    prefill("warm", long)
+    one = statistics.median(prefill(f"one{i}", 1) for i in range(20))
+    many = statistics.median(prefill(f"many{i}", long) for i in range(20))
+    prefill("decode", 16)
+    steps = []
+    for i in range(min(count, 200)):
+        start = time.perf_counter()
+        server.session(
+            "calibrate", SessionStep(session="decode", stage=key, inputs=feeds(16 + i, 1))
+        )
+        steps.append(time.perf_counter() - start)
+    client = ClientStages(package)
+    ids = np.array([[1]], dtype=np.int64)
+    hidden = client.embed(ids)
+    client.head(hidden, np.ones_like(ids))
+    ends = []
+    for _ in range(50):
+        start = time.perf_counter()
+        client.head(client.embed(ids), np.ones_like(ids))
+        ends.append(time.perf_counter() - start)
+    return PackageTimes(
+        model=pkg.manifest.name,
+        stage_step_s=statistics.median(steps),
+        stage_token_s=max(0.0, many - one) / (long - 1),
+        client_step_s=statistics.median(ends),
+        hidden_bytes_per_token=int(info.activation_bytes_per_token),
+    )
+
+
+def calibrate(
+    count: int = 400, mib: int = 4, executor: str | None = None, package: Path | None = None
+) -> object:
     from provider.profile import measure
     from sim.calibration import VERSION, Calibration, MeasuredProfile
 
@@ -96,6 +166,7 @@ def calibrate(count: int = 400, mib: int = 4, executor: str | None = None) -> ob
         large_bytes=large * 4,
         samples=count,
         profile=profile,
+        package=None if package is None else _package_times(package, count),
     )
 
 
@@ -106,7 +177,11 @@ def run(args: argparse.Namespace) -> int:
         print("error: --count is at least 20, --mib 1 to 64", file=sys.stderr)
         return 2
     print("measuring round trips and this machine's profile ...", file=sys.stderr, flush=True)
-    out = calibrate(args.count, args.mib, args.executor)
+    package = Path(args.package) if args.package else None
+    if package is not None and not (package / "manifest.json").is_file():
+        print(f"error: {package} is not a model package (no manifest.json)", file=sys.stderr)
+        return 2
+    out = calibrate(args.count, args.mib, args.executor, package)
     assert isinstance(out, Calibration)
     save(out, Path(args.out))
     print(

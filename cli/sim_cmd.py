@@ -34,6 +34,18 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     p.add_argument("--count", type=int, default=400, help="calibrate: small round trips")
     p.add_argument("--mib", type=int, default=4, help="calibrate: the large payload, MiB")
     p.add_argument("--executor", choices=["ort", "torch"], help="calibrate: profile this one")
+    p.add_argument(
+        "--package",
+        metavar="DIR",
+        help="calibrate: also time this package's calls; a lab scenario: the package it serves",
+    )
+    p.add_argument(
+        "--compare",
+        metavar="LAB_JSON",
+        help="a lab scenario: compare the prediction with the lab's result (`python -m lab "
+        "scenario`), print each figure's relative error and write --plot",
+    )
+    p.add_argument("--plot", metavar="PNG", help="with --compare: the plot (default: beside it)")
     p.add_argument("--list", action="store_true", help="list the shipped scenarios and exit")
     p.add_argument(
         "--queue-study",
@@ -139,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(json.dumps(result.summary(), indent=2))
         return 1 if result.mismatches else 0
+    if args.scenario:
+        from cli import sim_lab
+
+        if sim_lab.is_lab_scenario(args.scenario):
+            return sim_lab.run(args)
     try:
         study = load_study(args.scenario) if args.scenario else _single(args)
         if args.calibration:

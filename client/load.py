@@ -1,5 +1,5 @@
 """A load generator: generations one after another through a broker's swarm, timed token by
-token, as one user sees them (`python -m client.load --help`).
+token (when the client sampled each), as one user sees them (`python -m client.load --help`).
 
     python -m client.load --broker http://127.0.0.1:7371 --prompt "Models travel" \\
         --max-new-tokens 32 --rounds 5 [--warmup] [--model NAME]
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -29,19 +30,19 @@ from client.types import Failover
 async def _one(fa: AsyncClient, args: argparse.Namespace, tokens: int) -> dict[str, object]:
     failed: list[tuple[float, Failover]] = []
     started = time.time()
-    t0 = time.perf_counter()
+    t0 = time.monotonic()  # (the clock of the result's token_times)
     stream = fa.generate(
         args.prompt,
         tokens,
         model=args.model,
-        on_failover=lambda e: failed.append((time.perf_counter(), e)),
+        on_failover=lambda e: failed.append((time.monotonic(), e)),
     )
-    times = []
     async for _ in stream:
-        times.append(time.perf_counter())
+        pass
+    times = list(stream.result.token_times)  # when each token was sampled
     if not times:
         raise FusionAIError("the generation produced no token")
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     failovers = []
     for at, event in failed:
         later = [i for i, t in enumerate(times) if t >= at]

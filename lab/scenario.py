@@ -26,21 +26,11 @@ from typing import IO, Any
 
 from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
-from sim.labscenario import LabScenario, figures, summarize
+from sim.labscenario import LabScenario, figures, prompt, summarize
 
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 PERIOD_US = 10_000  # a short period: throttling comes in slices of at most 10 ms
-PROMPT = (
-    "A broker keeps a pool of providers that join and leave at will, with a backup pool that "
-    "takes over when one quits. Models travel as ONNX, so one job can span machines with "
-    "different GPUs and runtimes. The client runs the tokenizer, the embedding and the head; "
-    "providers run the blocks and keep the cache."
-)
-
-
-def prompt(words: int) -> str:
-    return " ".join(PROMPT.split()[:words])
 
 
 class Quota:
@@ -200,7 +190,13 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                  "backups": [peers.get(x, x) for x in st["backups"]]}
                 for st in route["stages"]
             ]  # fmt: skip
-            return {"figures": figures(gens, start), "placement": placement}
+            raw = [{"started": round(g["started"] - start, 3), "ttft_s": g["ttft_s"],
+                    "tokens": g["tokens"], "failovers": g["failovers"]} for g in gens]  # fmt: skip
+            return {
+                "figures": figures(gens, w.sessions),
+                "placement": placement,
+                "generations": raw,
+            }
     finally:
         stderr.close()
         for q in quotas:
@@ -223,5 +219,6 @@ def run(s: LabScenario, package: Path, model: str, runs: int, say: Any = print) 
         "figures": median,
         "spread": spread,
         "per_run": [d["figures"] for d in done],
+        "generations": [d["generations"] for d in done],
         "placement": done[0]["placement"],
     }

@@ -63,7 +63,7 @@ class Lab:
     links: Sequence[tuple[float, float]] = ()  # per home (rate_mbit, delay_ms); else the above
     run_id: str = field(default_factory=lambda: secrets.token_hex(2))
     homes: list[Home] = field(default_factory=list)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     dirs: list[Path] = field(default_factory=list)
 

@@ -10,6 +10,10 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       on one row, whose arithmetic is negligible
     profile           this machine's measured executor: FLOP/s per dtype, memory bandwidth
                       and memory (the provider daemon's own measurement)
+    package           with `--package DIR`: that package's calls timed in-process on one
+                      thread: a provider stage's one-token step and its cost per prefill
+                      token (`provider.serving`, as providers run it), the client's embedding
+                      and head for a token (what lab scenarios are predicted from)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
@@ -37,6 +41,16 @@ class MeasuredProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     memory_bytes: Positive
 
 
+class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One package's calls, timed in-process on one thread (`calibrate --package`)."""
+
+    model: str
+    stage_step_s: Seconds  # a provider stage's one-token decode step (a session's)
+    stage_token_s: Seconds  # each further token of a prefill on that stage
+    client_step_s: Seconds  # the client's embedding and head for one token
+    hidden_bytes_per_token: Annotated[int, msgspec.Meta(gt=0)]  # on the wire between stages
+
+
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: int
     machine: str
@@ -49,6 +63,7 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     large_bytes: Annotated[int, msgspec.Meta(gt=0)]
     samples: int
     profile: MeasuredProfile
+    package: PackageTimes | None = None
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""

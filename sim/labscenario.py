@@ -37,6 +37,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 NATS = ("cone", "symmetric", "upnp")
+# the clients' prompt: its first `prompt_words` words (the demo decoder learned this text)
+PROMPT = (
+    "A broker keeps a pool of providers that join and leave at will, with a backup pool that "
+    "takes over when one quits. Models travel as ONNX, so one job can span machines with "
+    "different GPUs and runtimes. The client runs the tokenizer, the embedding and the head; "
+    "providers run the blocks and keep the cache."
+)
 MAX_CPU = 1.2  # cores all providers' quotas may take together (the rest: broker, client, links)
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9-]{0,15}$")]
@@ -101,6 +108,10 @@ class LabScenario(msgspec.Struct, frozen=True):
         return next(p for p in self.lab.provider if p.name == name)
 
 
+def prompt(words: int) -> str:
+    return " ".join(PROMPT.split()[:words])
+
+
 def check(scenario: LabScenario) -> LabScenario:
     """What the types cannot say: unique names, the quota budget, events naming providers."""
     names = [p.name for p in scenario.lab.provider]
@@ -116,7 +127,9 @@ def check(scenario: LabScenario) -> LabScenario:
         )
     for e in scenario.lab.event:
         if e.provider not in names:
-            raise ValueError(f"{scenario.name}: event at {e.at_s} s names no provider {e.provider!r}")
+            raise ValueError(
+                f"{scenario.name}: event at {e.at_s} s names no provider {e.provider!r}"
+            )
     return scenario
 
 
@@ -177,14 +190,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def figures(generations: list[dict[str, Any]], start: float) -> dict[str, float | None]:
-    """One run's figures from its generations (`python -m client.load`'s lines): tokens per
-    second over the run (from `start`, Unix time, to the last token), time to first token, gaps
-    between tokens (p50, p90: without the gaps failovers fell in), a generation's time, and
-    the median failover stall (None without failovers)."""
+def figures(generations: list[dict[str, Any]], sessions: int) -> dict[str, float | None]:
+    """One run's figures from its generations (`python -m client.load`'s lines, `sessions`
+    clients at once): tokens per second while generating (each client's tokens over its
+    generations' time, from the request to the last token, summed over clients), time to
+    first token, gaps between tokens (p50, p90: without the gaps failovers fell in), a
+    generation's time, and the median failover stall (None without failovers)."""
     if not generations:
         raise ValueError("no generation completed")
-    ends, gaps, stalls, ttft, took = [], [], [], [], []
+    gaps, stalls, ttft, took = [], [], [], []
     for g in generations:
         own = list(g["gaps_s"])
         for f in g["failovers"]:
@@ -195,9 +209,8 @@ def figures(generations: list[dict[str, Any]], start: float) -> dict[str, float 
         gaps += own
         ttft.append(g["ttft_s"])
         took.append(g["ttft_s"] + sum(g["gaps_s"]))
-        ends.append(g["started"] + took[-1])
     tokens = sum(g["tokens"] for g in generations)
-    span = max(ends) - start
+    span = sum(took) / sessions
 
     def ms(v: float | None) -> float | None:
         return None if v is None else round(1e3 * v, 3)

@@ -1,0 +1,100 @@
+"""Fidelity benchmark: the simulator's predictions of the lab scenarios against the lab (root).
+
+    python benchmarks/fidelity.py [--runs 3] [--scenario fidelity-latency ...]
+
+Builds the demo decoder in 4 stages, calibrates (`fusionai sim calibrate --package`: round
+trips through the p2p stack, this machine's profile, the package's calls timed in-process),
+then for each lab scenario predicts its figures (`fusionai sim --scenario`) and runs it in the
+lab `--runs` times (`python -m lab scenario`). Prints one JSON object: per scenario, each
+headline figure predicted, measured (median, with its [min, max]) and the relative error;
+`max_error` and `median_error` over all of them (targets: <= 0.15 and <= 0.07); and the
+`paper-claim` scenario's throughput ratios with the calibration and without. Without root the
+lab cannot run: it says so and skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SCENARIOS = ("fidelity-latency", "fidelity-compute", "fidelity-bandwidth", "fidelity-churn")
+
+
+def paper_ratios(calibration: Path | None) -> dict[str, float]:
+    from sim.calibration import load
+    from sim.report import study_json
+    from sim.scenario import load_study
+    from sim.swarm import simulate
+
+    study = load_study("paper-claim")
+    runs = study.runs
+    if calibration is not None:
+        cal = load(calibration)
+        runs = [cal.apply(r) for r in runs]
+    results = {run.name: simulate(run) for run in runs}
+    doc = study_json(study, results)
+    return {c["name"]: c["throughput_ratio"] for c in doc["comparisons"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=None, help="lab runs (default: each's)")
+    parser.add_argument("--scenario", action="append", help="only these (repeatable)")
+    parser.add_argument("--work", help="keep the package, calibration and results here")
+    args = parser.parse_args()
+    from lab.net import missing
+
+    why = missing()
+    if why:
+        print(json.dumps({"skipped": f"the lab cannot run here: {why}"}))
+        return 0
+    from cli.demo_models import build_decoder
+    from cli.sim_calibrate import calibrate
+    from cli.sim_lab import compare, prediction, table
+    from lab.scenario import run
+    from sim.calibration import save
+    from sim.labscenario import load
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="fusionai-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    package = build_decoder(work / "story-llama-4", 4)
+    cal_path = work / "calibration.json"
+    save(calibrate(400, 4, "ort", package), cal_path)  # type: ignore[arg-type]
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    out: dict[str, object] = {"calibration": json.loads(cal_path.read_text())}
+    errors: list[float] = []
+    rows = {}
+    for name in args.scenario or SCENARIOS:
+        s = load(name)
+        sim = prediction(s, package, cal_path)
+        t = time.monotonic()
+        lab = run(s, package, "story-llama", args.runs or s.lab.runs, say)
+        (work / f"{name}.lab.json").write_text(json.dumps(lab, indent=1))
+        c = compare(sim, lab)
+        say(table(c))
+        c["lab_s"] = round(time.monotonic() - t, 1)
+        rows[name] = c
+        errors += [abs(r["error"]) for r in c["rows"] if r["error"] is not None]
+    errors.sort()
+    out["scenarios"] = rows
+    out["max_error"] = round(errors[-1], 4) if errors else None
+    out["median_error"] = round(errors[len(errors) // 2], 4) if errors else None
+    out["targets_met"] = {
+        "max_error <= 0.15": bool(errors) and errors[-1] <= 0.15,
+        "median_error <= 0.07": bool(errors) and errors[len(errors) // 2] <= 0.07,
+    }
+    out["paper_ratios_uncalibrated"] = paper_ratios(None)
+    out["paper_ratios_calibrated"] = paper_ratios(cal_path)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

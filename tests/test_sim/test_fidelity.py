@@ -1,0 +1,106 @@
+"""Lab scenarios (`sim.labscenario`) and the simulator's prediction of them (`sim.fidelity`):
+the format's checks, the figures both sides compute, and the predictor's model on the shipped
+scenarios with a calibration of round figures (the lab's own runs are `benchmarks/fidelity.py`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+
+from broker.core import CoreConfig
+from dag.model import ModelSpec
+from sim.calibration import Calibration, MeasuredProfile, PackageTimes
+from sim.fidelity import CLIENT, Model, place, predict
+from sim.labscenario import FIGURES, figures, load, parse, summarize
+
+STEP = 0.002  # a stage's decode step, seconds
+SPEC = ModelSpec(  # the demo decoder in 4 stages (`broker.models.model_spec`)
+    name="story-llama", n_layers=4, layer_flops_per_token=294912.0,
+    layer_attn_flops_per_token_per_context=512.0, layer_param_bytes=615707.0,
+    layer_kv_bytes_per_token=512, hidden_bytes_per_token=512,
+)  # fmt: skip
+CAL = Calibration(
+    version=1, machine="test", measured_at=0.0, call_s=2e-4, wire_s_per_byte=4e-9,
+    stage_call_s=1e-5, small_rtt_s=8e-4, large_rtt_s=0.05, large_bytes=1 << 22, samples=100,
+    profile=MeasuredProfile("cpu", "ort", {"float32": 3.6e11, "float16": 3e11}, 1.46e10, 2.5e10),
+    package=PackageTimes("story-llama", STEP, 1e-5, 5e-5, 512),
+)  # fmt: skip
+
+
+def predicted(name: str, sessions: int | None = None) -> tuple[Model, dict[str, object]]:
+    s = load(name)
+    if sessions is not None:
+        s = msgspec.structs.replace(
+            s, lab=msgspec.structs.replace(
+                s.lab, workload=msgspec.structs.replace(s.lab.workload, sessions=sessions)
+            ),
+        )  # fmt: skip
+    placed = place(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, CoreConfig())
+    return Model(s, CAL, placed), predict(s, "story-llama", SPEC, [1, 2, 3, 4], CAL,
+                                          CoreConfig(), 8, 10)  # fmt: skip
+
+
+def test_the_shipped_lab_scenarios_load_and_bad_ones_say_why() -> None:
+    for name in ("fidelity-latency", "fidelity-compute", "fidelity-bandwidth", "fidelity-churn"):
+        s = load(name)
+        assert len(s.lab.provider) >= 4 and sum(p.cpu for p in s.lab.provider) <= 1.2
+    one = {"name": "a", "cpu": 0.3}
+    with pytest.raises(ValueError, match=r"add up to 1\.50"):
+        parse({"lab": {"provider": [{**one, "name": n, "cpu": 0.5} for n in "abc"]}}, "x")
+    with pytest.raises(ValueError, match="unique"):
+        parse({"lab": {"provider": [one, one]}}, "x")
+    with pytest.raises(ValueError, match="names no provider 'z'"):
+        parse({"lab": {"provider": [one], "event": [{"at_s": 1, "provider": "z",
+                                                     "action": "kill"}]}}, "x")  # fmt: skip
+    with pytest.raises(ValueError, match="unknown field"):
+        parse({"lab": {"provider": [{**one, "gpu": "rtx3080"}]}}, "x")
+
+
+def test_figures_leave_the_stall_out_of_the_token_gaps() -> None:
+    gens = [
+        {"started": 0, "ttft_s": 0.5, "gaps_s": [0.1, 0.1, 0.9, 0.1], "tokens": 5,
+         "failovers": [{"stall_s": 0.9}]},
+        {"started": 0, "ttft_s": 0.7, "gaps_s": [0.2, 0.2, 0.2, 0.2], "tokens": 5,
+         "failovers": []},
+    ]  # fmt: skip
+    f = figures(gens, sessions=2)
+    assert f["failover_stall_ms"] == 900.0
+    assert f["token_ms_p90"] == 200.0  # the 0.9 s gap is the stall's
+    assert f["ttft_ms_p50"] == 700.0
+    # 10 tokens over (1.7 + 1.5) / 2 seconds of generating per client
+    assert f["throughput_tokens_s"] == round(10 / 1.6, 3)
+    median, spread = summarize([f, {**f, "ttft_ms_p50": 900.0}, {**f, "ttft_ms_p50": 800.0}])
+    assert median["ttft_ms_p50"] == 800.0 and spread["ttft_ms_p50"] == [700.0, 900.0]
+    assert set(median) == set(FIGURES)
+
+
+def test_a_lone_token_is_the_chained_trip_and_sessions_queue_on_the_quotas() -> None:
+    m, out = predicted("fidelity-latency")
+    path = [CLIENT, *(p.provider for p in m.placed), CLIENT]
+    delays = sum(m.delay(a) + m.delay(b) for a, b in itertools.pairwise(path) if a != b)
+    alone = m.token_alone()
+    assert delays + 4 * STEP < alone < delays + 4 * STEP + 0.01  # plus ends and bytes
+    assert out["figures"]["token_ms_p50"] == pytest.approx(1e3 * alone, rel=1e-3)  # type: ignore[index]
+    one, x1 = m.token(1)
+    many, x16 = m.token(16)
+    cap = min(m.providers[k].cpu / d for k, d in m.demands().items() if k in m.providers)
+    assert x1 < x16 <= cap + 1e-9 and many > one  # more sessions: more tokens, each slower
+    m, _ = predicted("fidelity-compute")
+    assert m.token(4)[1] == pytest.approx(  # four sessions saturate the smallest quota
+        min(m.providers[k].cpu / d for k, d in m.demands().items() if k in m.providers)
+    )
+
+
+def test_a_kill_costs_a_stall_only_where_a_backup_stands_by() -> None:
+    m, _ = predicted("fidelity-churn")
+    for p in m.placed:
+        stall = m.stall(p.provider, 12)
+        assert (stall is None) == (
+            m.placed[[q.provider for q in m.placed].index(p.provider)].backup is None
+        )
+        if stall is not None:
+            assert stall > m.token_alone()  # a replay costs more than a step
+    m, out = predicted("fidelity-latency")
+    assert out["figures"]["failover_stall_ms"] is None  # type: ignore[index]
