@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for name in shipped():
             print(name)
+        for name in shipped(lab=True):
+            print(f"{name}  (a lab scenario: --package, --calibration, --compare)")
         return 0
     if args.queue_study:
         from sim import queue_study

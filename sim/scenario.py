@@ -181,5 +181,8 @@ def load_study(path: Path | str) -> Study:
     return Study(doc.get("name", path.stem), doc.get("description", ""), runs, comparisons)
 
 
-def shipped() -> list[str]:
-    return sorted(p.stem for p in SHIPPED.glob("*.toml"))
+def shipped(lab: bool = False) -> list[str]:
+    """The shipped study files (`lab`: the lab scenarios, `sim.labscenario`, instead)."""
+    return sorted(
+        p.stem for p in SHIPPED.glob("*.toml") if ("lab" in tomllib.loads(p.read_text())) == lab
+    )
