@@ -14,22 +14,18 @@ import argparse
 import json
 import math
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from sim.labscenario import HEADLINE, LabScenario
 
-SHIPPED = Path(__file__).resolve().parents[1] / "sim" / "scenarios"
-
 
 def is_lab_scenario(name: str) -> bool:
-    path = Path(name)
-    if not path.exists():
-        path = SHIPPED / f"{name}.toml"
+    from sim.labscenario import is_lab, read
+
     try:
-        return "lab" in tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        return is_lab(read(name)[1])
+    except ValueError:
         return False  # the study loader says what is wrong
 
 

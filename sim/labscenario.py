@@ -36,7 +36,6 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-NATS = ("cone", "symmetric", "upnp")
 # the clients' prompt: its first `prompt_words` words (the demo decoder learned this text)
 PROMPT = (
     "A broker keeps a pool of providers that join and leave at will, with a backup pool that "
@@ -104,9 +103,6 @@ class LabScenario(msgspec.Struct, frozen=True):
     description: str
     lab: LabSpec
 
-    def provider(self, name: str) -> LabProvider:
-        return next(p for p in self.lab.provider if p.name == name)
-
 
 def prompt(words: int) -> str:
     return " ".join(PROMPT.split()[:words])
@@ -152,18 +148,26 @@ def parse(doc: dict[str, object], where: str) -> LabScenario:
     return check(scenario)
 
 
-def load(path: Path | str) -> LabScenario:
-    """A lab scenario file; a bare name means one shipped in `sim/scenarios/`."""
+SHIPPED = Path(__file__).parent / "scenarios"
+
+
+def read(path: Path | str) -> tuple[Path, dict[str, Any]]:
+    """A scenario file (a study or a lab scenario) as TOML: (its path, its document); a bare
+    name means one shipped in `sim/scenarios/`. A clear `ValueError` otherwise."""
     path = Path(path)
-    shipped = Path(__file__).parent / "scenarios" / f"{path}.toml"
-    if not path.exists() and shipped.exists():
-        path = shipped
+    if not path.exists() and (SHIPPED / f"{path}.toml").exists():
+        path = SHIPPED / f"{path}.toml"
     try:
-        doc = tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text())
     except OSError as exc:
         raise ValueError(f"cannot read scenario file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path} is not valid TOML: {exc}") from None
+
+
+def load(path: Path | str) -> LabScenario:
+    """A lab scenario file; a bare name means one shipped in `sim/scenarios/`."""
+    path, doc = read(path)
     if not is_lab(doc):
         raise ValueError(f"{path} has no [lab] table: it is not a lab scenario")
     return parse(doc, str(path))

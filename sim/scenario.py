@@ -19,7 +19,6 @@ denominator = "datacenter/inference"
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,8 @@ from typing import Any
 from broker.core import CoreConfig
 from broker.core.placement import PlacementConfig
 from sim.catalog import CHURN, GPUS, NETWORKS, Churn, churn_with_mean
+from sim.labscenario import SHIPPED, is_lab, read
 from sim.workloads import WorkloadSpec, quantized, served, workload
-
-SHIPPED = Path(__file__).parent / "scenarios"
 
 PLACEMENTS = ("ours", "equal", "petals")
 QUEUE_POLICIES = ("fifo", "sjf-bsbf")
@@ -148,15 +146,7 @@ def scenario_from(values: dict[str, Any]) -> Scenario:
 
 def load_study(path: Path | str) -> Study:
     """Read a scenario file; a bare name means one shipped in `sim/scenarios/`."""
-    path = Path(path)
-    if not path.exists() and (SHIPPED / f"{path}.toml").exists():
-        path = SHIPPED / f"{path}.toml"
-    try:
-        doc = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read scenario file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path} is not valid TOML: {exc}") from None
+    path, doc = read(path)
     defaults = doc.get("defaults", {})
     runs = []
     for i, run in enumerate(doc.get("run", [])):
@@ -183,6 +173,4 @@ def load_study(path: Path | str) -> Study:
 
 def shipped(lab: bool = False) -> list[str]:
     """The shipped study files (`lab`: the lab scenarios, `sim.labscenario`, instead)."""
-    return sorted(
-        p.stem for p in SHIPPED.glob("*.toml") if ("lab" in tomllib.loads(p.read_text())) == lab
-    )
+    return sorted(p.stem for p in SHIPPED.glob("*.toml") if is_lab(read(p)[1]) == lab)

@@ -96,10 +96,9 @@ def test_a_lone_token_is_the_chained_trip_and_sessions_queue_on_the_quotas() -> 
 def test_a_kill_costs_a_stall_only_where_a_backup_stands_by() -> None:
     m, _ = predicted("fidelity-churn")
     for p in m.placed:
+        first = next(q for q in m.placed if q.provider == p.provider)  # its first stage's
         stall = m.stall(p.provider, 12)
-        assert (stall is None) == (
-            m.placed[[q.provider for q in m.placed].index(p.provider)].backup is None
-        )
+        assert (stall is None) == (first.backup is None)
         if stall is not None:
             assert stall > m.token_alone()  # a replay costs more than a step
     m, out = predicted("fidelity-latency")
