@@ -49,6 +49,120 @@ async def _round_trips(values: int, count: int) -> list[float]:
     return samples
 
 
+class _Proxy:
+    """A TCP proxy on loopback to `port` that counts the bytes it passes."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.moved = port, 0
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._splice, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _splice(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        r2, w2 = await asyncio.open_connection("127.0.0.1", self.port)
+        await asyncio.gather(self._pipe(reader, w2), self._pipe(r2, writer), return_exceptions=True)
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(1 << 16):
+            self.moved += len(data)
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def _transport(count: int) -> tuple[float, float]:
+    """What the transport adds to a message on the wire (stream, yamux and Noise framing):
+    the small round trips' bytes through a counting proxy between two hosts, less the
+    messages' encoded size, per message. And a new connection's set-up time (a median of
+    3: TCP, multistream, Noise, yamux, and the dialer's own wait)."""
+    from p2p import Host
+    from p2p.codec import encode_message
+    from p2p.tensor import Tensor
+    from p2p.testing import LOCAL, TENSOR, TensorMsg, serve_test_protocols
+
+    msg = TensorMsg(Tensor.from_numpy(np.ones(SMALL, dtype=np.float32)))
+    setups, per_message = [], 0.0
+    async with Host(LOCAL) as server:
+        serve_test_protocols(server)
+        proxy = _Proxy(int(server.addrs[0].split("/")[4]))
+        addr = f"/ip4/127.0.0.1/tcp/{await proxy.start()}/p2p/{server.peer_id}"
+        for i in range(3):
+            async with Host(LOCAL) as client:
+                start = time.perf_counter()
+                peer = await client.connect(addr)
+                setups.append(time.perf_counter() - start)
+                if i == 0:
+                    for _ in range(5):  # the connection's set-up is not a message's
+                        await client.request(peer, TENSOR, msg)
+                    await asyncio.sleep(0.2)
+                    before = proxy.moved
+                    for _ in range(count):
+                        await client.request(peer, TENSOR, msg)
+                    await asyncio.sleep(0.2)
+                    per_message = (proxy.moved - before) / (2 * count)
+        proxy.close()
+    return max(0.0, per_message - len(encode_message(msg))), statistics.median(setups)
+
+
+def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, int]:
+    """The encoded size of a chained step's messages for `hops` provider stages (the real
+    messages, with real peer ids, session ids and signature): the step sent to each hop
+    with no addresses in its route, what each address in it adds, a hop's answer back
+    and what each further hop's record adds to it, the last hop's push of the outputs and
+    the client's acceptance (`client.chained`, `provider.stepchain`)."""
+    import uuid
+
+    from p2p.codec import encode_message
+    from p2p.identity import Identity
+    from p2p.tensor import encode
+    from proto.forward import ChainAccepted, ForwardResult, HopDone
+    from proto.session import (
+        ChainStep,
+        ChainStepResult,
+        SessionOpen,
+        SessionStep,
+        StepHop,
+        step_route_bytes,
+    )
+
+    ids = [Identity.ephemeral() for _ in range(hops + 1)]
+    key = f"{package_name}/1"
+    hidden = encode(np.ones((1, 1, width), dtype=np.float32), "native")
+    inputs = {"hidden_states": hidden, "position_ids": encode(np.array([[7]]), "native")}
+    out = hidden
+    chain, expires = uuid.uuid4().hex, time.time()
+
+    def step(addrs: list[str]) -> int:
+        route = [
+            StepHop(i.peer_id, f"{package_name}/{k + 1}", uuid.uuid4().hex, list(addrs))
+            for k, i in enumerate(ids[:hops])
+        ]
+        signed = step_route_bytes(chain, route, 7, expires)
+        sig = ids[-1].sign(signed, domain="calibrate")
+        return len(encode_message(ChainStep(chain, ids[-1].peer_id, route, 0, 7, inputs,
+                                            expires, sig)))  # fmt: skip
+
+    def answer(n: int) -> int:
+        done = [HopDone(ids[0].peer_id, f"{package_name}/1", 1.234) for _ in range(n)]
+        return len(encode_message(ForwardResult({}, 1.234, done)))
+
+    bare = step([])
+    return {
+        "step_bytes": bare,
+        "addr_bytes": (step(["/ip4/203.0.113.101/tcp/4800"]) - bare) // hops,
+        "answer_bytes": answer(1),
+        "answer_hop_bytes": answer(2) - answer(1),
+        "result_bytes": len(encode_message(ChainStepResult(chain, {"hidden_states_out": out}, 8))),
+        "accepted_bytes": len(encode_message(ChainAccepted(chain))),
+        "star_bytes": len(encode_message(SessionStep(f"{chain}.1", key, inputs, 7))),
+        "open_bytes": len(encode_message(SessionOpen(f"{chain}.1", key))),
+    }
+
+
 def _executor_calls(count: int) -> list[float]:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -130,12 +244,14 @@ def _package_times(package: Path, count: int) -> PackageTimes:
         start = time.perf_counter()
         client.head(client.embed(ids), np.ones_like(ids))
         ends.append(time.perf_counter() - start)
+    hops = sum(1 for st in pkg.manifest.stages if st.placement == "provider")
     return PackageTimes(
         model=pkg.manifest.name,
         stage_step_s=statistics.median(steps),
         stage_token_s=max(0.0, many - one) / (long - 1),
         client_step_s=statistics.median(ends),
         hidden_bytes_per_token=int(info.activation_bytes_per_token),
+        **_chain_bytes(pkg.manifest.name, hops, width),
     )
 
 
@@ -148,6 +264,7 @@ def calibrate(
     large = mib * (1 << 20) // 4
     small_rtt = statistics.median(asyncio.run(_round_trips(SMALL, count)))
     large_rtt = statistics.median(asyncio.run(_round_trips(large, max(5, count // 20))))
+    frame_bytes, connect_s = asyncio.run(_transport(min(count, 200)))
     machine = measure(executor)
     e = machine.executors[0]
     profile = MeasuredProfile(
@@ -159,6 +276,8 @@ def calibrate(
         machine=f"{machine.cpu} ({platform.system()} {platform.machine()})",
         measured_at=round(time.time(), 3),
         call_s=small_rtt / 4,
+        frame_bytes=frame_bytes,
+        connect_s=connect_s,
         wire_s_per_byte=max(0.0, large_rtt - small_rtt) / (4 * large * 4),
         stage_call_s=statistics.median(_executor_calls(count)),
         small_rtt_s=small_rtt,

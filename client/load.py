@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import logging
 import sys
 import time
 
@@ -104,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=0.0, help="wait for the model, seconds")
     p.add_argument("--backups", action="store_true", help="and for a backup of every stage")
     p.add_argument("--go-on-stdin", action="store_true", help="start on a line on stdin")
+    p.add_argument("-v", "--verbose", action="store_true", help="log the library's steps")
     args = p.parse_args(argv)
+    if args.verbose:  # (to stderr, timed to the millisecond: where a stall's time went)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not (1 <= args.max_new_tokens <= 4096 and 1 <= args.rounds <= 10_000):
         p.error("--max-new-tokens is 1 to 4096, --rounds 1 to 10000")
     if args.wait and not args.model:

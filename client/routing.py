@@ -74,7 +74,9 @@ class HttpRouter:
             fresh = peer not in host.connected_peers()
             reason = await _dial(host, peer, out.addrs, deadline)
             if reason is None:
-                if fresh:  # before the session's first call: a punch closes a relayed one
+                # before the session's first call: a punch closes a relayed one (a provider
+                # the broker reached back directly or through its router's mapping needs none)
+                if fresh and out.reach in ("relayed", ""):
                     await self.client._direct(peer)
                 return peer
             await self.failed(pos, peer, f"cannot connect: {reason}")

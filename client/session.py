@@ -135,6 +135,7 @@ class GenerationSession:
         self.checked = 0  # stage steps whose answer a second provider confirmed
         self.unchecked = 0  # stage steps no second provider could check
         self.distrusted: set[str] = set()
+        self.lost: set[str] = set()  # providers whose connection failed on one of our stages
 
     async def feed(self, tokens: Sequence[int]) -> Array:
         """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
@@ -183,9 +184,15 @@ class GenerationSession:
 
     async def _step(self, pos: int, stage: _Stage, feeds: dict[str, Array], expect: int) -> Array:
         """Run one step of `stage`; the provider must then hold `expect` tokens of context."""
-        avoid: set[str] = set(self.distrusted)
+        avoid: set[str] = self.distrusted | self.lost
         failures = 0
         busy_until: float | None = None
+        if stage.peer is not None and stage.peer in self.lost:  # (lost on an earlier stage)
+            lost = stage.peer
+            self._abandon(stage)
+            stage.peer = None
+            failures += 1
+            self._failed_over(pos, stage, lost, "its provider was lost on an earlier stage")
         while True:
             if stage.peer is None:
                 stage.peer = await self.router.pick(pos, avoid)
@@ -212,6 +219,8 @@ class GenerationSession:
             except (RequestTimeout, P2PError, Lost, Mismatch) as exc:
                 self._abandon(stage)
                 avoid.add(peer)
+                if not isinstance(exc, Mismatch):
+                    self.lost.add(peer)
                 stage.peer = None
                 reason = str(exc) or type(exc).__name__
                 if isinstance(exc, RequestTimeout | P2PError):
@@ -222,14 +231,17 @@ class GenerationSession:
                     raise GenerationError(f"{stage.key} on {peer} answered no hidden_states_out")
                 return hidden.to_numpy()
             failures += 1
-            self.failovers += 1
-            if self.on_failover is not None:
-                self.on_failover(pos, peer, reason)
-            log.info("session %s: stage %s on %s failed (%s)", self.id, stage.key, peer, reason)
+            self._failed_over(pos, stage, peer, reason)
             if failures >= self.max_attempts:
                 raise GenerationError(
                     f"stage {stage.key} failed {failures} times; last on {peer}: {reason}"
                 )
+
+    def _failed_over(self, pos: int, stage: _Stage, peer: str, reason: str) -> None:
+        self.failovers += 1
+        if self.on_failover is not None:
+            self.on_failover(pos, peer, reason)
+        log.info("session %s: stage %s on %s failed (%s)", self.id, stage.key, peer, reason)
 
     def _abandon(self, stage: _Stage) -> None:
         """Stop using the stage's open session (closed, best effort, with the others)."""

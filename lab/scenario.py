@@ -30,23 +30,26 @@ from sim.labscenario import LabScenario, figures, prompt, summarize
 
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
-PERIOD_US = 10_000  # a short period: throttling comes in slices of at most 10 ms
+# The shortest slices the kernel allows: a quota of 1 ms (its least) each 1 ms / cores, so a
+# capped provider runs as a slower machine would, not at full speed until throttled.
+QUOTA_US = 1000
 
 
 class Quota:
     """A cgroup capping its processes at `cores` CPUs; removed by `close()`."""
 
     def __init__(self, name: str, cores: float) -> None:
-        quota = max(1000, int(cores * PERIOD_US))
+        period = max(QUOTA_US, min(1_000_000, round(QUOTA_US / cores)))
+        quota = max(QUOTA_US, round(cores * period))
         if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
             self.path = CGROUP_V1 / name
             self.path.mkdir(exist_ok=True)
-            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_period_us").write_text(str(period))
             (self.path / "cpu.cfs_quota_us").write_text(str(quota))
         elif (CGROUP_V2 / "cgroup.controllers").exists():
             self.path = CGROUP_V2 / name
             self.path.mkdir(exist_ok=True)
-            (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (self.path / "cpu.max").write_text(f"{quota} {period}")
         else:
             raise LabError("no cgroup cpu controller (v1 or v2) to cap providers with")
 
@@ -106,6 +109,16 @@ def _fusionai(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
 
+def _reach(provider: Events) -> str:
+    """How a provider could be dialled, by its own events: "mapped" (its router mapped a
+    port), "relayed" (it holds a relay port), "direct" or "" (neither said)."""
+    if any(e.get("mapped") for e in provider.all("port_mapping")):
+        return "mapped"
+    if any(e.get("held") for e in provider.all("relay")):
+        return "relayed"
+    return ""
+
+
 def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dict[str, Any]:
     """One run of `s` in a fresh lab: its figures, placement and the providers' reach."""
     spec = s.lab
@@ -129,6 +142,7 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             addr = f"/ip4/{BROKER_IP}/tcp/7370/p2p/{started['peer']}"
             procs: dict[str, subprocess.Popen[str]] = {}
             peers: dict[str, str] = {}  # peer id -> scenario name
+            events: dict[str, Events] = {}
             for i, p in enumerate(spec.provider):
                 quota = Quota(f"fusionai-lab-{lab.run_id}-{p.name}", p.cpu)
                 quotas.append(quota)
@@ -145,7 +159,8 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 )  # fmt: skip
                 lab.procs.append(proc)  # (killed at teardown)
                 procs[p.name] = proc
-                listening = Events(proc, f"provider {p.name}").wait("listening", 180)
+                events[p.name] = Events(proc, f"provider {p.name}")
+                listening = events[p.name].wait("listening", 180)
                 peers[listening["peer_id"]] = p.name
             say(f"{s.name}: {len(procs)} providers up; adding the model")
             client_ns = lab.homes[-1].host
@@ -157,6 +172,7 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 "-m", "client.load", "--broker", url, "--model", model, "--prompt",
                 prompt(w.prompt_words), "-n", str(w.output_tokens), "--rounds", str(w.rounds),
                 "--timeout", str(w.step_timeout_s), "--wait", "240", "--warmup", "--go-on-stdin",
+                "--verbose",
             ]  # fmt: skip
             if spec.event:
                 load.append("--backups")
@@ -191,10 +207,12 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 for st in route["stages"]
             ]  # fmt: skip
             raw = [{"started": round(g["started"] - start, 3), "ttft_s": g["ttft_s"],
-                    "tokens": g["tokens"], "failovers": g["failovers"]} for g in gens]  # fmt: skip
+                    "tokens": g["tokens"], "gaps_s": g["gaps_s"], "failovers": g["failovers"]}
+                   for g in gens]  # fmt: skip
             return {
                 "figures": figures(gens, w.sessions),
                 "placement": placement,
+                "reach": {name: _reach(e) for name, e in events.items()},
                 "generations": raw,
             }
     finally:
@@ -221,4 +239,5 @@ def run(s: LabScenario, package: Path, model: str, runs: int, say: Any = print) 
         "per_run": [d["figures"] for d in done],
         "generations": [d["generations"] for d in done],
         "placement": done[0]["placement"],
+        "reach": [d["reach"] for d in done],
     }

@@ -4,6 +4,10 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
     call_s            software time at one end of a stage call's hop: framing, Noise
                       encryption, dispatch (from round trips of a few bytes between two hosts
                       on loopback: one round trip is two hops, four ends)
+    frame_bytes       what the transport adds to a message on the wire (from the small round
+                      trips' bytes through a counting proxy, less the messages' size)
+    connect_s         a new connection's set-up on loopback (TCP, multistream, Noise, yamux
+                      and the dialer's own wait: py-libp2p holds a dial 250 ms)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
                       few MiB, less the small ones')
     stage_call_s      one executor call's fixed time: onnxruntime running a 64 x 64 MatMul
@@ -13,7 +17,8 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
     package           with `--package DIR`: that package's calls timed in-process on one
                       thread: a provider stage's one-token step and its cost per prefill
                       token (`provider.serving`, as providers run it), the client's embedding
-                      and head for a token (what lab scenarios are predicted from)
+                      and head for a token, and the encoded size of a chained step's
+                      messages (what lab scenarios are predicted from)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
@@ -28,9 +33,10 @@ import msgspec
 
 from sim.scenario import Scenario
 
-VERSION = 1
+VERSION = 2
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
 
 
 class MeasuredProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -49,6 +55,19 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stage_token_s: Seconds  # each further token of a prefill on that stage
     client_step_s: Seconds  # the client's embedding and head for one token
     hidden_bytes_per_token: Annotated[int, msgspec.Meta(gt=0)]  # on the wire between stages
+    # a chained step's messages, encoded (one token; the route as long as the package's
+    # provider stages): the step each hop gets, with no addresses in its route; what each
+    # address a provider announces adds; a hop's answer back and each further hop's part of
+    # it; the outputs pushed to the client; the client's acceptance; a step sent the star
+    # way (`SessionStep`, one token); a session's opening (`SessionOpen`)
+    step_bytes: Bytes
+    addr_bytes: Bytes
+    answer_bytes: Bytes
+    answer_hop_bytes: Bytes
+    result_bytes: Bytes
+    accepted_bytes: Bytes
+    star_bytes: Bytes
+    open_bytes: Bytes
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -56,6 +75,8 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     machine: str
     measured_at: float  # Unix time
     call_s: Seconds
+    frame_bytes: Annotated[float, msgspec.Meta(ge=0, le=1 << 20)]  # the transport's per message
+    connect_s: Seconds  # a new connection's set-up, on loopback
     wire_s_per_byte: Annotated[float, msgspec.Meta(ge=0, le=1e-3)]
     stage_call_s: Seconds
     small_rtt_s: Seconds  # the medians the two constants come from

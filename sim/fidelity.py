@@ -7,26 +7,30 @@ times the provider's CPU share, its memory limit, its access link) and then of t
 `AssignStage` actions are the placement.
 
 A token (decode step) goes as the client library sends it when a session runs alone on its
-client: chained, client -> stage 1 -> ... -> stage n -> client, each network hop costing both
-access links' one-way delays, the bytes over the slower link, and the software's time at both
-ends (`call_s` + bytes x `wire_s_per_byte`); each stage its calibrated one-token step;
-consecutive stages on one provider hop without the network. Sessions at once: exact mean-value
-analysis of the closed network they form (each client one session; each provider a queue whose
-demand per token is its stage calls and its ends of the hops; the rest pure delay), and no more
-tokens a second than each provider's CPU quota allows (quota / its CPU time per token).
+client: chained, client -> stage 1 -> ... -> stage n -> client (`client.chained`). Its
+messages are the calibrated encodings of the real ones (the step with its signed route, each
+hop's answer back, the outputs pushed to the client); on a link each costs the transport's
+measured framing and TCP/IP's headers per segment, and an acknowledgement comes back. A
+network hop costs both access links' one-way delays, the bytes over the slower link, and the
+software's time at both ends (`call_s` + bytes x `wire_s_per_byte`); each stage its
+calibrated one-token step. A provider's CPU time is the calibrated machine's over its CPU
+share (a provider with 0.25 of a core is a machine four times slower). Sessions at once:
+exact mean-value analysis of the closed network they form (each client one session; each
+provider's CPU and each access link's way up and down a queue; the rest pure delay).
 
 The first token: the library's first step opens each stage in turn (ask the broker which
 provider, open a session there, send the prompt's hidden states and wait for them back), then
-the head. A failover stall (a provider killed mid-generation): the client sees the connection
-drop (the victim's one-way delay), reports it and asks the broker for the stage again (two
-round trips to the broker), opens a session on the backup and replays the history into it (two
-round trips to the backup and a prefill of the prompt and the tokens so far), and the step
-then finishes the star way from that stage on.
+the head; behind the queues the other sessions keep. A failover stall (a provider killed
+mid-generation): the client sees the connection drop and reports it, the broker pings the
+victim and promotes the backup, the client asks the broker again, connects to the backup
+(the calibrated set-up), opens a session and replays the history there (a prefill of the
+prompt and the tokens so far), for each of the victim's stages; the step then finishes the
+star way.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +45,17 @@ from sim.labscenario import FIGURES, LabProvider, LabScenario
 
 CLIENT = "client"
 MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2
-PACKET_BYTES = 1500  # Ethernet's MTU: the unit the links' shapers pass on
+# What the links' shapers count, by the protocols' definitions: a packet is at most the
+# Ethernet MTU; TCP carries at most MTU - 52 bytes in it (IPv4 20, TCP 20 with its 12 of
+# timestamps); each packet adds those 52 and Ethernet's 14; each message is answered by an
+# acknowledgement the other way, a packet of headers only.
+PACKET_BYTES = 1500
+SEGMENT_BYTES = PACKET_BYTES - 52
+HEADER_BYTES = 52 + 14
+# The addresses a provider announces (`provider.membership`): its LAN one, and behind a
+# router the public one it got there (a UPnP mapping, a relay port); its chained steps'
+# routes carry them.
+ANNOUNCED = 2
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,8 @@ class Model:
         self.t: PackageTimes = cal.package
         self.providers = {p.name: p for p in s.lab.provider}
 
+    # ---- the parts -------------------------------------------------------------------------
+
     def delay(self, x: str) -> float:
         link = self.s.lab.client if x == CLIENT else self.providers[x].link
         return link.delay_ms / 1e3
@@ -104,17 +120,32 @@ class Model:
     def rate(self, x: str) -> float:
         return (self.s.lab.client if x == CLIENT else self.providers[x].link).bytes_s
 
-    def end(self, nbytes: float) -> float:
-        return self.cal.call_s + nbytes * self.cal.wire_s_per_byte
+    def slow(self, x: str) -> float:
+        """How much longer `x`'s CPU takes than the calibrated machine's one core."""
+        return 1.0 if x == CLIENT else 1.0 / min(self.providers[x].cpu, 1.0)
+
+    def on_link(self, nbytes: float) -> float:
+        """The bytes a message of `nbytes` puts on a link: the transport's framing, then
+        TCP's segments' headers."""
+        wire = nbytes + self.cal.frame_bytes
+        return wire + math.ceil(wire / SEGMENT_BYTES) * HEADER_BYTES
+
+    def end(self, x: str, nbytes: float) -> float:
+        """`x`'s CPU time to send or receive a message."""
+        return (self.cal.call_s + nbytes * self.cal.wire_s_per_byte) * self.slow(x)
+
+    def compute(self, x: str, seconds: float) -> float:
+        return seconds * self.slow(x)
 
     def hop(self, a: str, b: str, nbytes: float) -> float:
         """One message from `a` to `b` (each a provider or the client) over the Internet."""
         if a == b:
             return 0.0
         # out of a's home, then into b's: packets pipeline through the two shapers
+        size = self.on_link(nbytes)
         slow, fast = sorted((self.rate(a), self.rate(b)))
-        wire = nbytes / slow + min(nbytes, PACKET_BYTES) / fast
-        return self.delay(a) + self.delay(b) + wire + 2 * self.end(nbytes)
+        wire = size / slow + min(size, PACKET_BYTES) / fast
+        return self.delay(a) + self.delay(b) + wire + self.end(a, nbytes) + self.end(b, nbytes)
 
     def rtt(self, a: str, b: str, there: float, back: float) -> float:
         return self.hop(a, b, there) + self.hop(b, a, back)
@@ -125,40 +156,62 @@ class Model:
 
     # ---- a token ---------------------------------------------------------------------------
 
-    def chain(self) -> list[str]:
-        return [CLIENT, *(p.provider for p in self.placed), CLIENT]
+    def route(self) -> list[tuple[str, int]]:
+        """The chain's providers in order, each with how many stages it runs in a row."""
+        out: list[tuple[str, int]] = []
+        for p in self.placed:
+            if out and out[-1][0] == p.provider:
+                out[-1] = (p.provider, out[-1][1] + 1)
+            else:
+                out.append((p.provider, 1))
+        return out
+
+    def messages(self) -> list[tuple[str, str, float, bool]]:
+        """A chained step's messages: (from, to, bytes, on the token's path). The step goes
+        along the route, the last hop pushes the outputs to the client, each hop's answer
+        (with its and the later hops' records) goes back to its sender, the client accepts."""
+        t, route = self.t, self.route()
+        step = t.step_bytes + t.addr_bytes * ANNOUNCED * len(self.placed)
+        out: list[tuple[str, str, float, bool]] = []
+        senders = [CLIENT, *(x for x, _ in route)]
+        for i, (x, _) in enumerate(route):
+            out.append((senders[i], x, step, True))
+            later = sum(n for _, n in route[i:])
+            out.append((x, senders[i], t.answer_bytes + (later - 1) * t.answer_hop_bytes, False))
+        out.append((route[-1][0], CLIENT, t.result_bytes, True))
+        out.append((CLIENT, route[-1][0], t.accepted_bytes, False))
+        return out
 
     def token_alone(self) -> float:
         """One decode step of a session alone on the swarm: the chained trip."""
-        b = self.t.hidden_bytes_per_token
-        path = self.chain()
-        trips = sum(self.hop(x, y, b) for x, y in itertools.pairwise(path))
-        return self.t.client_step_s + len(self.placed) * self.t.stage_step_s + trips
+        trips = sum(self.hop(a, b, n) for a, b, n, path in self.messages() if path)
+        stages = sum(self.compute(p.provider, self.t.stage_step_s) for p in self.placed)
+        return self.t.client_step_s + stages + trips
 
     def demands(self) -> dict[str, float]:
         """Seconds per token each queue serves: each provider's CPU (its stage steps, its ends
-        of hops) and each access link's way up and down (the bytes it carries)."""
-        b = self.t.hidden_bytes_per_token
+        of messages) and each access link's way up and down (the bytes it carries, and the
+        acknowledgements coming back)."""
         out: dict[str, float] = {}
 
         def add(key: str, seconds: float) -> None:
             out[key] = out.get(key, 0.0) + seconds
 
-        path = self.chain()
         for p in self.placed:
-            add(p.provider, self.t.stage_step_s)
-        for x, y in itertools.pairwise(path):
-            if x != y:
-                for end in (x, y):
-                    if end != CLIENT:
-                        add(end, self.end(b))
-                add(f"up:{x}", b / self.rate(x))
-                add(f"down:{y}", b / self.rate(y))
+            add(p.provider, self.compute(p.provider, self.t.stage_step_s))
+        for a, b, n, _ in self.messages():
+            for x in (a, b):
+                if x != CLIENT:
+                    add(x, self.end(x, n))
+            add(f"up:{a}", self.on_link(n) / self.rate(a))
+            add(f"down:{b}", self.on_link(n) / self.rate(b))
+            add(f"up:{b}", HEADER_BYTES / self.rate(b))
+            add(f"down:{a}", HEADER_BYTES / self.rate(a))
         return out
 
-    def token(self, sessions: int) -> tuple[float, float]:
-        """(seconds per token of each session, tokens per second of all) with `sessions`
-        running at once: mean-value analysis, capped by the providers' quotas."""
+    def mva(self, sessions: int) -> tuple[float, dict[str, float]]:
+        """Exact mean-value analysis of `sessions` closed loops: (tokens per second of all,
+        the mean queue at each queue)."""
         demand = self.demands()
         delay = max(0.0, self.token_alone() - sum(demand.values()))
         queue = dict.fromkeys(demand, 0.0)
@@ -167,45 +220,67 @@ class Model:
             resid = {k: d * (1 + queue[k]) for k, d in demand.items()}
             x = n / (delay + sum(resid.values()))
             queue = {k: x * r for k, r in resid.items()}
-        cap = min(
-            min(self.providers[k].cpu, 1.0) / d
-            for k, d in demand.items()
-            if d > 0 and k in self.providers
-        )
-        x = min(x, cap)
+        return x, queue
+
+    def token(self, sessions: int) -> tuple[float, float]:
+        """(seconds per token of each session, tokens per second of all) with `sessions`
+        running at once."""
+        x, _ = self.mva(sessions)
         return sessions / x, x
 
     # ---- the first token, a failover -------------------------------------------------------
 
-    def prefill(self, tokens: int) -> float:
-        return self.t.stage_step_s + max(0, tokens - 1) * self.t.stage_token_s
+    def prefill(self, x: str, tokens: int) -> float:
+        return self.compute(x, self.t.stage_step_s + max(0, tokens - 1) * self.t.stage_token_s)
 
-    def first_token(self, prompt_tokens: int) -> float:
+    def star_step(self, x: str, tokens: int) -> float:
+        """A step of `tokens` sent to `x` the star way and its outputs back."""
+        extra = self.t.hidden_bytes_per_token * (tokens - 1)
+        there, back = self.t.star_bytes + extra, self.t.result_bytes + extra
+        return self.rtt(CLIENT, x, there, back) + self.prefill(x, tokens)
+
+    def opening(self, x: str) -> float:
+        return self.rtt(CLIENT, x, self.t.open_bytes, self.t.accepted_bytes)
+
+    def first_token(self, prompt_tokens: int, sessions: int = 1) -> float:
         """The first step: each stage opened in turn (the broker's pick, an open, the prompt's
-        hidden states there and back), then the head."""
-        b = self.t.hidden_bytes_per_token * prompt_tokens
+        hidden states there and back), then the head. With other sessions running, each
+        provider's part waits behind the queue they keep there (the arrival theorem: the
+        queue that `sessions - 1` of them keep)."""
+        _, queue = self.mva(max(0, sessions - 1))
+        demand = self.demands()
         out = self.t.client_step_s
         for p in self.placed:
-            out += self.broker_rtt()
-            out += self.rtt(CLIENT, p.provider, 64, 64)  # open
-            out += self.rtt(CLIENT, p.provider, b, b) + self.prefill(prompt_tokens)
+            x = p.provider
+            out += self.broker_rtt() + self.opening(x) + self.star_step(x, prompt_tokens)
+            # the work queued ahead at each queue the prompt's step passes
+            ahead = (x, f"up:{CLIENT}", f"down:{x}", f"up:{x}", f"down:{CLIENT}")
+            out += sum(queue.get(k, 0.0) * demand.get(k, 0.0) for k in ahead)
         return out
 
     def stall(self, victim: str, history: int) -> float | None:
-        """The gap a kill of `victim` puts in a session's tokens (None: no backup)."""
+        """The gap a kill of `victim` puts in a session's tokens (None: no backup): the
+        client sees the connection drop and reports it; the broker pings the victim (its
+        connection is gone: a dial, refused) and promotes the backup; the client asks for
+        the stage, connects to the backup, opens and replays the history there; each of
+        the victim's further stages the same (no call to the victim again); the step
+        then finishes the star way."""
         stages = [i for i, p in enumerate(self.placed) if p.provider == victim]
-        if not stages:
+        if not stages or self.placed[stages[0]].backup is None:
             return None
-        first = stages[0]
-        backup = self.placed[first].backup
-        if backup is None:
-            return None
-        b = self.t.hidden_bytes_per_token
-        out = self.hop(victim, CLIENT, 64) + 2 * self.broker_rtt()
-        out += self.rtt(CLIENT, backup, 64, 64)  # open
-        out += self.rtt(CLIENT, backup, b * history, b) + self.prefill(history)  # replay
-        for p in self.placed[first + 1 :]:  # the step goes on the star way
-            out += self.rtt(CLIENT, p.provider, b, b) + self.t.stage_step_s
+        out = self.delay(victim) + self.delay(CLIENT) + 2 * self.broker_rtt()
+        out += 2 * self.delay(victim)  # the broker's ping, refused
+        done: set[str] = set()
+        for p in self.placed[stages[0] :]:
+            if p.provider == victim:
+                backup = p.backup or victim
+                out += self.broker_rtt()
+                if backup not in done:
+                    out += self.cal.connect_s + 2 * (self.delay(CLIENT) + self.delay(backup))
+                    done.add(backup)
+                out += self.opening(backup) + self.star_step(backup, history)
+            else:
+                out += self.star_step(p.provider, 1)
         return out + self.t.client_step_s
 
 
@@ -220,7 +295,7 @@ def predict(
     m = Model(s, cal, placed)
     w = s.lab.workload
     per_token, _ = m.token(w.sessions)
-    ttft = m.first_token(prompt_tokens)
+    ttft = m.first_token(prompt_tokens, w.sessions)
     generation = ttft + (generated - 1) * per_token
     stalls = []
     for e in s.lab.event:

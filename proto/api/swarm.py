@@ -155,6 +155,7 @@ class Picked(msgspec.Struct, frozen=True):
     key: str  # the stage key sessions name
     peer_id: str
     addrs: list[str]
+    reach: str = ""  # how the broker reached it back: "direct", "mapped", "relayed"; "" unknown
 
 
 class ReportRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -56,19 +56,20 @@ class Swarm:
         self.client_stages = ClientStages(package)  # one per model, as in a client
         self.hosts: list[MemoryHost] = []
 
-    async def provider(self, pos: int) -> str:
+    async def provider(self, *positions: int) -> str:
         host = self.net.host()
         await host.__aenter__()
         self.hosts.append(host)
-        info = self.stages[pos]
         server = Server()
-        executor = OrtExecutor(self.loaded.models[info.index], threads=1)
-        server.add(LoadedStage(self.keys[pos], info, executor, "active"))
+        for pos in positions:
+            info = self.stages[pos]
+            executor = OrtExecutor(self.loaded.models[info.index], threads=1)
+            server.add(LoadedStage(self.keys[pos], info, executor, "active"))
+            self.holders[pos].append(host.peer_id)
         server.peer_id = host.peer_id
         host.add_compute_handler(SESSION, server.session)
         host.add_compute_handler(SESSION_CHAIN, server.chain_step)
         self.servers[host.peer_id] = server
-        self.holders[pos].append(host.peer_id)
         return host.peer_id
 
     async def pick(self, pos: int, avoid: set[str]) -> str:  # (the session's router)
@@ -101,14 +102,15 @@ async def _generate(
 ) -> GenerationSession:
     stages = swarm.client_stages
     session = GenerationSession(
-        client, stages, swarm.keys, swarm, timeout=5, chains=chains, mux=hooks.get("mux")
-    )
+        client, stages, swarm.keys, swarm, timeout=5, chains=chains, mux=hooks.get("mux"),
+        on_failover=hooks.get("on_failover"),
+    )  # fmt: skip
     tokens = []
     try:
         async for token in generate(session, PROMPT, NEW_TOKENS, Sampler(0.0)):
             tokens.append(token)
             if len(tokens) == hooks.get("kill_at"):
-                swarm.net.kill(session.stages[1].peer or "")
+                swarm.net.kill(session.stages[hooks.get("victim", 1)].peer or "")
     finally:
         await session.close()
     session.tokens = tokens  # type: ignore[attr-defined]
@@ -153,6 +155,31 @@ async def test_a_hop_killed_mid_chain_fails_over_with_the_same_tokens(swarm: Swa
     # the spare was replayed with the first stage's outputs so far (kept by its provider):
     # the chain broke once, that step went the star way, and the next ones chained again
     assert session.chained == NEW_TOKENS - 2 and session.chain_strikes == 0
+
+
+async def test_a_provider_lost_on_one_stage_is_not_called_for_its_others(
+    llama3_packages: dict[str, Path],
+) -> None:
+    """A provider serving two stages dies: both move to their spares, and the second without
+    a call to the dead one (each call to it would cost a dial's wait on the Internet)."""
+    swarm = Swarm(MemoryNetwork(), llama3_packages["fp32"])
+    try:
+        for positions in ((0, 1), (2,), (0, 1)):  # the last: a spare for both
+            await swarm.provider(*positions)
+        victim, spare = swarm.holders[0]
+        want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
+        moved: list[tuple[int, str, str]] = []
+        async with swarm.net.host() as client:
+            session = await _generate(
+                swarm, client, ChainInbox(client), kill_at=5, victim=0,
+                on_failover=lambda *e: moved.append(e),
+            )  # fmt: skip
+    finally:
+        await swarm.close()
+    assert same_as_alone(session.tokens, want, gaps), session.tokens  # type: ignore[attr-defined]
+    assert [(pos, peer) for pos, peer, _ in moved] == [(0, victim), (1, victim)]
+    assert "lost on an earlier stage" in moved[1][2]
+    assert [s.peer for s in session.stages[:2]] == [spare, spare]
 
 
 async def test_providers_that_cannot_reach_each_other_get_the_star_way(swarm: Swarm) -> None:

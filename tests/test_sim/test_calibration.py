@@ -53,8 +53,8 @@ def test_every_hop_end_pays_the_software_costs() -> None:
 
 def test_the_simulator_charges_swarm_hops_not_nvlink(tmp_path: Path) -> None:
     fixed = Calibration(
-        version=1, machine="test", measured_at=0.0, call_s=1e-3, wire_s_per_byte=5e-9,
-        stage_call_s=5e-4,
+        version=2, machine="test", measured_at=0.0, call_s=1e-3, frame_bytes=75.0,
+        connect_s=0.25, wire_s_per_byte=5e-9, stage_call_s=5e-4,
         small_rtt_s=4e-3, large_rtt_s=0.1, large_bytes=1 << 20, samples=40,
         profile=load_profile(),
     )  # fmt: skip
