@@ -13,10 +13,13 @@ hop's answer back, the outputs pushed to the client); on a link each costs the t
 measured framing and TCP/IP's headers per segment, and an acknowledgement comes back. A
 network hop costs both access links' one-way delays, the bytes over the slower link, and the
 software's time at both ends (`call_s` + bytes x `wire_s_per_byte`); each stage its
-calibrated one-token step. A provider's CPU time is the calibrated machine's over its CPU
-share (a provider with 0.25 of a core is a machine four times slower). Sessions at once:
-exact mean-value analysis of the closed network they form (each client one session; each
-provider's CPU and each access link's way up and down a queue; the rest pure delay).
+calibrated one-token step. A lone request runs at the calibrated machine's speed even on a
+provider with a CPU quota (the kernel lets a thread overrun its quota by up to a tick and
+pays the debt later: measured, a quota of 0.3 core added 4.5 ms to a token through four such
+providers where a machine 3.3 times slower would add 23 ms); the quota caps what a provider
+serves over time. Sessions at once: exact mean-value analysis of the closed network they form
+(each client one session; each provider's CPU and each access link's way up and down a queue;
+the rest pure delay), and no more tokens a second than each provider's quota allows.
 
 The first token: the library's first step opens each stage in turn (ask the broker which
 provider, open a session there, send the prompt's hidden states and wait for them back), then
@@ -120,9 +123,9 @@ class Model:
     def rate(self, x: str) -> float:
         return (self.s.lab.client if x == CLIENT else self.providers[x].link).bytes_s
 
-    def slow(self, x: str) -> float:
-        """How much longer `x`'s CPU takes than the calibrated machine's one core."""
-        return 1.0 if x == CLIENT else 1.0 / min(self.providers[x].cpu, 1.0)
+    def share(self, x: str) -> float:
+        """The cores `x` may use: a provider's quota (the client's machine is not capped)."""
+        return 1.0 if x == CLIENT else min(self.providers[x].cpu, 1.0)
 
     def on_link(self, nbytes: float) -> float:
         """The bytes a message of `nbytes` puts on a link: the transport's framing, then
@@ -131,11 +134,8 @@ class Model:
         return wire + math.ceil(wire / SEGMENT_BYTES) * HEADER_BYTES
 
     def end(self, x: str, nbytes: float) -> float:
-        """`x`'s CPU time to send or receive a message."""
-        return (self.cal.call_s + nbytes * self.cal.wire_s_per_byte) * self.slow(x)
-
-    def compute(self, x: str, seconds: float) -> float:
-        return seconds * self.slow(x)
+        """`x`'s CPU time to send or receive a message (at the calibrated machine's speed)."""
+        return self.cal.call_s + nbytes * self.cal.wire_s_per_byte
 
     def hop(self, a: str, b: str, nbytes: float) -> float:
         """One message from `a` to `b` (each a provider or the client) over the Internet."""
@@ -185,7 +185,7 @@ class Model:
     def token_alone(self) -> float:
         """One decode step of a session alone on the swarm: the chained trip."""
         trips = sum(self.hop(a, b, n) for a, b, n, path in self.messages() if path)
-        stages = sum(self.compute(p.provider, self.t.stage_step_s) for p in self.placed)
+        stages = len(self.placed) * self.t.stage_step_s
         return self.t.client_step_s + stages + trips
 
     def demands(self) -> dict[str, float]:
@@ -198,7 +198,7 @@ class Model:
             out[key] = out.get(key, 0.0) + seconds
 
         for p in self.placed:
-            add(p.provider, self.compute(p.provider, self.t.stage_step_s))
+            add(p.provider, self.t.stage_step_s)
         for a, b, n, _ in self.messages():
             for x in (a, b):
                 if x != CLIENT:
@@ -224,14 +224,16 @@ class Model:
 
     def token(self, sessions: int) -> tuple[float, float]:
         """(seconds per token of each session, tokens per second of all) with `sessions`
-        running at once."""
+        running at once: no more tokens a second than each provider's quota allows."""
         x, _ = self.mva(sessions)
+        demand = self.demands()
+        x = min(x, *(self.share(k) / d for k, d in demand.items() if k in self.providers and d))
         return sessions / x, x
 
     # ---- the first token, a failover -------------------------------------------------------
 
     def prefill(self, x: str, tokens: int) -> float:
-        return self.compute(x, self.t.stage_step_s + max(0, tokens - 1) * self.t.stage_token_s)
+        return self.t.stage_step_s + max(0, tokens - 1) * self.t.stage_token_s
 
     def star_step(self, x: str, tokens: int) -> float:
         """A step of `tokens` sent to `x` the star way and its outputs back."""

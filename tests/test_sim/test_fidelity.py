@@ -83,18 +83,18 @@ def test_a_lone_token_is_the_chained_trip_and_sessions_queue_on_the_quotas() -> 
     m, out = predicted("fidelity-latency")
     path = [CLIENT, *(p.provider for p in m.placed), CLIENT]
     delays = sum(m.delay(a) + m.delay(b) for a, b in itertools.pairwise(path) if a != b)
-    steps = sum(STEP / min(m.providers[p.provider].cpu, 1.0) for p in m.placed)  # slower CPUs
+    steps = len(m.placed) * STEP
     alone = m.token_alone()
     assert delays + steps < alone < delays + steps + 0.02  # plus ends and bytes
     assert out["figures"]["token_ms_p50"] == pytest.approx(1e3 * alone, rel=1e-3)  # type: ignore[index]
     one, x1 = m.token(1)
     many, x16 = m.token(16)
-    cap = 1 / max(m.demands().values())  # the busiest queue's
+    cap = min(m.share(k) / d for k, d in m.demands().items() if k in m.providers)
     assert x1 < x16 <= cap + 1e-9 and many > one  # more sessions: more tokens, each slower
     m, _ = predicted("fidelity-compute")
-    busiest = max(m.demands().items(), key=lambda kv: kv[1])
-    assert busiest[0] in m.providers  # compute-bound: a provider's CPU, not a link
-    assert m.token(64)[1] == pytest.approx(1 / busiest[1], rel=0.02)  # saturated
+    assert m.token(4)[1] == pytest.approx(  # four sessions saturate the smallest quota
+        min(m.share(k) / d for k, d in m.demands().items() if k in m.providers)
+    )
     m, _ = predicted("fidelity-bandwidth")
     assert max(m.demands().items(), key=lambda kv: kv[1])[0].startswith(("up:", "down:"))  # a link
 
