@@ -30,8 +30,9 @@ from sim.labscenario import LabScenario, figures, prompt, summarize
 
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
-# The shortest slices the kernel allows: a quota of 1 ms (its least) each 1 ms / cores, so a
-# capped provider runs as a slower machine would, not at full speed until throttled.
+# The shortest slices the kernel allows: a quota of 1 ms (its least) each 1 ms / cores. (A
+# lone request still runs near full speed: a thread may overrun its quota until a tick and
+# pays later; the quota caps what a provider serves over time, as `sim.fidelity` models.)
 QUOTA_US = 1000
 
 
