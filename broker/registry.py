@@ -308,12 +308,16 @@ class Registry:
             return HeartbeatAck(known=False)  # the core says: join again
         self.load[peer] = (msg.queued, msg.kv_bytes)
         member = self.core.pool.providers.get(peer)
-        reach = self.reachability.reach.get(peer) if self.reachability else None
         return HeartbeatAck(
             known=True,
             pool=member.status.value if member is not None else "",
-            reach=reach.kind if reach is not None else "",
+            reach=self.reach_kind(peer),
         )
+
+    def reach_kind(self, peer: str) -> str:
+        """How `peer` was reached back at its join: direct, mapped, relayed ("" not known)."""
+        reach = self.reachability.reach.get(peer) if self.reachability else None
+        return reach.kind if reach is not None else ""
 
     # ---- the clock -------------------------------------------------------------------------
 

@@ -289,12 +289,6 @@ class Serving:
             throughput_tokens_s=detail.throughput_tokens_s,
         )
 
-    def reach_of(self, peer: str) -> str:
-        """How `peer` was reached back at its join ("" not known)."""
-        reachability = self.registry.reachability
-        reach = reachability.reach.get(peer) if reachability is not None else None
-        return reach.kind if reach is not None else ""
-
     def peer_info(self, peer: str) -> api.Peer:
         profile = self.registry.profiles.get(peer)
         return api.Peer(peer, list(profile.addrs) if profile else [])

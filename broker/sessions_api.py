@@ -61,7 +61,7 @@ class SessionRoutes:
 
     def _picked(self, key: str, peer: str) -> Picked:
         info = self.serving.peer_info(peer)
-        return Picked(key, info.peer_id, info.addrs, self.serving.reach_of(peer))
+        return Picked(key, info.peer_id, info.addrs, self.registry.reach_kind(peer))
 
     async def report(self, request: web.Request) -> web.Response:
         peer = request.match_info["peer"]

@@ -133,7 +133,6 @@ def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, int]:
     key = f"{package_name}/1"
     hidden = encode(np.ones((1, 1, width), dtype=np.float32), "native")
     inputs = {"hidden_states": hidden, "position_ids": encode(np.array([[7]]), "native")}
-    out = hidden
     chain, expires = uuid.uuid4().hex, time.time()
 
     def step(addrs: list[str]) -> int:
@@ -156,7 +155,9 @@ def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, int]:
         "addr_bytes": (step(["/ip4/203.0.113.101/tcp/4800"]) - bare) // hops,
         "answer_bytes": answer(1),
         "answer_hop_bytes": answer(2) - answer(1),
-        "result_bytes": len(encode_message(ChainStepResult(chain, {"hidden_states_out": out}, 8))),
+        "result_bytes": len(
+            encode_message(ChainStepResult(chain, {"hidden_states_out": hidden}, 8))
+        ),
         "accepted_bytes": len(encode_message(ChainAccepted(chain))),
         "star_bytes": len(encode_message(SessionStep(f"{chain}.1", key, inputs, 7))),
         "open_bytes": len(encode_message(SessionOpen(f"{chain}.1", key))),

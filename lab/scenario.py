@@ -112,7 +112,7 @@ def _fusionai(*args: str) -> list[str]:
 
 def _reach(provider: Events) -> str:
     """How a provider could be dialled, by its own events: "mapped" (its router mapped a
-    port), "relayed" (it holds a relay port), "direct" or "" (neither said)."""
+    port), "relayed" (it holds a relay port), or "" (neither: reached directly, or not said)."""
     if any(e.get("mapped") for e in provider.all("port_mapping")):
         return "mapped"
     if any(e.get("held") for e in provider.all("relay")):
