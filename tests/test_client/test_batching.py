@@ -18,7 +18,7 @@ import pytest
 
 from tests.procs import ROOT, Proc, wait_until
 from tests.test_broker.conftest import BrokerProc, add_model, api, wait_joined, wait_ready
-from tests.tiny_models import greedy_with_gaps, same_as_alone
+from tests.tiny_models import ROUNDING, greedy_with_gaps, same_as_alone
 
 pytestmark = pytest.mark.timeout(240)
 Spawner = Callable[..., Any]
@@ -90,7 +90,11 @@ async def test_sixteen_generations_share_provider_runs_through_a_provider_kill(
     b, procs, results, victim = await _swarm_run(broker, provider, package, tmp_path)
     for prompt, result in zip(_prompts(), results, strict=True):
         tokens, gaps = greedy_with_gaps(package, prompt, NEW_TOKENS)
-        assert same_as_alone(result.tokens, tokens, gaps), (precision, result.tokens, tokens)
+        assert same_as_alone(result.tokens, tokens, gaps, ROUNDING[precision]), (
+            precision,
+            result.tokens,
+            tokens,
+        )
         assert victim in {f.peer for f in result.failovers}  # every session moved
     assert procs[victim].proc.poll() is not None
     # the providers that served the stages ran steps of several sessions at once
