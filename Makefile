@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint browser
-	$(PY) -m pytest -m "not slow and not lab"
+	$(PY) -m pytest -m "not slow and not lab" --durations=12
 
 # The dashboard test needs Debian's Chromium: installed here when we can (root with apt-get);
 # elsewhere that test is skipped, except under CI=true where it fails.
