@@ -68,23 +68,47 @@ def wire_bytes(values: int, wire: str, itemsize: int = 4) -> int:
     return values * itemsize
 
 
-def export_stage(stage: StageModule, path: Path, opset: int = OPSET) -> None:
-    """Export one stage to ONNX with dynamic batch/sequence/past axes (TorchScript exporter)."""
+def export_stage(
+    stage: StageModule, path: Path, opset: int = OPSET, *, trainable: bool = False
+) -> None:
+    """Export one stage to ONNX with dynamic batch/sequence/past axes (TorchScript exporter).
+
+    The exporter merges weights of equal value into one initializer when the module is in eval
+    mode (a fresh model's norm weights are all ones): `trainable` exports in training mode,
+    where only weights that are one tensor are merged, so each can be trained on its own. A
+    stage with dropout is refused then (it would be exported as training-mode dropout)."""
     import torch
 
-    stage.module.eval()
-    with torch.no_grad():
-        torch.onnx.export(
-            stage.module,
-            stage.example_inputs,
-            str(path),
-            input_names=stage.input_names,
-            output_names=stage.output_names,
-            dynamic_axes=stage.dynamic_axes,
-            opset_version=opset,
-            dynamo=False,
-            do_constant_folding=True,
-        )
+    if trainable:
+        for name, m in stage.module.named_modules():
+            rates = [getattr(m, "p", 0.0) if isinstance(m, torch.nn.Dropout) else 0.0]
+            rates += [v for k, v in vars(m).items() if k.endswith("dropout")]
+            if any(isinstance(v, int | float) and v > 0 for v in rates):
+                raise UnsupportedModel(
+                    f"stage {stage.name} has dropout ({name or 'the stage'}); a trainable "
+                    f"export needs a model without"
+                )
+        stage.module.train()
+        mode = torch.onnx.TrainingMode.PRESERVE
+    else:
+        stage.module.eval()
+        mode = torch.onnx.TrainingMode.EVAL
+    try:
+        with torch.no_grad():
+            torch.onnx.export(
+                stage.module,
+                stage.example_inputs,
+                str(path),
+                input_names=stage.input_names,
+                output_names=stage.output_names,
+                dynamic_axes=stage.dynamic_axes,
+                opset_version=opset,
+                dynamo=False,
+                do_constant_folding=True,
+                training=mode,
+            )
+    finally:
+        stage.module.eval()
 
 
 def stage_info(
@@ -134,8 +158,10 @@ def build_package(
     chat: Chat | None = None,
     encoding: Encoding = Encoding(),
     progress: Callable[[str], None] | None = None,
+    trainable: bool = False,
 ) -> ModelManifest:
-    """Split `model` into `n_stages` provider stages (plus client stages) and write a package."""
+    """Split `model` into `n_stages` provider stages (plus client stages) and write a package
+    (`trainable`: every weight its own initializer, for pre-training; `export_stage`)."""
     family, config, stages = plan_stages(model, n_stages, adapters)
     return write_package(
         family,
@@ -147,6 +173,7 @@ def build_package(
         chat=chat,
         encoding=encoding,
         progress=progress,
+        trainable=trainable,
     )
 
 
@@ -161,6 +188,7 @@ def write_package(
     chat: Chat | None = None,
     encoding: Encoding = Encoding(),
     progress: Callable[[str], None] | None = None,
+    trainable: bool = False,
 ) -> ModelManifest:
     """Export planned stages and write the package, stored and sent as `encoding` says.
 
@@ -179,7 +207,7 @@ def write_package(
             for index, stage in enumerate(stages):
                 started = time.perf_counter()
                 path = Path(tmp) / f"stage{index}.onnx"
-                info = _export(index, stage, path, encoding)
+                info = _export(index, stage, path, encoding, trainable)
                 move_atomic(path, out_dir / info.file)
                 infos.append(info)
                 if progress:
@@ -227,13 +255,14 @@ def _export(
     stage: StageModule,
     path: Path,
     encoding: Encoding,
+    trainable: bool = False,
 ) -> StageInfo:
     """Export one stage to `path` (loading its weights first if it has hooks), convert it as
     asked, and describe it."""
     if stage.prepare:
         stage.prepare()
     try:
-        export_stage(stage, path)
+        export_stage(stage, path, trainable=trainable)
     finally:
         if stage.release:
             stage.release()

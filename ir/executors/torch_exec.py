@@ -2,8 +2,9 @@
 
 The graph is interpreted node by node with torch operations (the standard operators our stages
 and common exported graphs use), so the same declarative ONNX file a provider validated is what
-runs: no code from the model's author. Weights are frozen buffers; gradients flow to any input
-that requires them (for LoRA-FA, the adapters' B matrices).
+runs: no code from the model's author. Weights are frozen buffers (or, for pre-training, float32
+parameters); gradients flow to any input that requires them (for LoRA-FA, the adapters' B
+matrices).
 """
 
 from __future__ import annotations
@@ -324,7 +325,9 @@ OPS: dict[str, Op] = {
 class OnnxModule(torch.nn.Module):
     """An ONNX graph as a torch module: `forward(**inputs) -> {output name: tensor}`."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, *, trainable: bool = False) -> None:
+        """`trainable`: the graph's float initializers become parameters (for training all
+        weights, as pre-training does), named in `parameter_names` by their ONNX names."""
         super().__init__()
         graph = model.graph
         missing = sorted(
@@ -340,6 +343,7 @@ class OnnxModule(torch.nn.Module):
                 f"onnxruntime executor"
             )
         self._names: dict[str, str] = {}
+        self.parameter_names: dict[str, str] = {}  # ONNX initializer name -> attribute
         stored = {init.name: init for init in graph.initializer}
         # Quantized weights are de-quantized once, here: the buffers hold float weights.
         ready = {
@@ -351,9 +355,13 @@ class OnnxModule(torch.nn.Module):
         only_quantized = {n for node in ready.values() for n in node.input} - needed
         for i, init in enumerate(graph.initializer):
             if init.name not in only_quantized:
-                key = f"w{i}"
+                key, value = f"w{i}", _tensor(init)
                 self._names[init.name] = key
-                self.register_buffer(key, _tensor(init), persistent=False)
+                if trainable and value.dtype == torch.float32:
+                    self.register_parameter(key, torch.nn.Parameter(value))
+                    self.parameter_names[init.name] = key
+                else:
+                    self.register_buffer(key, value, persistent=False)
         for name, node in ready.items():
             key = f"d{len(self._names)}"
             self._names[name] = key
