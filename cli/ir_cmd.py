@@ -194,6 +194,12 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def init(args: argparse.Namespace) -> int:
+    from cli import train_cmd
+
+    return train_cmd.init(args)
+
+
 def add_parser(sub: Any, dispatch: Any) -> None:
     ir = sub.add_parser("ir", help="split models into ONNX stages and inspect packages")
     ir_sub = ir.add_subparsers(dest="ir_command", required=True, metavar="SUBCOMMAND")
@@ -236,3 +242,23 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     ins.add_argument("dir", help="package directory")
     ins.add_argument("--json", action="store_true", help="print the manifest as JSON")
     ins.set_defaults(func=dispatch, ir_command="inspect")
+    from ir.scratch import CONFIGS
+
+    ini = ir_sub.add_parser(
+        "init",
+        help="a randomly initialised decoder to pre-train from scratch, with a tokenizer "
+        "trained on the data",
+    )
+    ini.add_argument("--out", required=True, help="package directory to write")
+    ini.add_argument(
+        "--config",
+        default="llama-14m",
+        help=f"a shipped config ({', '.join(CONFIGS)}; default llama-14m) or a JSON file of "
+        "LlamaConfig fields",
+    )
+    ini.add_argument("--data", help="texts to train the tokenizer on (default: the shipped corpus)")
+    ini.add_argument("--stages", type=int, default=2, help="provider stages (default 2)")
+    ini.add_argument("--seed", type=int, default=0, help="initial weights' seed (default 0)")
+    ini.add_argument("--name", help="model name in the manifest (default: the folder's)")
+    ini.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    ini.set_defaults(func=dispatch, ir_command="init")

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cli import gateway_cmd
 
     gateway_cmd.add_parsers(sub)
+    from cli import train_cmd
+
+    train_cmd.add_parsers(sub)
     return parser
 
 

@@ -53,10 +53,7 @@ def make_compressor(
 ) -> Compressor:
     """The compressor `name` for gradients of these `shapes` (name -> shape), on one of
     `replicas` replicas."""
-    if name not in COMPRESSORS:
-        raise CompressionError(f"unknown compressor {name!r}; use one of {list(COMPRESSORS)}")
-    if name in ("powersgd", "acp") and not 1 <= rank <= MAX_RANK:
-        raise CompressionError(f"rank must be from 1 to {MAX_RANK} (it was {rank})")
+    check_compressor(name, rank)
     if name == "none":
         return Plain(shapes)
     if name == "fp16":
@@ -64,6 +61,14 @@ def make_compressor(
     if name == "powersgd":
         return PowerSGD(shapes, rank, seed, replicas)
     return ACPSGD(shapes, rank, seed)
+
+
+def check_compressor(name: str, rank: int) -> None:
+    """Raise `CompressionError` unless `name` (at `rank`, for the low-rank ones) can run."""
+    if name not in COMPRESSORS:
+        raise CompressionError(f"unknown compressor {name!r}; use one of {list(COMPRESSORS)}")
+    if name in ("powersgd", "acp") and not 1 <= rank <= MAX_RANK:
+        raise CompressionError(f"rank must be from 1 to {MAX_RANK} (it was {rank})")
 
 
 class Compressor:

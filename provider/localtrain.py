@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dag.collective import LocalRing, ring_allreduce
-from ir.compress import AllReduce, make_compressor
+from ir.compress import AllReduce, check_compressor, make_compressor
 from ir.pretrain import DataParallel, PretrainError, Replica
 from ir.scratch import Corpus
 
@@ -50,6 +50,7 @@ class TrainSettings:
             raise PretrainError("outer_every and start_after are 0 or more")
         if not self.lr > 0:
             raise PretrainError(f"lr must be positive (it was {self.lr})")
+        check_compressor(self.compress, self.rank)
 
 
 @dataclass(frozen=True)
