@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/concurrency.py
 	$(PY) benchmarks/gateways.py
 	$(PY) benchmarks/finetune.py
+	$(PY) benchmarks/pretrain.py
 	$(PY) benchmarks/models.py
 	$(PY) benchmarks/quantized.py
 	$(PY) benchmarks/internet.py  # the home-internet lab: needs root, else says why it skipped
