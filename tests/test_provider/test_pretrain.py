@@ -71,6 +71,7 @@ def test_replicas_give_the_losses_of_one_process(tiny: tuple[Path, Corpus], repl
     assert sent == pytest.approx(2 * (replicas - 1) / replicas * payload, rel=0.01)
 
 
+@pytest.mark.slow  # (7 s: the suite runs near its budget)
 def test_uncompressed_training_learns_and_the_result_generates(
     tiny: tuple[Path, Corpus], tmp_path: Path
 ) -> None:
