@@ -20,6 +20,7 @@ def _fusionai(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # (7 s: the suite runs near its budget)
 def test_init_then_train_three_replicas_and_save(tmp_path: Path) -> None:
     pkg, out = tmp_path / "tiny", tmp_path / "trained"
     made = _fusionai("ir", "init", "--config", "llama-tiny", "--out", str(pkg), "--json")
