@@ -98,19 +98,9 @@ def build_minilm(
 def bpe_tokenizer(texts: list[str], path: Path, vocab_size: int = 512) -> None:
     """A byte-level BPE tokenizer with `vocab_size` entries, "<|endoftext|>" at id 0, trained
     on `texts` (deterministic), written as a tokenizers JSON file at `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from ir.scratch import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts * 4, trainer)
-    tok.save(str(path))
+    train_tokenizer(texts * 4, path, vocab_size)
 
 
 def train_decoder(tokenizer_file: Path) -> tuple[Any, float]:

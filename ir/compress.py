@@ -27,6 +27,7 @@ uncompressed, in the same buffer. A matrix with more than two dimensions is take
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -307,12 +308,13 @@ async def reduce(
     compression starts, as torch's hook's `start_powerSGD_iter`)."""
     if plain is not None:
         compressor = plain
-    for phase in range(compressor.phases):
-        buffer = compressor.encode(phase, grads)
+    for phase in range(compressor.phases):  # (the arithmetic off the event loop)
+        buffer = await asyncio.to_thread(compressor.encode, phase, grads)
         expected = compressor.buffer_values(phase)
         if buffer.size != expected:
             raise CompressionError(f"phase {phase}: a buffer of {buffer.size}, not {expected}")
-        result = compressor.decode(phase, await allreduce(buffer, compressor.wire))
+        summed = await allreduce(buffer, compressor.wire)
+        result = await asyncio.to_thread(compressor.decode, phase, summed)
         if result is not None:
             return result
     raise CompressionError(f"{compressor.name}: no gradient after {compressor.phases} phases")

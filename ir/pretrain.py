@@ -286,13 +286,20 @@ class DataParallel:
 
     async def _outer_step(self, allreduce: AllReduce) -> None:
         """DiLoCo's outer step: the mean pseudo-gradient, then Nesterov SGD on the weights."""
-        assert self.outer is not None
+        import asyncio
+
+        outer = self.outer
+        assert outer is not None
         local = self.replica.weights()
-        delta = {n: (self.outer[n] - local[n]) / self.size for n in local}
+        delta = {n: (outer[n] - local[n]) / self.size for n in local}
         mean = await self._reduce(delta, allreduce)
-        for n, d in mean.items():
-            v = self.momentum.get(n)
-            v = d.copy() if v is None else OUTER_MOMENTUM * v + d
-            self.momentum[n] = v
-            self.outer[n] = self.outer[n] - OUTER_LR * (d + OUTER_MOMENTUM * v)
-        self.replica.set_weights(self.outer)
+
+        def apply() -> None:  # (off the event loop: every weight of the model)
+            for n, d in mean.items():
+                v = self.momentum.get(n)
+                v = d.copy() if v is None else OUTER_MOMENTUM * v + d
+                self.momentum[n] = v
+                outer[n] = outer[n] - OUTER_LR * (d + OUTER_MOMENTUM * v)
+            self.replica.set_weights(outer)
+
+        await asyncio.to_thread(apply)
