@@ -85,13 +85,13 @@ OPS: tuple[Op, ...] = (
        "supported); providers use their assignment's link (`peer` and `token`) instead of a "
        "key", bytes, media=BINARY, query=common.ArtifactQuery),
     Op("GET", "/v1/jobs", "jobs", "Recent jobs", jobs.JobList, query=jobs.JobsQuery),
-    Op("POST", "/v1/jobs", "jobs", "Submit a batch job (`kind`: embed, the default, or "
-       "finetune)", jobs.Job, status=201, body=jobs.JobRequest),
+    Op("POST", "/v1/jobs", "jobs", "Submit a batch job (`kind`: embed, the default, "
+       "finetune or train)", jobs.Job, status=201, body=jobs.JobRequest),
     Op("GET", J, "jobs", "A job's state and progress (optionally waiting for the next "
        "change)", jobs.Job, query=jobs.JobQuery),
     Op("POST", J + "/cancel", "jobs", "Cancel a job", jobs.Job),
     Op("GET", J + "/results", "jobs", "A job's results: an embed job's embeddings once it has "
-       "succeeded; a fine-tune job's steps, in any state", jobs.Results,
+       "succeeded; a fine-tune or train job's steps, in any state", jobs.Results,
        query=jobs.ResultsQuery, errors=(400, 401, 404, 409)),
     Op("DELETE", J + "/results", "jobs", "Forget a job's results", jobs.Deleted),
     Op("GET", J + "/adapter", "jobs", "A succeeded fine-tune job's trained adapter "

@@ -13,7 +13,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 2  # bump with a step in MIGRATIONS whenever the tables change
+VERSION = 3  # bump with a step in MIGRATIONS whenever the tables change
 
 SCHEMA_V1 = """
 CREATE TABLE IF NOT EXISTS models (
@@ -101,11 +101,19 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked REAL
 )
 """
-SCHEMA = SCHEMA_V1 + KEYS_TABLE + ";"
+# version 3: the replicas of a train job's last recorded step (found again after a restart)
+REPLICAS_TABLE = """
+CREATE TABLE IF NOT EXISTS replicas (
+    job TEXT PRIMARY KEY,
+    step INTEGER NOT NULL,
+    peers TEXT NOT NULL
+)
+"""
+SCHEMA = SCHEMA_V1 + KEYS_TABLE + ";" + REPLICAS_TABLE + ";"
 
 
 # MIGRATIONS[v] brings a version-v database to v + 1 (SQL run in one transaction).
-MIGRATIONS: dict[int, str] = {1: KEYS_TABLE}
+MIGRATIONS: dict[int, str] = {1: KEYS_TABLE, 2: REPLICAS_TABLE}
 
 
 class SchemaError(RuntimeError):

@@ -47,6 +47,7 @@ from broker.local_gateway import BrokerBackend
 from broker.local_gateway import Parts as GatewayParts
 from broker.metrics import Metrics, Readings
 from broker.models import ModelStore, StoredModel
+from broker.pretrain import TrainJobs
 from broker.reach import Reachability
 from broker.registry import Registry
 from broker.serving import Serving
@@ -204,10 +205,10 @@ class Broker:
             self.jobs.using,
         )
         self.jobs.register(self.embeds)
-        self.finetunes = FinetuneJobs(
-            self.config, self.store, self.events, self.serving, self.models, self.calls
-        )
+        parts = (self.config, self.store, self.events, self.serving, self.models, self.calls)
+        self.finetunes = FinetuneJobs(*parts)
         self.jobs.register(self.finetunes)
+        self.jobs.register(TrainJobs(*parts, self.add_model))
         self.metrics.watch(
             Readings(
                 pools=lambda: [p.status.value for p in self.driver.core.pool.providers.values()],

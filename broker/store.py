@@ -257,6 +257,28 @@ class Store:
             for idx, _, data in self.results(job_id)
         ]
 
+    def put_train_step(
+        self, job_id: str, step: int, attempts: int, record: bytes, peers: list[str]
+    ) -> None:
+        """Keep a train job's step (its record as a result) and the replicas that took part,
+        in one transaction."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute(
+                "INSERT OR REPLACE INTO results (job, idx, attempts, shape, data) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (job_id, step - 1, attempts, json.dumps([len(record) // 8]), record),
+            )
+            self.db.execute(
+                "INSERT OR REPLACE INTO replicas (job, step, peers) VALUES (?, ?, ?)",
+                (job_id, step, json.dumps(peers)),
+            )
+
+    def train_replicas(self, job_id: str) -> list[str]:
+        """The replicas of a train job's last recorded step, in ring order."""
+        row = self.db.execute("SELECT peers FROM replicas WHERE job = ?", (job_id,)).fetchone()
+        return list(json.loads(row[0])) if row else []
+
     # ---- providers' reputation -------------------------------------------------------------
 
     def put_reputation(

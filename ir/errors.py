@@ -37,3 +37,7 @@ class UnsupportedModel(IRError):
 
 class ExecutorError(IRError):
     """Inputs do not match the stage, or the runtime failed to run it."""
+
+
+class PretrainError(ExecutorError):
+    """A pre-training request does not fit the package or the run; the message says why."""

@@ -30,15 +30,14 @@ from typing import Any
 import numpy as np
 
 from ir.compress import AllReduce, Compressor, Plain, reduce
-from ir.errors import ExecutorError
+from ir.errors import PretrainError
+from ir.package import Package, load_package
 from ir.pipeline import KEY_MASK
+
+__all__ = ["DataParallel", "PretrainError", "Replica", "lr_at", "shard"]
 
 Array = np.ndarray[Any, Any]
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
-
-
-class PretrainError(ExecutorError):
-    """A pre-training request does not fit the package or the run; the message says why."""
 
 
 def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
@@ -62,7 +61,7 @@ class Replica:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Path | Package,
         *,
         lr: float = 1e-3,
         warmup: int = 10,
@@ -73,10 +72,9 @@ class Replica:
         import torch
 
         from ir.executors.torch_exec import OnnxModule
-        from ir.package import load_package
 
-        package = load_package(directory)
-        self.directory, self.manifest = directory, package.manifest
+        package = directory if isinstance(directory, Package) else load_package(directory)
+        self.directory, self.manifest = package.directory, package.manifest
         if package.manifest.family in ("bert", "onnx"):
             raise PretrainError(f"{package.manifest.family} packages are not decoders to pre-train")
         self.stages = sorted(package.manifest.stages, key=lambda s: s.index)
@@ -143,7 +141,7 @@ class Replica:
         rows = np.asarray(rows)
         if rows.ndim != 2 or rows.shape[1] < 2 or rows.dtype != np.int64:
             raise PretrainError("rows must be int64 (batch, sequence + 1)")
-        tokens = torch.from_numpy(np.ascontiguousarray(rows))
+        tokens = torch.from_numpy(np.array(rows, dtype=np.int64))  # (a copy: writable)
         logits = self._logits(tokens[:, :-1]).float()
         return torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
@@ -193,44 +191,13 @@ class Replica:
 
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(torch.from_numpy(np.ascontiguousarray(weights[n])))
+                p.copy_(torch.from_numpy(np.array(weights[n], dtype=np.float32)))
 
     def save(self, out: Path, name: str) -> Path:
-        """The trained weights as a new package at `out` named `name` (the source package's
-        stages with each trained initializer replaced, and its tokenizer), ready to serve.
-        Written beside and moved into place: no half-written package."""
-        import shutil
-        import tempfile
+        """The trained weights as a new package at `out` named `name` (`save_package`)."""
+        from ir.pretrain_state import save_package
 
-        import msgspec
-        import onnx
-        from onnx import numpy_helper
-
-        from files.atomic import move_atomic
-        from files.digest import sha256_file
-        from ir.package import write_manifest
-
-        weights = self.weights()
-        out.mkdir(parents=True, exist_ok=True)
-        infos = []
-        with tempfile.TemporaryDirectory(dir=out, prefix=".save-") as tmp:
-            for info in self.stages:
-                model = onnx.load(str(self.directory / info.file))
-                for init in model.graph.initializer:
-                    key = f"{info.index}:{init.name}"
-                    if key in weights:
-                        init.CopyFrom(numpy_helper.from_array(weights[key], init.name))
-                path = Path(tmp) / f"stage{info.index}.onnx"
-                onnx.save(model, str(path))
-                sha, size = sha256_file(path), path.stat().st_size
-                move_atomic(path, out / f"{sha}.onnx")
-                infos.append(
-                    msgspec.structs.replace(info, file=f"{sha}.onnx", sha256=sha, size_bytes=size)
-                )
-        if self.manifest.tokenizer:
-            shutil.copyfile(self.directory / self.manifest.tokenizer, out / self.manifest.tokenizer)
-        write_manifest(msgspec.structs.replace(self.manifest, name=name, stages=infos), out)
-        return out
+        return save_package(self.directory, self.manifest, self.weights(), out, name)
 
 
 class DataParallel:
@@ -256,6 +223,9 @@ class DataParallel:
         self.start_after = start_after
         self.plain = Plain(compressor.shapes)
         self.sent_values = 0  # buffer values handed to all-reduces (for bytes per step)
+        self.pending: tuple[str, dict[str, Array]] | None = None  # prepared, not committed
+        self._saved: dict[str, Array] = {}  # the compressor's state before the prepared step
+        self._before: dict[str, Any] | None = None  # the replica before a DiLoCo outer step
 
     async def step(self, rows: Array, seq_tokens: int, allreduce: AllReduce) -> float:
         """Train on this replica's shard of the global batch `rows`; its share of the global
@@ -263,18 +233,83 @@ class DataParallel:
         import asyncio
 
         mine = shard(rows, self.rank, self.size)
+        loss = await self.prepare(mine, len(rows), seq_tokens, allreduce)
+        await asyncio.to_thread(self.commit)
+        return loss
+
+    async def prepare(
+        self, mine: Array, total_rows: int, seq_tokens: int, allreduce: AllReduce
+    ) -> float:
+        """Step `replica.step + 1` on this replica's rows `mine` of a global batch of
+        `total_rows`, up to the update every replica will apply; the update waits for
+        `commit()` (or is dropped by `abort()`, which leaves the replica as it was). Its share
+        of the global batch's mean token loss."""
+        import asyncio
+
+        if self.pending is not None:
+            raise PretrainError(f"step {self.replica.step + 1} is prepared already")
+        self._saved = {k: v.copy() for k, v in self.compressor.state().items()}
+        if hasattr(self.compressor, "replicas"):  # (Power-SGD's error is per replica)
+            self.compressor.replicas = self.size
         if self.outer_every:  # DiLoCo: a local step on the shard, alone
             scale = 1.0 / max(len(mine) * seq_tokens, 1)
             loss, grads = await asyncio.to_thread(self.replica.gradients, mine, scale)
+            share = loss * len(mine) / total_rows
+            if (self.replica.step + 1) % self.outer_every:
+                self.pending = ("local", grads)
+                return share
+            self._before = await asyncio.to_thread(self._snapshot)
             await asyncio.to_thread(self.replica.apply, grads)
-            if self.replica.step % self.outer_every == 0:
-                await self._outer_step(allreduce)
-            return loss * len(mine) / len(rows)
-        scale = 1.0 / (len(rows) * seq_tokens)
+            try:
+                mean = await self._outer_mean(allreduce)
+            except BaseException:
+                await asyncio.to_thread(self._restore)
+                self._before = None
+                raise
+            self.pending = ("outer", mean)
+            return share
+        scale = 1.0 / (total_rows * seq_tokens)
         loss, grads = await asyncio.to_thread(self.replica.gradients, mine, scale)
-        summed = await self._reduce(grads, allreduce)
-        await asyncio.to_thread(self.replica.apply, summed)
+        try:
+            summed = await self._reduce(grads, allreduce)
+        except BaseException:
+            self.compressor.load_state(self._saved)
+            raise
+        self.pending = ("sync", summed)
         return loss
+
+    def commit(self) -> None:
+        """Apply the prepared step's update (every replica applies the same)."""
+        if self.pending is None:
+            raise PretrainError(f"no step {self.replica.step + 1} is prepared to commit")
+        kind, update = self.pending
+        if kind == "outer":
+            self._outer_apply(update)
+        else:
+            self.replica.apply(update)
+        self.pending, self._before = None, None
+
+    def abort(self) -> None:
+        """Drop the prepared step: the replica and its compressor are as before it."""
+        if self.pending is not None and self.pending[0] == "outer":
+            self._restore()
+        if self.pending is not None:
+            self.compressor.load_state(self._saved)
+        self.pending, self._before = None, None
+
+    def _snapshot(self) -> dict[str, Any]:
+        import copy
+
+        r = self.replica
+        return {"w": r.weights(), "opt": copy.deepcopy(r.optimizer.state_dict()), "step": r.step}
+
+    def _restore(self) -> None:
+        before = self._before
+        if before is not None:
+            self.replica.set_weights(before["w"])
+            self.replica.optimizer.load_state_dict(before["opt"])
+            self.replica.step = before["step"]
+        self.compressor.load_state(self._saved)
 
     async def _reduce(self, grads: Mapping[str, Array], allreduce: AllReduce) -> dict[str, Array]:
         async def counted(buffer: Array, wire: str) -> Array:
@@ -284,22 +319,21 @@ class DataParallel:
         early = self.replica.step < self.start_after
         return await reduce(self.compressor, grads, counted, self.plain if early else None)
 
-    async def _outer_step(self, allreduce: AllReduce) -> None:
-        """DiLoCo's outer step: the mean pseudo-gradient, then Nesterov SGD on the weights."""
-        import asyncio
-
+    async def _outer_mean(self, allreduce: AllReduce) -> dict[str, Array]:
+        """DiLoCo's outer step, first half: the replicas' mean pseudo-gradient."""
         outer = self.outer
         assert outer is not None
         local = self.replica.weights()
         delta = {n: (outer[n] - local[n]) / self.size for n in local}
-        mean = await self._reduce(delta, allreduce)
+        return await self._reduce(delta, allreduce)
 
-        def apply() -> None:  # (off the event loop: every weight of the model)
-            for n, d in mean.items():
-                v = self.momentum.get(n)
-                v = d.copy() if v is None else OUTER_MOMENTUM * v + d
-                self.momentum[n] = v
-                outer[n] = outer[n] - OUTER_LR * (d + OUTER_MOMENTUM * v)
-            self.replica.set_weights(outer)
-
-        await asyncio.to_thread(apply)
+    def _outer_apply(self, mean: Mapping[str, Array]) -> None:
+        """DiLoCo's outer step, second half: Nesterov SGD on the shared weights."""
+        outer = self.outer
+        assert outer is not None
+        for n, d in mean.items():
+            v = self.momentum.get(n)
+            v = d.copy() if v is None else OUTER_MOMENTUM * v + d
+            self.momentum[n] = v
+            outer[n] = outer[n] - OUTER_LR * (d + OUTER_MOMENTUM * v)
+        self.replica.set_weights(outer)

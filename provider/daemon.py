@@ -20,6 +20,7 @@ import os
 import secrets
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -44,6 +45,7 @@ from provider.events import add_event_sink, event, onnxruntime_distributions, tw
 from provider.membership import Membership
 from provider.paths import offer_relay, punch_paths
 from provider.portmap import PortMapper, wants_mapping
+from provider.pretraining import Pretraining
 from provider.profile import MachineProfile, free_memory_now, load_or_measure
 from provider.serving import Server
 from provider.stage import LoadedStage
@@ -86,6 +88,7 @@ class Provider:
         self.ports = PortMapper(f"fusionai provider {self.config.data_dir.name}")
         self.assignments = Assignments(config, self.server, self.cache, self.broker_id)
         self.training = Training(self.server, self.broker_id, self._training_module)
+        self.pretraining = Pretraining(self.broker_id, self._fetch, lambda: self.memory_budget)
         self._modules: dict[str, Any] = {}  # stage key -> torch module for training
         self.policy = Policy(config.step_aside)  # when the machine's owner needs it
         self.aside = asyncio.Event()  # the owner needs the machine: drain, leave, pause
@@ -275,6 +278,7 @@ class Provider:
         host.add_compute_handler(TRAIN, self.training.train)
         host.add_compute_handler(SHARD, self.training.shard)
         host.add_control_handler(SNAPSHOT, self.training.snapshot)
+        self.pretraining.attach(host)
         # a peer that reached us through our relay may punch a direct connection, and we
         # punch to the next hop of a chained request that we reached through its relay
         if self.config.punch:
@@ -301,6 +305,10 @@ class Provider:
     async def heartbeat(self) -> None:
         """One heartbeat (raises `membership.Rejoin` if the broker does not know us)."""
         await self.membership.heartbeat()
+
+    async def _fetch(self, sha: str, url: str, size: int, pin: str) -> Path:
+        """An artifact from the broker's links, into the cache (a pre-training replica's)."""
+        return await self.cache.fetch(sha, url, size, session=self.assignments.http, pin=pin)
 
     def _training_module(self, stage: LoadedStage) -> Any:
         """A torch module of the stage's validated ONNX file (the torch executor's own when the

@@ -80,6 +80,19 @@ def llama_int8_wire_package(llama_package: Path, tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="session")
+def pretrain_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`fusionai ir init`'s package of the tiny config (2 stages), with a tokenizer trained on
+    the shipped corpus: what pre-training tests train from scratch."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from ir.scratch import CONFIGS, SHIPPED_DATA, init_package, read_texts
+
+    out = tmp_path_factory.mktemp("pretrain") / "tiny"
+    init_package(out, read_texts(SHIPPED_DATA), config=CONFIGS["llama-tiny"], stages=2, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def finetune_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small random Llama split into three provider stages, with LoRA adapter slots on
     the attention projections (q, k, v, o) of every block: what fine-tune tests train."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -318,3 +319,11 @@ def same_as_alone(
         if a != b:
             return gaps[n] < gap
     return True
+
+
+def tokenizer_of(package: Path) -> Path:
+    """A package's tokenizer file (named in its manifest)."""
+    import json
+
+    name = json.loads((package / "manifest.json").read_text())["tokenizer"]
+    return package / name

@@ -37,6 +37,9 @@ from proto.api.jobs import (
     ResultsQuery,
     Step,
     Story,
+    TrainJobRequest,
+    TrainResults,
+    TrainStep,
 )
 from proto.api.swarm import (
     Model,
@@ -62,4 +65,5 @@ __all__ = [
     "Model", "ModelCard", "ModelList", "Peer", "PickRequest", "Picked", "Provider",
     "ProviderList", "Quarantined", "Report", "ReportRequest", "Reputation", "Results",
     "ResultsQuery", "StageRoute", "Step", "Stored", "Story", "StreamQuery", "Swarm",
+    "TrainJobRequest", "TrainResults", "TrainStep",
 ]  # fmt: skip

@@ -77,7 +77,68 @@ class FinetuneJobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     ] = (2, 3)
 
 
-JobRequest = EmbedJobRequest | FinetuneJobRequest  # by `kind`
+class TrainJobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Pre-train every weight of a decoder package with data-parallel replicas on providers,
+    their gradients all-reduced peer to peer (compressed, or DiLoCo's outer steps)."""
+
+    kind: Literal["train"]
+    model: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            max_length=128,
+            description="a decoder package exported trainable (`fusionai ir init`)",
+        ),
+    ]
+    texts: Annotated[
+        list[Text],
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_SEQUENCES,
+            description="the corpus (tokenized with the package's tokenizer, each text ending "
+            "in end-of-sequence, packed into rows of seq_len + 1 tokens; the last 5 % held "
+            "out for validation)",
+        ),
+    ]
+    steps: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
+    replicas: Annotated[
+        int, msgspec.Meta(ge=1, le=64, description="providers, each a whole replica")
+    ] = 2
+    batch: Annotated[
+        int, msgspec.Meta(ge=1, le=4096, description="rows per global batch (whatever replicas)")
+    ] = 12
+    seq_len: Annotated[int, msgspec.Meta(ge=2, le=4096)] = 128
+    lr: Annotated[float, msgspec.Meta(gt=0, lt=10)] = 3e-3
+    warmup: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 10
+    weight_decay: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.1
+    compress: Literal["none", "fp16", "powersgd", "acp"] = "none"
+    rank: Annotated[int, msgspec.Meta(ge=1, le=256, description="powersgd and acp")] = 4
+    outer_every: Annotated[
+        int, msgspec.Meta(ge=0, le=100_000, description="DiLoCo's H local steps (0: off)")
+    ] = 0
+    start_after: Annotated[
+        int, msgspec.Meta(ge=0, le=1_000_000, description="uncompressed steps first")
+    ] = 0
+    eval_every: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0, le=1_000_000, description="steps between validations (0: 10 in the run)"
+        ),
+    ] = 0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    name: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                description="the trained model's name (default: <model>-<job>)",
+            ),
+        ]
+        | None
+    ) = None
+
+
+JobRequest = EmbedJobRequest | FinetuneJobRequest | TrainJobRequest  # by `kind`
 
 
 class Job(msgspec.Struct, frozen=True):
@@ -150,7 +211,27 @@ class FinetuneResults(msgspec.Struct, frozen=True):
     adapter: Adapter | None
 
 
-Results = EmbedResults | FinetuneResults  # by the job's kind
+class TrainStep(msgspec.Struct, frozen=True):
+    step: int
+    loss: float | None  # the global batch's mean next-token loss (null: not finite)
+    tokens: int
+    seconds: float
+    replicas: int  # that took part in the step
+    bytes_sent: int  # by one replica to the next in the step's all-reduces
+    val_loss: float | None = None  # on held-out rows, when validated at this step
+
+
+class TrainResults(msgspec.Struct, frozen=True):
+    """A train job's steps so far, in any state, and its trained model once saved."""
+
+    job: str
+    offset: int
+    total: int
+    steps: list[TrainStep]
+    model: str | None  # the trained weights, a model of this broker (`model` to serve it)
+
+
+Results = EmbedResults | FinetuneResults | TrainResults  # by the job's kind
 
 
 class JobsQuery(msgspec.Struct, frozen=True):

@@ -10,22 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ir.scratch import CONFIGS, SHIPPED_DATA, Corpus, CorpusError, init_package, read_texts
+from ir.scratch import CONFIGS, SHIPPED_DATA, Corpus, CorpusError, read_texts
 from ir.scratch import tokenize as tokenize_texts
 from provider.localtrain import LocalRun, TrainSettings
+from tests.tiny_models import tokenizer_of
 
 pytestmark = pytest.mark.timeout(120)
 SEQ = 64
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Corpus]:
+def tiny(pretrain_package: Path) -> tuple[Path, Corpus]:
     """The tiny config with a tokenizer trained on the shipped corpus; the corpus in rows."""
-    out = tmp_path_factory.mktemp("pretrain") / "tiny"
     texts = read_texts(SHIPPED_DATA)
-    manifest = init_package(out, texts, config=CONFIGS["llama-tiny"], stages=2, seed=0)
-    assert manifest.tokenizer is not None
-    return out, Corpus(tokenize_texts(texts, out / manifest.tokenizer), SEQ)
+    tokens = tokenize_texts(texts, tokenizer_of(pretrain_package))
+    return pretrain_package, Corpus(tokens, SEQ)
 
 
 def test_the_shipped_corpus_is_real_text_with_its_licence() -> None:
