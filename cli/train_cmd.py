@@ -43,15 +43,87 @@ def init(args: argparse.Namespace) -> int:
     return 0
 
 
-def train(args: argparse.Namespace) -> int:
-    """Pre-train with K replicas in this process (`--local`); through the swarm: not yet."""
-    if not args.local:
-        return _fail(
-            RuntimeError(
-                "training through a broker's providers is not built yet; --local runs the "
-                "replicas in this process"
+def swarm_train(args: argparse.Namespace) -> int:
+    """A train job through a broker: K providers each hold a replica; progress per step."""
+    import asyncio
+
+    from tqdm import tqdm
+
+    from client import AsyncClient, FusionAIError
+    from ir.errors import IRError
+    from ir.scratch import SHIPPED_DATA, read_texts
+
+    if args.out:
+        return _fail(ValueError("--out is for --local; a train job's result is a broker model"))
+    try:
+        texts = read_texts(Path(args.data) if args.data else SHIPPED_DATA)
+    except (IRError, OSError, ValueError) as exc:
+        return _fail(exc)
+    bar = tqdm(total=args.steps, unit="step", disable=args.json, file=sys.stderr)
+    start = time.perf_counter()
+
+    def progress(step: Any) -> None:
+        bar.update(1)
+        shown = {"loss": f"{step.loss:.4f}" if step.loss is not None else "nan",
+                 "tok_s": f"{step.tokens / max(step.seconds, 1e-9):,.0f}",
+                 "replicas": step.replicas, "sent_MB": f"{step.bytes_sent / 1e6:.2f}"}  # fmt: skip
+        if step.val_loss is not None:
+            shown["val"] = f"{step.val_loss:.4f}"
+        bar.set_postfix(shown)
+
+    options = {
+        "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup,
+        "compress": args.compress, "rank": args.rank, "outer_every": args.outer_every,
+        "start_after": args.start_after, "seed": args.seed, "eval_every": args.eval_every,
+    }  # fmt: skip
+    if args.name:
+        options["name"] = args.name
+
+    async def main() -> Any:
+        async with AsyncClient(args.broker, args.api_key, cacert=args.cacert) as fa:
+            return await fa.train(
+                args.model,
+                texts,
+                steps=args.steps,
+                replicas=args.replicas,
+                progress=progress,
+                timeout=args.timeout,
+                **options,
             )
-        )
+
+    try:
+        result = asyncio.run(main())
+    except (FusionAIError, ValueError, OSError) as exc:
+        return _fail(exc)
+    finally:
+        bar.close()
+    vals = [s.val_loss for s in result.steps if s.val_loss is not None]
+    summary = {
+        "job": result.job,
+        "model": result.model,
+        "trained": result.trained,
+        "steps": len(result.steps),
+        "first_loss": result.losses[0],
+        "loss": result.losses[-1],
+        "validation_loss": vals[-1] if vals else None,
+        "sent_per_step": sum(s.bytes_sent for s in result.steps) / max(len(result.steps), 1),
+        "seconds": time.perf_counter() - start,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            print(f"{key:>24}: {shown}")
+        print(f"generate from it: fusionai generate --model {result.trained} PROMPT")
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    """Pre-train with K replicas: through a broker's providers, or in this process
+    (`--local`)."""
+    if not args.local:
+        return swarm_train(args)
     from tqdm import tqdm
 
     from ir.compress import CompressionError
@@ -138,17 +210,24 @@ def train(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
+    from cli.broker_cmd import _client_options
     from ir.compress import COMPRESSORS
 
     tr = sub.add_parser(
         "train",
         help="pre-train a package with data-parallel replicas (compressed gradients, DiLoCo)",
-        description="K replicas each hold the whole model and train on their shard of every "
-        "global batch; their gradients are summed by a ring all-reduce, compressed as asked. "
+        description="K providers (or, with --local, K replicas in this process) each hold the "
+        "whole model and train on their shard of every global batch; their gradients are "
+        "summed by a ring all-reduce, peer to peer, compressed as asked. "
         "The global batch and learning-rate schedule do not depend on K. Make a package to "
         "train from scratch with `fusionai ir init`.",
     )
-    tr.add_argument("--model", required=True, help="package directory (a trainable export)")
+    tr.add_argument(
+        "--model",
+        required=True,
+        help="the broker's model (a trainable package added with `fusionai model add`), "
+        "or with --local a package directory",
+    )
     tr.add_argument(
         "--data",
         help='text: .jsonl with a "text" field, or a plain text file '
@@ -183,9 +262,12 @@ def add_parsers(sub: Any) -> None:
     tr.add_argument(
         "--local",
         action="store_true",
-        help="run the replicas in this process (the only mode built so far)",
+        help="run the replicas in this process (--model is then a package directory)",
     )
-    tr.add_argument("--out", help="write the trained weights as a package here")
-    tr.add_argument("--name", help="the trained package's model name")
+    tr.add_argument("--eval-every", type=int, default=0, help="steps between validations")
+    tr.add_argument("--timeout", type=float, help="give up waiting after this many seconds")
+    tr.add_argument("--out", help="--local: write the trained weights as a package here")
+    tr.add_argument("--name", help="the trained model's name")
+    _client_options(tr)
     tr.add_argument("--json", action="store_true", help="print the summary as JSON")
     tr.set_defaults(func=train)

@@ -27,6 +27,7 @@ from client.errors import (
     VerificationError,
 )
 from client.sync import Client
+from client.training import Trained
 from client.types import Failover, FineTune, FinetuneStep, Generation, GenerationStream, Job
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "NotFoundError",
     "RateLimitError",
     "ServerError",
+    "Trained",
     "UnavailableError",
     "VerificationError",
 ]

@@ -40,6 +40,7 @@ from client.generating import GenerationMethods
 from client.http import BrokerHttp, Retry
 from client.routing import quote_part
 from client.stages import ClientStages
+from client.training import TrainMethods
 from client.types import Job, long_poll_s
 from files.atomic import link_atomic, write_atomic
 from files.cache import ArtifactCache, ArtifactError
@@ -67,7 +68,7 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("fusionai", appauthor=False))
 
 
-class AsyncClient(GenerationMethods, FinetuneMethods):
+class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
     """One broker's API. Use as `async with AsyncClient(url, api_key=...) as client:`, or
     call `aclose()` when done (it stops the p2p host a generation started)."""
 

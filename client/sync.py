@@ -18,9 +18,11 @@ from client.api import AsyncClient
 from client.errors import (
     FusionAIError,
 )
+from client.training import Trained
 from client.types import FineTune, FinetuneStep, Generation, GenerationStream, Job
 from ir.manifest import ModelManifest
 from proto import api
+from proto.api import TrainStep
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
@@ -189,6 +191,12 @@ class Client:
 
     def finetune_steps(self, job_id: str, **options: Any) -> list[FinetuneStep]:
         return self._run(self._async.finetune_steps(job_id, **options))
+
+    def train(self, model: str, data: str | Path | Sequence[str], **options: Any) -> Trained:
+        return self._run(self._async.train(model, data, **options))
+
+    def train_steps(self, job_id: str, **options: Any) -> list[TrainStep]:
+        return self._run(self._async.train_steps(job_id, **options))
 
     def adapter(self, job_id: str) -> Path:
         return self._run(self._async.adapter(job_id))
