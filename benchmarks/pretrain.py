@@ -11,10 +11,11 @@ Prints one JSON object with an object per variant (`none`, `fp16`, `powersgd`, `
     compression        uncompressed bytes_per_step / this variant's
     loss               the global batch's loss at the last step; loss_ratio: over `none`'s
     validation_loss    held-out loss after the run
-    s_per_step         median wall time of a step, the replicas in one process talking
-                       through queues (`transport` says so: the ring between providers'
-                       processes over the p2p layer, and the lab's home links, are the next
-                       step of the work; `lab_s_per_step` is null until then)
+    s_per_step         median wall time of a step through the swarm on loopback: a train
+                       job on a broker and K provider processes, the ring over libp2p
+                       (`--loopback-steps` steps each; 0 skips it: null)
+    local_s_per_step   the same run's replicas in one process, talking through queues
+    lab_s_per_step     over the lab's home links at 20 Mbit/s: null, not measured yet
 and `targets`: ACP-SGD's bytes <= 1/20 of uncompressed and <= 0.55 x Power-SGD's, its loss
 within 3 % of uncompressed (each true or false, as measured).
 
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--rank", type=int, default=4)
+    ap.add_argument("--loopback-steps", type=int, default=20)
     args = ap.parse_args()
 
     texts = read_texts(SHIPPED_DATA)
@@ -63,7 +65,7 @@ def main() -> None:
         "replicas": args.replicas,
         "steps": args.steps,
         "rank": args.rank,
-        "transport": "in-process queues (one process); providers over p2p: not built yet",
+        "transport": "s_per_step: a broker and K provider processes on loopback, libp2p",
     }
     with tempfile.TemporaryDirectory() as tmp:
         package = Path(tmp) / "model"
@@ -81,11 +83,15 @@ def main() -> None:
                 "sent_per_step": statistics.fmean(r.bytes_sent for r in records),
                 "loss": records[-1].loss,
                 "validation_loss": run.validation_loss(),
-                "s_per_step": statistics.median(r.seconds for r in records),
+                "local_s_per_step": statistics.median(r.seconds for r in records),
+                "s_per_step": None,
                 "lab_s_per_step": None,
             }
             print(f"{name}: loss {records[-1].loss:.4f}", file=sys.stderr, flush=True)
         out["parameters"] = run.replicas[0].parameters
+        if args.loopback_steps:
+            for name, seconds in loopback(Path(tmp), package, manifest.name, texts, args).items():
+                out[name]["s_per_step"] = seconds
     full = out["none"]["bytes_per_step"]
     for name in VARIANTS:
         v = out[name]
@@ -98,6 +104,29 @@ def main() -> None:
         "acp_loss_within_3pct_of_none": acp["loss_ratio"] <= 1.03,
     }
     print(json.dumps(out))
+
+
+def loopback(tmp: Path, package: Path, model: str, texts: list[str], args: Any) -> dict[str, float]:
+    """Median seconds per step of a train job per variant, through a broker and K provider
+    processes on 127.0.0.1 (the first two steps, warm-up, left out)."""
+    from benchmarks.e2e import Swarm
+    from client import Client
+
+    swarm = Swarm(tmp, "pretrain", args.replicas)
+    out = {}
+    try:
+        swarm.add(package)
+        with Client(swarm.http, timeout=600) as fa:
+            for name, change in VARIANTS.items():
+                done = fa.train(
+                    model, texts, steps=args.loopback_steps, replicas=args.replicas, batch=12,
+                    seq_len=args.seq_len, rank=args.rank, name=f"{model}-{name}", **change,
+                )  # fmt: skip
+                out[name] = statistics.median(s.seconds for s in done.steps[2:])
+                print(f"{name}: {out[name]:.3f} s/step on loopback", file=sys.stderr, flush=True)
+    finally:
+        swarm.stop()
+    return out
 
 
 if __name__ == "__main__":

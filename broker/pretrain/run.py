@@ -248,8 +248,8 @@ class SwarmPretrain:
         if not math.isfinite(loss):
             await self._abort(step, {})
             raise JobFailed(f"the loss diverged ({loss}) at step {step}; try a lower lr")
+        seconds = time.perf_counter() - started  # (the step's prepare: validation apart)
         val = await self._validate(step)
-        seconds = time.perf_counter() - started
         tokens = r.batch * r.seq_len
         sent = max(s.bytes_sent for s in stepped)
         record = np.array([loss, tokens, seconds, len(stepped), sent, val], np.float64)
