@@ -92,7 +92,7 @@ class Pretraining:
 
     async def ring(self, peer: str, chunk: RingChunk) -> RingAck:
         run = self._run(chunk.job)
-        if peer not in run.members:
+        if peer not in run.members and peer not in run.admitted:
             raise Refused(ErrorCode.REFUSED, "only the run's replicas send ring chunks here")
         try:
             data = chunk.data.to_numpy()

@@ -198,9 +198,19 @@ class SwarmPretrain:
             if peer in self.avoid:
                 continue
             donor = self.members[0] if self.done and self.members else None
+            # every member admits it: the donor lets it read the state, and all take its ring
+            # chunks, which may come before their own step does (a member lost meanwhile is
+            # found at the next step)
+            admit = PretrainAdmit(job=self.job.id, peer=peer)
+            admitted = await asyncio.gather(
+                *(self._call(m, admit) for m in self.members), return_exceptions=True
+            )
+            failed = dict(zip(self.members, admitted, strict=True)).get(donor or "")
+            if isinstance(failed, BaseException) and donor is not None:
+                self._drop(donor, f"lost while admitting a joiner: {failed}")
+                await self._fill()  # with another donor
+                return
             try:
-                if donor is not None:
-                    await self._call(donor, PretrainAdmit(job=self.job.id, peer=peer))
                 ready = await self._call(peer, self._open(peer, donor), OPEN_TIMEOUT_S)
             except P2PError as exc:
                 self._drop(peer, f"could not join: {exc}")
