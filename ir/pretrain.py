@@ -224,6 +224,7 @@ class DataParallel:
         self.plain = Plain(compressor.shapes)
         self.sent_values = 0  # buffer values handed to all-reduces (for bytes per step)
         self.pending: tuple[str, dict[str, Array]] | None = None  # prepared, not committed
+        self._prepared = 0  # the step `pending` is of
         self._saved: dict[str, Array] = {}  # the compressor's state before the prepared step
         self._before: dict[str, Any] | None = None  # the replica before a DiLoCo outer step
 
@@ -247,7 +248,8 @@ class DataParallel:
         import asyncio
 
         if self.pending is not None:
-            raise PretrainError(f"step {self.replica.step + 1} is prepared already")
+            raise PretrainError(f"step {self._prepared} is prepared already")
+        self._prepared = self.replica.step + 1
         self._saved = {k: v.copy() for k, v in self.compressor.state().items()}
         if hasattr(self.compressor, "replicas"):  # (Power-SGD's error is per replica)
             self.compressor.replicas = self.size
@@ -277,6 +279,16 @@ class DataParallel:
             raise
         self.pending = ("sync", summed)
         return loss
+
+    @property
+    def prepared(self) -> int:
+        """The step prepared and not yet committed (0: none)."""
+        return self._prepared if self.pending is not None else 0
+
+    @property
+    def committed(self) -> int:
+        """Steps committed (a prepared DiLoCo outer step has moved the replica on already)."""
+        return self._prepared - 1 if self.pending is not None else self.replica.step
 
     def commit(self) -> None:
         """Apply the prepared step's update (every replica applies the same)."""

@@ -47,7 +47,7 @@ from proto.pretrain import (
     RingChunk,
 )
 from proto.snapshot import Holder
-from provider.ring import RingLinks, dial, split_parts
+from provider.ring import ATTEMPTS, CALLS, RingLinks, dial, round_base, split_parts
 
 Array = np.ndarray[Any, Any]
 Fetch = Callable[[str, str, int, str], Awaitable[Path]]  # (sha, url, size, tls pin) -> file
@@ -94,6 +94,12 @@ class Pretraining:
         run = self._run(chunk.job)
         if peer not in run.members and peer not in run.admitted:
             raise Refused(ErrorCode.REFUSED, "only the run's replicas send ring chunks here")
+        if chunk.phase not in (0, 1) or not 0 <= chunk.chunk < MAX_REPLICAS:
+            raise Refused(ErrorCode.REFUSED, "a ring chunk's phase is 0 or 1, its index < 64")
+        if chunk.data.dtype not in ("float32", "float16") or len(chunk.data.shape) != 1:
+            raise Refused(ErrorCode.REFUSED, "a ring chunk is a float32 or float16 vector")
+        if chunk.data.shape[0] > run.dp.replica.parameters:  # (no buffer is longer)
+            raise Refused(ErrorCode.REFUSED, "a ring chunk longer than the model")
         try:
             data = chunk.data.to_numpy()
         except ValueError as exc:
@@ -136,10 +142,9 @@ class Pretraining:
         return PretrainLoss(loss=float(loss))
 
     def _ready(self, job: str, run: _Run) -> PretrainReady:
-        step = run.dp.replica.step
-        prepared = step + 1 if run.dp.pending is not None else 0
+        dp = run.dp
         return PretrainReady(
-            job=job, step=step, prepared=prepared, parameters=run.dp.replica.parameters
+            job=job, step=dp.committed, prepared=dp.prepared, parameters=dp.replica.parameters
         )
 
     async def _open(self, request: PretrainOpen) -> _Run:
@@ -149,6 +154,7 @@ class Pretraining:
             if task is not None:
                 run.links.fail("the broker opened the run again")
                 await asyncio.gather(task, return_exceptions=True)
+            run.links.boxes.clear()  # (its attempts count from 0 again)
             return run
         opening = self.opening.get(request.job)
         if opening is None:
@@ -236,7 +242,7 @@ class Pretraining:
 
         if run.task is not None or run.dp.pending is not None:
             raise Refused(ErrorCode.BUSY, "a step is under way; read the state between steps")
-        key = (run.dp.replica.step, request.weights_only)
+        key = (run.dp.committed, request.weights_only)
         parts = run.export.get(key)
         if parts is None:
             run.export.clear()
@@ -264,25 +270,26 @@ class Pretraining:
         ring = request.ring
         if run.task is not None:
             raise Refused(ErrorCode.BUSY, "a step is under way here")
-        if request.step != dp.replica.step + 1:
-            raise Refused(ErrorCode.REFUSED, f"this replica is at step {dp.replica.step}")
+        if dp.pending is not None and dp.prepared == request.step:
+            await asyncio.to_thread(dp.abort)  # an earlier attempt of this step
+        if request.step != dp.committed + 1 or dp.pending is not None:
+            raise Refused(ErrorCode.REFUSED, f"this replica is at step {dp.committed}")
         peers = [h.peer for h in ring]
         if not (
             1 <= len(ring) <= MAX_REPLICAS
             and 0 <= request.rank < len(ring)
             and peers[request.rank] == me
             and len(set(peers)) == len(peers)
-            and 0 <= request.attempt < 256
+            and 0 <= request.attempt < ATTEMPTS
         ):
             raise Refused(ErrorCode.REFUSED, "a ring of distinct replicas with this one at rank")
         rows = self._rows(run, request.rows)
         if not len(rows) <= request.total_rows <= 1 << 20:
             raise Refused(ErrorCode.REFUSED, "total_rows must be at least this replica's rows")
-        if dp.pending is not None:
-            await asyncio.to_thread(dp.abort)  # an earlier attempt of this step
         run.members = set(peers)
+        run.export.clear()
         dp.rank, dp.size = request.rank, len(ring)
-        base = (request.step * 256 + request.attempt) * 16
+        base = round_base(request.step, request.attempt)
         nxt = ring[(request.rank + 1) % len(ring)]
         run.links.reset(base, nxt.peer)
         if len(ring) > 1:
@@ -295,6 +302,8 @@ class Pretraining:
         async def allreduce(buffer: Array, wire: str) -> Array:
             nonlocal calls
             calls += 1
+            if calls >= CALLS:
+                raise CollectiveError(f"more than {CALLS - 1} all-reduces in one step")
             return await ring_allreduce(
                 buffer, request.rank, len(ring), run.links, base + calls, wire
             )
@@ -324,9 +333,9 @@ class Pretraining:
 
     async def _commit(self, run: _Run, request: PretrainCommit) -> PretrainReady:
         dp = run.dp
-        if dp.pending is not None and request.step == dp.replica.step + 1:
+        if dp.pending is not None and request.step == dp.prepared:
             await asyncio.to_thread(dp.commit)
-        elif request.step != dp.replica.step:  # (committed already: said again, the same)
+        elif request.step != dp.committed:  # (committed already: said again, the same)
             raise Refused(ErrorCode.REFUSED, f"step {request.step} is not prepared here")
         return self._ready(request.job, run)
 

@@ -16,6 +16,13 @@ from proto.snapshot import Holder
 Array = np.ndarray[Any, Any]
 MAX_WAITING = 256  # ring chunks held for a run before its step asks for them
 RING_TIMEOUT_S = 120.0
+ATTEMPTS, CALLS = 256, 16  # a step's attempts, and all-reduces in one attempt (round ids)
+STEP_ROUNDS = ATTEMPTS * CALLS
+
+
+def round_base(step: int, attempt: int) -> int:
+    """The first round id of a step's attempt (its all-reduces take the next ones)."""
+    return (step * ATTEMPTS + attempt) * CALLS
 
 
 class RingLinks:
@@ -31,9 +38,16 @@ class RingLinks:
         self.sent = 0  # bytes sent
 
     def reset(self, floor: int, nxt: str) -> None:
+        """A step's attempt starts at round `floor`: chunks of earlier attempts and of rounds
+        beyond the next step's go."""
         self.floor, self.failed, self.next = floor, "", nxt
-        for tag in [t for t in self.boxes if t[0] < floor]:
+        for tag in [t for t in self.boxes if not self._window(t[0])]:
             del self.boxes[tag]
+
+    def _window(self, round_id: int) -> bool:
+        """Rounds of this attempt or later, up to the next step's (a neighbour may be a step
+        ahead of us: it has started the next step before we heard of it)."""
+        return self.floor <= round_id < (self.floor // STEP_ROUNDS + 2) * STEP_ROUNDS
 
     def _box(self, tag: tuple[int, int, int]) -> asyncio.Future[Array]:
         box = self.boxes.get(tag)
@@ -46,6 +60,8 @@ class RingLinks:
     def put(self, tag: tuple[int, int, int], data: Array) -> None:
         if tag[0] < self.floor:
             return  # an aborted attempt's chunk
+        if not self._window(tag[0]):
+            raise Refused(ErrorCode.REFUSED, f"ring round {tag[0]} is not this step's or the next")
         box = self._box(tag)
         if box.done():
             raise Refused(ErrorCode.REFUSED, f"ring chunk {tag} came twice")

@@ -24,6 +24,9 @@ from dag.builders import data_parallel_train
 from dag.tasks import task
 from dag.wire import to_json
 from proto.api.jobs import TrainJobRequest, TrainResults, TrainStep
+from proto.pretrain import MAX_PART_BYTES
+
+MAX_TRAIN_BYTES = MAX_PART_BYTES * 4  # a state part holds one whole tensor at most
 
 
 class TrainJobs:
@@ -78,8 +81,15 @@ class TrainJobs:
             )
         if body.name is not None and body.name in self.models.models:
             raise JobError("name", f"a model named {body.name} exists already")
-        await asyncio.to_thread(corpus_of, model, body)  # enough text?
         weight_bytes = float(sum(s.size_bytes for s in model.manifest.stages))
+        if weight_bytes > MAX_TRAIN_BYTES:
+            raise JobError(
+                "model",
+                f"{body.model} has {weight_bytes / 2**20:.0f} MiB of weights; train jobs take "
+                f"models up to {MAX_TRAIN_BYTES >> 20} MiB for now (a ring chunk and a state "
+                "part each travel as one message)",
+            )
+        await asyncio.to_thread(corpus_of, model, body)  # enough text?
         spec = self.serving.spec(body.model)
         graph = data_parallel_train(
             spec,

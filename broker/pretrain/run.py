@@ -29,7 +29,8 @@ import numpy as np
 
 from broker.core.events import JobProgressed
 from broker.jobkinds import JobFailed
-from broker.pretrain.request import RECORD, VAL_ROWS, corpus_of, parse, trained_name
+from broker.pretrain.export import export_model
+from broker.pretrain.request import RECORD, VAL_ROWS, corpus_of, parse
 from ir.pretrain import shard
 from p2p import P2PError, Tensor
 from proto.pretrain import (
@@ -39,10 +40,8 @@ from proto.pretrain import (
     PretrainClose,
     PretrainCommit,
     PretrainEval,
-    PretrainFetch,
     PretrainLoss,
     PretrainOpen,
-    PretrainPart,
     PretrainReady,
     PretrainSettings,
     PretrainStep,
@@ -215,6 +214,13 @@ class SwarmPretrain:
             except P2PError as exc:
                 self._drop(peer, f"could not join: {exc}")
                 continue
+            if ready.prepared and ready.step == self.done:  # (from before a broker restart)
+                abort = PretrainAbort(job=self.job.id, step=self.done + 1)
+                try:
+                    ready = await self._call(peer, abort, STEP_TIMEOUT_S)
+                except P2PError as exc:
+                    self._drop(peer, f"could not join: {exc}")
+                    continue
             if ready.step != self.done or ready.prepared:
                 self._drop(peer, f"joined at step {ready.step}, not {self.done}")
                 await self._quiet_close(peer)
@@ -259,10 +265,9 @@ class SwarmPretrain:
             await self._abort(step, {})
             raise JobFailed(f"the loss diverged ({loss}) at step {step}; try a lower lr")
         seconds = time.perf_counter() - started  # (the step's prepare: validation apart)
-        val = await self._validate(step)
         tokens = r.batch * r.seq_len
         sent = max(s.bytes_sent for s in stepped)
-        record = np.array([loss, tokens, seconds, len(stepped), sent, val], np.float64)
+        record = np.array([loss, tokens, seconds, len(stepped), sent, math.nan], np.float64)
         assert record.size == RECORD
         self.store.put_train_step(
             self.job.id, step, attempt + 1, record.tobytes(), list(self.members)
@@ -275,6 +280,12 @@ class SwarmPretrain:
         for peer, c in zip(list(self.members), commits, strict=True):
             if not isinstance(c, PretrainReady):
                 self._drop(peer, f"commit failed: {c}")
+        val = await self._validate(step)  # (the weights after the step)
+        if not math.isnan(val):
+            record[5] = val
+            self.store.put_train_step(
+                self.job.id, step, attempt + 1, record.tobytes(), list(self.members)
+            )
         self.events.emit(
             "train_step",
             job=self.job.id,
@@ -347,9 +358,10 @@ class SwarmPretrain:
         return results
 
     async def _abort_calls(self, step: int, peers: list[str]) -> dict[str, Any]:
+        """(An abort waits for the step's computing under way: as long as a step may take.)"""
+        abort = PretrainAbort(job=self.job.id, step=step)
         answers = await asyncio.gather(
-            *(self._call(p, PretrainAbort(job=self.job.id, step=step)) for p in peers),
-            return_exceptions=True,
+            *(self._call(p, abort, STEP_TIMEOUT_S) for p in peers), return_exceptions=True
         )
         return dict(zip(peers, answers, strict=True))
 
@@ -358,7 +370,8 @@ class SwarmPretrain:
         lost) leave the ring."""
         answers = await self._abort_calls(step, list(self.members))
         for peer, answer in answers.items():
-            if not isinstance(answer, PretrainReady) or answer.step != self.done:
+            lost = isinstance(bad.get(peer), JobFailed) or not self.registry.alive(peer)
+            if lost or not isinstance(answer, PretrainReady) or answer.step != self.done:
                 self._drop(peer, f"lost at step {step}: {bad.get(peer) or answer}")
         self.events.emit(
             "train_step_redone",
@@ -373,6 +386,8 @@ class SwarmPretrain:
         every = r.eval_every or max(1, r.steps // 10)
         if step % every and step != r.steps:
             return math.nan
+        if not self.members:
+            return math.nan
         rows = self.corpus.val[:VAL_ROWS]
         message = PretrainEval(job=self.job.id, rows=Tensor.from_numpy(rows))
         try:
@@ -383,45 +398,8 @@ class SwarmPretrain:
 
     async def _export(self) -> None:
         """The trained weights, read from a replica, as a model of this broker."""
-        from ir.pretrain_state import save_package
-
-        weights: dict[str, Array] = {}
-        for peer in list(self.members):
-            try:
-                weights = await self._read_weights(peer)
-                break
-            except P2PError as exc:
-                self._drop(peer, f"could not read its weights: {exc}")
-        if not weights:
-            raise JobFailed("no replica could hand over the trained weights")
-        name = trained_name(self.job, self.request)
-        import tempfile
-        from pathlib import Path
-
-        models = self.kind.models
-        with tempfile.TemporaryDirectory(dir=models.incoming, prefix="train-") as tmp:
-            out = Path(tmp) / "package"
-            await asyncio.to_thread(
-                save_package, self.model.directory, self.model.manifest, weights, out, name
-            )
-            for f in out.iterdir():
-                if f.is_file() and f.name != "manifest.json":
-                    await asyncio.to_thread(_keep, models, f)
-            stored = await self.kind.add_model((out / "manifest.json").read_bytes())
+        stored = await export_model(self)
         self.events.emit("train_saved", job=self.job.id, model=stored.name, step=self.done)
-
-    async def _read_weights(self, peer: str) -> dict[str, Array]:
-        weights: dict[str, Array] = {}
-        part, parts = 0, 1
-        while part < parts:
-            message = PretrainFetch(job=self.job.id, part=part, weights_only=True)
-            got: PretrainPart = await self._call(peer, message, STEP_TIMEOUT_S)
-            if got.step != self.done:
-                raise JobFailed(f"replica {peer[:12]} is at step {got.step}, not {self.done}")
-            parts = got.parts
-            weights.update({k[2:]: t.to_numpy() for k, t in got.tensors.items()})
-            part += 1
-        return weights
 
     async def _quiet_close(self, peer: str) -> None:
         try:
@@ -433,9 +411,3 @@ class SwarmPretrain:
         """The job's replicas are dropped everywhere (best effort)."""
         peers = [p for p in self.touched if self.registry.alive(p)]
         await asyncio.gather(*(self._quiet_close(p) for p in peers), return_exceptions=True)
-
-
-def _keep(models: Any, path: Any) -> None:
-    from files.digest import sha256_file
-
-    models.cache.put(sha256_file(path), path.read_bytes())

@@ -24,11 +24,11 @@ SEQ, BATCH = 32, 12
 TEXTS = read_texts(SHIPPED_DATA)[:20]
 
 
-def reference(package: Path, steps: int) -> list[float]:
+def reference(package: Path, steps: int, replicas: int = 1, **change: Any) -> list[float]:
     """One process's per-step losses on the same global batches."""
     corpus = Corpus(tokenize(TEXTS, tokenizer_of(package)), SEQ, holdout=0.05)
-    settings = TrainSettings(steps=steps, batch=BATCH, seq_len=SEQ)
-    return [r.loss for r in LocalRun(package, corpus, 1, settings).run()]
+    settings = TrainSettings(steps=steps, batch=BATCH, seq_len=SEQ, **change)
+    return [r.loss for r in LocalRun(package, corpus, replicas, settings).run()]
 
 
 async def start(s: Swarm, package: Path, providers: int) -> str:
@@ -79,6 +79,26 @@ async def test_replicas_on_providers_give_one_processes_losses(
         assert all(st.bytes_sent > 0 for st in results.steps)
         assert results.model == f"{model}-{job.id}" and results.model in s.broker.models.models
         assert s.events("train_saved")[0]["model"] == results.model
+    finally:
+        await s.close()
+
+
+@pytest.mark.parametrize(
+    "change", [{"compress": "acp", "rank": 4}, {"outer_every": 3}], ids=["acp", "diloco"]
+)
+async def test_compressed_and_diloco_runs_give_the_same_run_in_one_process(
+    tmp_path: Path, pretrain_package: Path, change: dict[str, Any]
+) -> None:
+    """ACP-SGD's alternating factors and DiLoCo's outer steps (committed like any step)
+    through two providers give two replicas' losses in one process."""
+    s = await swarm(tmp_path)
+    try:
+        model = await start(s, pretrain_package, 2)
+        job = await s.broker.jobs.submit(body(model, steps=8, replicas=2, **change))
+        row = await finished(s, job.id)
+        assert row.state == "succeeded", row.error
+        expected = await asyncio.to_thread(reference, pretrain_package, 8, 2, **change)
+        np.testing.assert_allclose(losses(s, job.id), expected, rtol=1e-5)
     finally:
         await s.close()
 
