@@ -133,6 +133,6 @@ class TrainJobs:
                 )
             )
         name = trained_name(job, request)
-        done = job.state == "succeeded" and name in self.models.models
+        done = job.state in ("succeeded", "cancelled") and name in self.models.models
         total = self.store.count_done(job.id)
         return TrainResults(job.id, offset, total, steps, name if done else None)

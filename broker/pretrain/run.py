@@ -127,10 +127,11 @@ class SwarmPretrain:
         try:
             await self._train()
         except asyncio.CancelledError:
-            # cancelled: close the replicas; the broker stopping: keep them, to resume
+            # cancelled: keep the weights trained so far, close the replicas; the broker
+            # stopping: keep them, to resume
             row = self.store.job(self.job.id, full=False)
             if row is None or row.state not in ("placed", "running"):
-                await asyncio.shield(self._close())
+                await asyncio.shield(self._stop_cancelled())
             raise
         except BaseException:
             await asyncio.shield(self._close())
@@ -400,6 +401,16 @@ class SwarmPretrain:
         """The trained weights, read from a replica, as a model of this broker."""
         stored = await export_model(self)
         self.events.emit("train_saved", job=self.job.id, model=stored.name, step=self.done)
+
+    async def _stop_cancelled(self) -> None:
+        """A cancelled job's weights at its last step become a model, then its replicas go."""
+        try:
+            if self.done and self.members:
+                await self._abort_calls(self.done + 1, list(self.members))  # (a step under way)
+                await self._export()
+        except Exception as exc:  # (best effort: the job is cancelled either way)
+            self.events.emit("train_not_saved", job=self.job.id, reason=str(exc)[:300])
+        await self._close()
 
     async def _quiet_close(self, peer: str) -> None:
         try:

@@ -157,6 +157,24 @@ async def test_a_broker_restart_mid_run_counts_every_step_once(
         await s.close()
 
 
+async def test_a_cancelled_run_keeps_its_weights_as_a_model(
+    tmp_path: Path, pretrain_package: Path
+) -> None:
+    s = await swarm(tmp_path)
+    try:
+        model = await start(s, pretrain_package, 1)
+        job = await s.broker.jobs.submit(body(model, steps=500, replicas=1, name="kept"))
+        await s.until("step 3", lambda: s.broker.store.count_done(job.id) >= 3, 120)
+        s.broker.jobs.cancel(job.id)
+        await s.until("the weights saved", lambda: "kept" in s.broker.models.models, 60)
+        results = s.broker.jobs.results(job.id, 0, 1000)
+        assert results.model == "kept" and 3 <= results.total < 500
+        saved = s.events("train_saved")[0]
+        assert saved["step"] >= 3 and s.broker.store.job(job.id).state == "cancelled"
+    finally:
+        await s.close()
+
+
 async def test_bad_submissions_are_refused_before_anything_runs(
     tmp_path: Path, pretrain_package: Path
 ) -> None:
