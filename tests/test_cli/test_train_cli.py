@@ -54,8 +54,9 @@ def test_bad_requests_are_refused_before_anything_runs(
     assert done.returncode == 1 and message in done.stderr, done.stderr
 
 
-def test_an_unknown_compressor_and_a_missing_mode_are_refused(tmp_path: Path) -> None:
+def test_an_unknown_compressor_and_a_missing_data_file_are_refused(tmp_path: Path) -> None:
     unknown = _fusionai("train", "--model", str(tmp_path), "--compress", "zip", "--local")
     assert unknown.returncode == 2 and "invalid choice: 'zip'" in unknown.stderr
-    swarm = _fusionai("train", "--model", str(tmp_path))
-    assert swarm.returncode == 1 and "not built yet" in swarm.stderr
+    missing = tmp_path / "nothing.jsonl"  # refused before the broker is asked anything
+    swarm = _fusionai("train", "--model", "m", "--data", str(missing), "--broker", "http://x")
+    assert swarm.returncode == 1 and f"cannot read {missing}" in swarm.stderr
