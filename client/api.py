@@ -27,7 +27,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -384,19 +384,35 @@ class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
         the end is seen at once; `poll` (at most 30 s) is the longest one request waits, and
         so the longest between two calls of `progress`. A broker that restarts meanwhile is
         waited for (`retry_s`, and never past `timeout`), and the wait goes on."""
+
+        async def seen(job: Job) -> None:
+            if progress is not None:
+                progress(job)
+
+        return await self._follow(job_id, seen, timeout=timeout, poll=poll)
+
+    async def _follow(
+        self,
+        job_id: str,
+        seen: Callable[[Job], Awaitable[None]],
+        *,
+        timeout: float | None,
+        poll: float,
+        what: str = "job",
+    ) -> Job:
+        """`wait`, with `seen(job)` awaited after each answer (a job kind's own progress)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         hold = 0.0  # the first answer comes at once
         while True:
             job = await self._job(job_id, hold, deadline)
-            if progress is not None:
-                progress(job)
+            await seen(job)
             if job.finished:
                 if job.state != "succeeded":
                     raise JobFailed(job)
                 return job
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise JobTimeout(f"job {job_id} is still {job.state} after {timeout} s")
+                raise JobTimeout(f"{what} {job_id} is still {job.state} after {timeout} s")
             hold = long_poll_s(poll, left)
 
     async def results(self, job_id: str, *, page: int = 10_000) -> Array:

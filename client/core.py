@@ -4,7 +4,7 @@ each other, declared once for the type checker; at run time this class is empty 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -54,6 +54,15 @@ class ClientCore:
         async def submit(self, job: Mapping[str, Any]) -> Job: ...
         async def job(self, job_id: str, *, wait: float = 0.0) -> Job: ...
         async def _job(self, job_id: str, wait: float, deadline: float | None) -> Job: ...
+        async def _follow(
+            self,
+            job_id: str,
+            seen: Callable[[Job], Awaitable[None]],
+            *,
+            timeout: float | None,
+            poll: float,
+            what: str = "job",
+        ) -> Job: ...
         async def wait(
             self,
             job_id: str,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,12 @@ from client.core import ClientCore
 from client.data import load_adapter, read_texts
 from client.errors import (
     FusionAIError,
-    JobFailed,
-    JobTimeout,
 )
 from client.routing import quote_part
 from client.types import (
     FineTune,
     FinetuneStep,
-    long_poll_s,
+    Job,
 )
 from proto.api import Adapter, FinetuneResults
 
@@ -67,26 +64,16 @@ class FinetuneMethods(ClientCore):
         if "shards" in body:
             body["shards"] = list(body["shards"])
         job = await self.submit(body)
-        seen = 0
-        deadline = None if timeout is None else time.monotonic() + timeout
-        hold = 0.0
-        while True:
-            current = await self._job(job.id, hold, deadline)
-            done = await self._steps(job.id, seen, current.microbatches)
-            for s in done:
+        done = 0
+
+        async def seen(current: Job) -> None:
+            nonlocal done
+            for s in await self._steps(job.id, done, current.microbatches):
+                done += 1
                 if progress is not None:
                     progress(s)
-            seen += len(done)
-            if current.finished:
-                if current.state != "succeeded":
-                    raise JobFailed(current)
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise JobTimeout(
-                    f"fine-tune job {job.id} is still {current.state} after {timeout} s"
-                )
-            hold = long_poll_s(poll, left)
+
+        current = await self._follow(job.id, seen, timeout=timeout, poll=poll, what="fine-tune job")
         path, sha = await self._download_adapter(job.id)
         return FineTune(
             job.id, model, await self._steps(job.id, 0, current.microbatches), path, sha

@@ -4,7 +4,6 @@ model is a model of the broker, to generate from like any other."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +11,9 @@ from typing import Any
 
 from client.core import ClientCore
 from client.data import read_texts
-from client.errors import FusionAIError, JobFailed, JobTimeout
+from client.errors import FusionAIError
 from client.routing import quote_part
-from client.types import long_poll_s
+from client.types import Job
 from proto.api import TrainResults, TrainStep
 
 
@@ -60,24 +59,16 @@ class TrainMethods(ClientCore):
         body = {"kind": "train", "model": model, "texts": texts, "steps": steps,
                 "replicas": replicas, **options}  # fmt: skip
         job = await self.submit(body)
-        seen = 0
-        deadline = None if timeout is None else time.monotonic() + timeout
-        hold = 0.0
-        while True:
-            current = await self._job(job.id, hold, deadline)
-            results = await self._train_results(job.id, seen)
-            for s in results.steps:
+        done = 0
+
+        async def seen(current: Job) -> None:
+            nonlocal done
+            for s in (await self._train_results(job.id, done)).steps:
+                done += 1
                 if progress is not None:
                     progress(s)
-            seen += len(results.steps)
-            if current.finished:
-                if current.state != "succeeded":
-                    raise JobFailed(current)
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise JobTimeout(f"train job {job.id} is still {current.state} after {timeout} s")
-            hold = long_poll_s(poll, left)
+
+        await self._follow(job.id, seen, timeout=timeout, poll=poll, what="train job")
         results = await self._train_results(job.id, 0)
         if results.model is None:
             raise FusionAIError(f"train job {job.id} succeeded without a trained model")

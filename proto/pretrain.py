@@ -107,8 +107,8 @@ class PretrainStepped(Message, frozen=True, tag="PretrainStepped/1"):
     step: int
     loss: float  # this replica's share of the global batch's mean token loss
     bytes_sent: int  # to the next replica in this step's all-reduces
-    compute_ms: float
-    reduce_ms: float
+    compute_ms: float  # the step but its all-reduces
+    reduce_ms: float  # in the all-reduces (waiting for the others included)
 
 
 class PretrainLoss(Message, frozen=True, tag="PretrainLoss/1"):

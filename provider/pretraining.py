@@ -297,16 +297,20 @@ class Pretraining:
                 await dial(self.host, nxt)
             except CollectiveError as exc:
                 raise Refused(ErrorCode.REFUSED, f"step {request.step}: {exc}") from None
-        calls = 0
+        calls, reducing = 0, 0.0
 
         async def allreduce(buffer: Array, wire: str) -> Array:
-            nonlocal calls
+            nonlocal calls, reducing
             calls += 1
             if calls >= CALLS:
                 raise CollectiveError(f"more than {CALLS - 1} all-reduces in one step")
-            return await ring_allreduce(
-                buffer, request.rank, len(ring), run.links, base + calls, wire
-            )
+            began = time.perf_counter()
+            try:
+                return await ring_allreduce(
+                    buffer, request.rank, len(ring), run.links, base + calls, wire
+                )
+            finally:
+                reducing += time.perf_counter() - began
 
         sent, started = run.links.sent, time.perf_counter()
         run.task = asyncio.create_task(
@@ -327,8 +331,8 @@ class Pretraining:
             step=request.step,
             loss=float(loss),
             bytes_sent=run.links.sent - sent,
-            compute_ms=seconds * 1e3,
-            reduce_ms=0.0,
+            compute_ms=(seconds - reducing) * 1e3,
+            reduce_ms=reducing * 1e3,
         )
 
     async def _commit(self, run: _Run, request: PretrainCommit) -> PretrainReady:
