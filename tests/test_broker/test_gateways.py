@@ -268,21 +268,22 @@ def test_two_hundred_streams_get_200_or_429_and_the_admitted_keep_their_pace(
     llama_package: Path,
 ) -> None:
     max_batch, providers = 8, 2
+    tokens = 48  # long enough that the burst of 200 requests is a small part of each stream
     b = swarm(broker, provider, llama_package, "--max-batch", str(max_batch))
     gw_key = keys(b.http, "add", "gateways", "--role", "gateway")["key"]
     user = keys(b.http, "add", "alice")["key"]
     _, url = start_gateway(spawn, b.http, gw_key, "gw-a")
 
     def run(n: int) -> tuple[list[int], list[float], int]:
-        """n streams at once: their statuses, inter-token gaps, and how many completed."""
+        """n streams at once: their statuses, the pace of each admitted one (its mean gap
+        between chunks, past the first), and how many completed."""
         statuses: list[int] = [0] * n
-        gaps: list[list[float]] = [[] for _ in range(n)]
-        completed = [0]
+        paces: list[float] = []
         lock = threading.Lock()
 
         def one(i: int) -> None:
             try:
-                s = Stream(url, user, 24)
+                s = Stream(url, user, tokens)
             except OSError:
                 statuses[i] = -1
                 return
@@ -295,25 +296,28 @@ def test_two_hundred_streams_get_200_or_429_and_the_admitted_keep_their_pace(
                 s.close()
                 return
             s.rest()
-            gaps[i] = [b - a for a, b in zip(s.times[1:-2], s.times[2:-1], strict=True)]
-            with lock:
-                completed[0] += 1
             s.close()
+            chunks = s.times[1:-1]  # past the first token (the prompt's), before [DONE]
+            with lock:
+                paces.append((chunks[-1] - chunks[0]) / (len(chunks) - 1))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
-        return statuses, [g for row in gaps for g in row], completed[0]
+        return statuses, paces, len(paces)
 
-    statuses, gaps16, done16 = run(16)
+    run(4)  # sessions' first steps (warm-up) are not the reference's
+    statuses, paces16, done16 = run(16)
     assert statuses == [200] * 16 and done16 == 16
-    statuses, gaps, done = run(200)
+    statuses, paces, done = run(200)
     assert set(statuses) <= {200, 429}, sorted(set(statuses))
     admitted = statuses.count(200)
     assert admitted >= max_batch * providers, admitted
     assert done == admitted  # every accepted stream completed
-    p50_16, p50 = statistics.median(gaps16), statistics.median(gaps)
+    # A stream's pace, not single gaps: chunks reach the client in uneven gaps (0, one step,
+    # two steps) whose median flips between modes from run to run.
+    p50_16, p50 = statistics.median(paces16), statistics.median(paces)
     print(json.dumps({"admitted": admitted, "p50_16_ms": p50_16 * 1e3, "p50_ms": p50 * 1e3}))
     assert p50 <= 1.5 * p50_16, (p50, p50_16)
