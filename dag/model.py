@@ -20,6 +20,10 @@ class ModelSpec:
     hidden_bytes_per_token: float  # activation bytes a stage sends on per token
     client_param_bytes: float = 0.0  # embedding + head, kept by the client
     head_flops_per_token: float = 0.0  # the client's output head per token
+    # a block's weight matrices (rows, columns) and its vector weights' values (norms,
+    # biases): what a low-rank gradient compressor sees (the simulator's pre-training)
+    layer_matrices: tuple[tuple[int, int], ...] = ()
+    layer_vector_values: int = 0
 
     def __post_init__(self) -> None:
         if self.n_layers < 1:
@@ -50,6 +54,8 @@ class ModelSpec:
         attn_params = hidden * (hidden + 2 * kv_dim) + hidden * hidden
         mlp_params = (3 if gated_mlp else 2) * hidden * intermediate
         params = attn_params + mlp_params
+        attn = ((hidden, hidden), (kv_dim, hidden), (kv_dim, hidden), (hidden, hidden))
+        up = 2 if gated_mlp else 1  # gate and up, or up alone
         return cls(
             name=name,
             n_layers=layers,
@@ -60,6 +66,8 @@ class ModelSpec:
             hidden_bytes_per_token=float(hidden * dtype_bytes),
             client_param_bytes=float(2 * vocab * hidden * dtype_bytes),
             head_flops_per_token=2.0 * vocab * hidden,
+            layer_matrices=(*attn, *[(intermediate, hidden)] * up, (hidden, intermediate)),
+            layer_vector_values=2 * hidden,  # the two norms' weights
         )
 
 

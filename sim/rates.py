@@ -38,6 +38,13 @@ class ReplicaRates:
             return rate, m.latency, prefill.latency + m.latency
         step = self.step_seconds(replica)
         if replicas > 1:
+            dtype = self.w.work.dtype
+            step += max(  # compressing the gradients (low-rank compressors only)
+                st.layers
+                * self.w.compress_flops_per_block()
+                / self.profiles[st.provider].flops_for(dtype)
+                for st in replica.stages
+            )
             share = 2 * (replicas - 1) / replicas
             step += max(
                 share
@@ -46,7 +53,8 @@ class ReplicaRates:
                 / self.profiles[st.provider].net_bandwidth
                 for st in replica.stages
             )
-        return self.w.job_tokens / step, m.latency, 0.0
+        # progress in synchronous training's tokens (the variant's stated token cost)
+        return self.w.job_tokens / step / self.w.token_cost, m.latency, 0.0
 
     def step_seconds(self, replica: Replica) -> float:
         """One optimizer step of this replica: `dag.builders.finetune`'s graph (forward and
@@ -58,7 +66,7 @@ class ReplicaRates:
             return cached
         spans = [(st.first, st.end) for st in replica.stages]
         seq = self.w.work.tokens // self.w.work.sequences
-        adapter = [self.w.allreduce_bytes_per_block() * (e - f) for f, e in spans]
+        adapter = [self.w.trained_bytes_per_block() * (e - f) for f, e in spans]
         graph = finetune(
             self.w.model,
             spans,

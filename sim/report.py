@@ -9,7 +9,7 @@ from typing import Any
 from sim.catalog import GPUS, NETWORKS
 from sim.result import SimResult
 from sim.scenario import Scenario, Study
-from sim.workloads import WEIGHT_BYTES
+from sim.workloads import LOW_RANK, WEIGHT_BYTES, WorkloadSpec
 
 
 def assumptions(scenario: Scenario) -> dict[str, Any]:
@@ -52,6 +52,7 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             "steps": scenario.steps,
             "hidden_bytes_per_token": w.model.hidden_bytes_per_token,
             "compute_dtype": "fp16 (weights de-quantized in the kernel; KV cache fp16)",
+            **(_exchange(w) if w.kind == "pretrain" else {}),
         },
         "churn": {
             "name": scenario.churn.name,
@@ -60,6 +61,18 @@ def assumptions(scenario: Scenario) -> dict[str, Any]:
             "departure_fraction": scenario.churn.departure_fraction,
             "arrivals_per_peer_hour": scenario.churn.arrivals_per_peer_hour,
         },
+    }
+
+
+def _exchange(w: WorkloadSpec) -> dict[str, Any]:
+    """Pre-training's gradient exchange, per replica and optimizer step."""
+    return {
+        "compress": w.compress,
+        "rank": w.rank if w.compress in LOW_RANK else None,
+        "outer_every": w.outer_every,
+        "exchange_gb_per_step": w.allreduce_bytes_per_block() * w.model.n_layers / 1e9,
+        "compress_tflop_per_step": w.compress_flops_per_block() * w.model.n_layers / 1e12,
+        "token_cost": w.token_cost,
     }
 
 

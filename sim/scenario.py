@@ -27,7 +27,7 @@ from broker.core import CoreConfig
 from broker.core.placement import PlacementConfig
 from sim.catalog import CHURN, GPUS, NETWORKS, Churn, churn_with_mean
 from sim.labscenario import SHIPPED, is_lab, read
-from sim.workloads import WorkloadSpec, quantized, served, workload
+from sim.workloads import WorkloadSpec, quantized, served, trained, workload
 
 PLACEMENTS = ("ours", "equal", "petals")
 QUEUE_POLICIES = ("fifo", "sjf-bsbf")
@@ -46,6 +46,13 @@ class Scenario:
     # each stage and back), and the sequences a step decodes together (None: the workload's)
     steps: str = "chained"
     batch: int | None = None
+    # pre-training: the gradient exchange ("none" fp32, "fp16", "powersgd", "acp") at `rank`,
+    # every `outer_every` local steps (DiLoCo when > 1), and the tokens the variant needs for
+    # a synchronous token's progress: an assumption the study states (`sim.workloads.trained`)
+    compress: str = "fp16"
+    rank: int = 4
+    outer_every: int = 1
+    token_cost: float = 1.0
     hours: float = 1.0
     churn: Churn = field(default_factory=lambda: CHURN["none"])
     seed: int = 0
@@ -84,17 +91,17 @@ class Scenario:
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"queue_policy must be one of {QUEUE_POLICIES}")
         kind = workload(self.workload).kind  # raises on an unknown workload
-        _ = self.spec  # raises on a bad choice of weights, wire, steps or batch
+        _ = self.spec  # raises on a bad choice of weights, wire, steps, batch or compression
         if self.placement == "petals" and kind != "inference":
             raise ValueError("the Petals-style baseline serves inference workloads only")
 
     @property
     def spec(self) -> WorkloadSpec:
         """The workload as this run serves it (its weights' and wire's bytes, its steps' legs
-        and batch)."""
-        return served(
-            quantized(workload(self.workload), self.weights, self.wire), self.steps, self.batch
-        )
+        and batch, its gradient exchange)."""
+        spec = quantized(workload(self.workload), self.weights, self.wire)
+        spec = trained(spec, self.compress, self.rank, self.outer_every, self.token_cost)
+        return served(spec, self.steps, self.batch)
 
     def core_config(self, work: PlacementConfig) -> CoreConfig:
         """The broker's settings for this scenario (the pool keeps the broker's defaults)."""

@@ -6,7 +6,9 @@ LoRA-FA runs forward and backward through the frozen blocks (backward costs abou
 forward; gradients flow back as large as the activations flowed forward), with small adapter
 gradients averaged across replicas per step. Pre-training also keeps gradients and Adam
 states for every weight (16 bytes per parameter in mixed precision instead of 2) and
-all-reduces every gradient across replicas each step.
+all-reduces every gradient across replicas each step, or less (`trained`): fp32 or fp16
+gradients, Power-SGD's or ACP-SGD's low-rank factors, and DiLoCo's pseudo-gradient once every H
+local steps.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ WEIGHT_BYTES = {"fp16": 2.0, "int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}
 WIRE_BYTES = {"fp16": 2.0, "int8": 1.0}
 MODELS = {"llama2-7b": LLAMA2_7B, "llama2-13b": LLAMA2_13B, "llama2-70b": LLAMA2_70B}
 KINDS = ("inference", "finetune", "pretrain")
+# pre-training's gradient exchange: fp32 ("none"), fp16 (mixed precision's gradients, the
+# default), Power-SGD (P and Q every step) and ACP-SGD (P or Q, alternately), as
+# `ir.compress` runs them; the low-rank factors and the vectors travel as fp16 here
+COMPRESSORS = ("none", "fp16", "powersgd", "acp")
+GRADIENT_BYTES = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,12 @@ class WorkloadSpec:
     adapter_fraction: float = 0.002  # trainable share of a block's weights (LoRA-FA's B)
     prompt_tokens: int = 0  # inference: prompt length per sequence, prefilled before decoding
     star: bool = False  # inference: the client sends each step to each stage and back
+    compress: str = "fp16"  # pre-training: the gradient exchange (`COMPRESSORS`)
+    rank: int = 4  # the low-rank compressors' rank
+    outer_every: int = 1  # DiLoCo: local steps between exchanges (1: every step, no DiLoCo)
+    # tokens this variant needs for the progress (loss) a synchronous token buys: an
+    # assumption the scenario states (1.0: as good as synchronous training)
+    token_cost: float = 1.0
 
     @property
     def prefill_work(self) -> Workload:
@@ -62,19 +75,58 @@ class WorkloadSpec:
             hidden_bytes_per_token=2 * m.hidden_bytes_per_token,  # activations on, gradients back
         )
         if self.kind == "pretrain":
-            scaled = replace(scaled, layer_param_bytes=8 * m.layer_param_bytes)  # 16 B/param
+            # 16 B/param; the low-rank compressors' error feedback adds a gradient's 2 B.
+            # DiLoCo's outer copy and momentum live in host memory (as INTELLECT-1 kept them).
+            per_weight = 8 + (1 if self.compress in LOW_RANK else 0)
+            scaled = replace(scaled, layer_param_bytes=per_weight * m.layer_param_bytes)
         return scaled
 
     @property
     def job_tokens(self) -> int:
         return self.work.tokens * self.microbatches
 
-    def allreduce_bytes_per_block(self) -> float:
-        """Gradient bytes each block exchanges per step across replicas."""
+    def trained_bytes_per_block(self) -> float:
+        """Bytes (fp16) of the weights a training step updates in each block."""
         if self.kind == "inference":
             return 0.0
         share = 1.0 if self.kind == "pretrain" else self.adapter_fraction
         return self.model.layer_param_bytes * share
+
+    def allreduce_bytes_per_block(self) -> float:
+        """Gradient bytes each block exchanges per step across replicas (on average, for
+        DiLoCo's exchange once every `outer_every` steps)."""
+        if self.kind != "pretrain":
+            return self.trained_bytes_per_block()
+        m = self.model
+        if self.compress in ("none", "fp16"):
+            values = m.layer_param_bytes / 2  # the model's weights are fp16
+            exchanged = values * (4.0 if self.compress == "none" else 2.0)
+        else:
+            low = float(sum((a + b) * min(self.rank, a, b) for a, b in self._matrices()))
+            if self.compress == "acp":
+                low /= 2  # P one step, Q the next
+            exchanged = (low + m.layer_vector_values) * GRADIENT_BYTES
+        return exchanged / self.outer_every
+
+    def compress_flops_per_block(self) -> float:
+        """Compute the gradient compressor adds to each block per step: Power-SGD multiplies
+        each gradient matrix (m x n) by Q, by P and back (6mnr) and orthogonalises P (2mr^2);
+        ACP-SGD computes one factor and the approximation (4mnr) and orthogonalises it."""
+        if self.kind != "pretrain" or self.compress not in LOW_RANK:
+            return 0.0
+        total = 0.0
+        for a, b in self._matrices():
+            r = min(self.rank, a, b)
+            if self.compress == "powersgd":
+                total += 6 * a * b * r + 2 * a * r * r
+            else:
+                total += 4 * a * b * r + (a + b) * r * r / 2
+        return total / self.outer_every
+
+    def _matrices(self) -> tuple[tuple[int, int], ...]:
+        if not self.model.layer_matrices:
+            raise ValueError(f"{self.model.name}: no matrix shapes to compress")
+        return self.model.layer_matrices
 
 
 def quantized(spec: WorkloadSpec, weights: str = "fp16", wire: str = "fp16") -> WorkloadSpec:
@@ -97,6 +149,36 @@ def quantized(spec: WorkloadSpec, weights: str = "fp16", wire: str = "fp16") -> 
         hidden_bytes_per_token=values * WIRE_BYTES[wire] + (4 if wire == "int8" else 0),
     )
     return replace(spec, model=model)
+
+
+LOW_RANK = ("powersgd", "acp")
+
+
+def trained(
+    spec: WorkloadSpec,
+    compress: str = "fp16",
+    rank: int = 4,
+    outer_every: int = 1,
+    token_cost: float = 1.0,
+) -> WorkloadSpec:
+    """`spec` (pre-training) with its gradient exchange `compress`ed at `rank`, every
+    `outer_every` local steps (DiLoCo when > 1), needing `token_cost` tokens for a
+    synchronous token's progress."""
+    if compress not in COMPRESSORS:
+        raise ValueError(f"compress must be one of {COMPRESSORS}, got {compress!r}")
+    if not 1 <= rank <= 1024 or not 1 <= outer_every <= 100_000:
+        raise ValueError("rank is 1 to 1024 and outer_every 1 to 100000")
+    if not 0.1 <= token_cost <= 100:
+        raise ValueError("token_cost is 0.1 to 100")
+    changed = (compress, rank, outer_every, token_cost) != ("fp16", 4, 1, 1.0)
+    if spec.kind != "pretrain" and changed:
+        raise ValueError("compress, rank, outer_every and token_cost model pre-training only")
+    out = replace(
+        spec, compress=compress, rank=rank, outer_every=outer_every, token_cost=token_cost
+    )
+    if compress in LOW_RANK:
+        out._matrices()  # raises for a model without its shapes
+    return out
 
 
 STEPS = ("chained", "star")

@@ -269,3 +269,45 @@ def test_chained_steps_and_batches_are_modelled() -> None:
         Scenario(steps="ring")
     with pytest.raises(ValueError, match="inference workloads only"):
         Scenario(workload="llama2-7b-finetune", batch=4)
+
+
+def test_pretraining_compressors_and_diloco_shrink_the_gradient_exchange() -> None:
+    """Bytes each block exchanges per step: fp32, fp16, Power-SGD's P and Q (rank r), ACP-SGD's
+    P or Q (half of Power-SGD's factors on average), and DiLoCo's pseudo-gradient once every H
+    steps; the compressors' compute is charged; a token cost scales the progress."""
+    from sim.report import assumptions
+    from sim.workloads import trained, workload
+
+    base = workload("llama2-7b-pretrain")
+    m = base.model
+    fp16 = base.allreduce_bytes_per_block()
+    assert fp16 == m.layer_param_bytes  # the default: fp16 gradients, as before
+    assert trained(base, "none").allreduce_bytes_per_block() == 2 * fp16
+    factors = sum((a + b) * 4 for a, b in m.layer_matrices)
+    power, acp = trained(base, "powersgd"), trained(base, "acp")
+    assert power.allreduce_bytes_per_block() == 2 * (factors + m.layer_vector_values)
+    assert acp.allreduce_bytes_per_block() == 2 * (factors / 2 + m.layer_vector_values)
+    assert trained(base, outer_every=100).allreduce_bytes_per_block() == fp16 / 100
+    assert 0 < acp.compress_flops_per_block() < power.compress_flops_per_block()
+    assert base.compress_flops_per_block() == 0
+    # the error feedback buffer: 2 more bytes per weight than the 16 of mixed precision
+    assert acp.placed_model.layer_param_bytes == 9 * m.layer_param_bytes
+    with pytest.raises(ValueError, match="compress must be one of"):
+        Scenario(workload="llama2-7b-pretrain", compress="zip")
+    with pytest.raises(ValueError, match="pre-training only"):
+        Scenario(workload="llama2-7b-finetune", compress="acp")
+    with pytest.raises(ValueError, match="rank is 1 to 1024"):
+        Scenario(workload="llama2-7b-pretrain", compress="acp", rank=0)
+
+    def run(**kw: object) -> float:
+        s = Scenario(peers=50, workload="llama2-7b-pretrain", hours=0.5, seed=2, **kw)  # type: ignore[arg-type]
+        return simulate(s).throughput_tokens_s
+
+    plain, compressed = run(), run(compress="acp")
+    assert compressed > plain > 0
+    assert run(compress="acp", token_cost=2.0) == pytest.approx(compressed / 2, rel=0.1)
+    stated = assumptions(Scenario(workload="llama2-7b-pretrain", compress="acp", outer_every=20))
+    assert stated["workload"]["compress"] == "acp"
+    assert stated["workload"]["exchange_gb_per_step"] == pytest.approx(
+        acp.allreduce_bytes_per_block() * m.n_layers / 20 / 1e9
+    )
