@@ -1,0 +1,235 @@
+"""Commitments to a stage's hidden states, checked by recomputing them (TOPLOC: Ong et al.,
+"TOPLOC: A Locality Sensitive Hashing Scheme for Trustless Verifiable Inference", arXiv
+2501.16007).
+
+A commitment covers one chunk of a stage's output: the hidden-state rows of up to `CHUNK`
+consecutive tokens, flattened. It keeps the `K` values of largest magnitude, each rounded to
+bfloat16, as a polynomial over GF(`PRIME`) that maps each value's index (modulo `m`, the largest
+modulus up to `PRIME` under which the K indices stay distinct) to the value's 16 bits. Bytes:
+`m` (2), then the K coefficients, lowest degree first (2 each), big-endian: 258 bytes for
+K = 128, about 8 bytes per token. (The `toploc` package implements the same scheme in C++
+against libtorch, which a provider running onnxruntime does not have; this is numpy.)
+
+A verifier recomputes the chunk (in one prefill pass over the whole sequence), takes its own
+top-K indices and evaluates the polynomial there: where the prover's top K held the same
+index, that gives the prover's value, elsewhere an unrelated number. Per chunk it counts the
+values whose sign and exponent differ (`Check.mismatches`) and, over the rest, the absolute
+differences of the 7-bit mantissas, pooled over the sequence into a mean. A sequence passes
+when no chunk has more mismatches, and the pooled mean is no larger, than a `Tolerance`
+allows: one per dtype the package's stages send (`TOLERANCES`), measured on honest runs
+(onnxruntime and torch, one token at a time against one prefill pass) and on cheats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ir.errors import IRError
+
+Array = np.ndarray[Any, Any]
+PRIME = 65497  # the largest prime below 2^16 - 38: every finite bfloat16's bits are below it
+K = 128  # values committed per chunk
+CHUNK = 32  # tokens per chunk
+SPARSITY = 32  # at most one value in this many is committed
+_SMALLEST_MODULUS = 2**15
+
+
+class CommitmentError(IRError):
+    """A commitment that cannot be read (its length or values are not a commitment's)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    mismatches: int  # values of one chunk whose sign or exponent differ, at most
+    mantissa_mean: float  # mean 7-bit mantissa difference of the rest, over a whole sequence
+
+
+@dataclass(frozen=True)
+class Check:
+    """How a recomputation compares with the commitments: one chunk's, or a sequence's (the
+    sum of its chunks': the most mismatches of any chunk, the mantissas pooled)."""
+
+    mismatches: int  # values whose sign or exponent differ (the most in one chunk)
+    compared: int  # values whose sign and exponent agree
+    mantissa_sum: int  # their 7-bit mantissas' absolute differences, summed
+    chunks: int = 1
+
+    @property
+    def mantissa_mean(self) -> float:
+        return self.mantissa_sum / self.compared if self.compared else float("inf")
+
+    def within(self, tolerance: Tolerance) -> bool:
+        return (
+            self.mismatches <= tolerance.mismatches
+            and self.mantissa_mean <= tolerance.mantissa_mean
+        )
+
+    def __add__(self, other: Check) -> Check:
+        return Check(
+            max(self.mismatches, other.mismatches),
+            self.compared + other.compared,
+            self.mantissa_sum + other.mantissa_sum,
+            self.chunks + other.chunks,
+        )
+
+
+# What honest recomputation stays within, per dtype a package's stages send their hidden
+# states in (an fp16 package computes in fp32 from fp16 weights and rounds its outputs to
+# fp16): measured with `tests/test_ir/test_toploc.py`, where the margins to honest runs and
+# to the cheats they catch are stated.
+TOLERANCES = {
+    "float32": Tolerance(mismatches=2, mantissa_mean=0.025),
+    "float16": Tolerance(mismatches=4, mantissa_mean=0.2),
+}
+
+
+def bf16_bits(values: Array) -> Array:
+    """float values -> bfloat16 bits (uint16), rounded to nearest even."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def _inverse(a: Array) -> Array:
+    """Modular inverses in GF(PRIME) (a != 0), by Fermat: a^(PRIME-2)."""
+    out = np.ones_like(a)
+    base, e = a % PRIME, PRIME - 2
+    while e:
+        if e & 1:
+            out = out * base % PRIME
+        base = base * base % PRIME
+        e >>= 1
+    return out
+
+
+def _modulus(indices: Array) -> int:
+    for m in range(PRIME, _SMALLEST_MODULUS, -1):
+        if len(np.unique(indices % m)) == len(indices):
+            return m
+    raise CommitmentError("no modulus keeps these indices apart")  # (not for K <= 2^15)
+
+
+def _interpolate(x: Array, y: Array) -> Array:
+    """Coefficients (lowest degree first) of the polynomial over GF(PRIME) through (x, y)."""
+    n = len(x)
+    dd = y.astype(np.int64) % PRIME
+    gaps = np.concatenate([(x[k:] - x[:-k]) % PRIME for k in range(1, n)] or [x[:0]])
+    inverses, start = _inverse(gaps), 0  # every divisor's inverse at once
+    for k in range(1, n):  # Newton's divided differences, in place
+        step = (dd[k:] - dd[k - 1 : -1]) % PRIME
+        dd[k:] = step * inverses[start : start + n - k] % PRIME
+        start += n - k
+    poly = np.zeros(n, dtype=np.int64)
+    poly[0] = dd[n - 1]
+    for i in range(n - 2, -1, -1):  # poly = poly * (t - x_i) + dd_i
+        shifted = np.roll(poly, 1)
+        shifted[0] = 0
+        poly = (shifted - x[i] * poly + (np.arange(n) == 0) * dd[i]) % PRIME
+    return poly
+
+
+def _evaluate(coeffs: Array, x: Array) -> Array:
+    acc = np.zeros(len(x), dtype=np.int64)
+    for c in coeffs[::-1]:
+        acc = (acc * x + c) % PRIME
+    return acc
+
+
+def top_k(size: int, k: int = K) -> int:
+    """Values committed from a chunk of `size`: K, or one in `SPARSITY` of a smaller chunk
+    (a short last chunk of a small model): the largest values, not the ones near zero, whose
+    bits honest executors disagree on."""
+    return max(1, min(k, size // SPARSITY))
+
+
+def commit(chunk: Array, k: int = K) -> bytes:
+    """The commitment to one chunk of hidden states (any shape: flattened)."""
+    flat = np.asarray(chunk, dtype=np.float32).reshape(-1)
+    if not np.isfinite(flat).all():
+        raise CommitmentError("hidden states with NaN or infinity cannot be committed to")
+    k = top_k(flat.size, k)
+    top = np.argpartition(-np.abs(flat), k - 1)[:k].astype(np.int64)
+    m = _modulus(top)
+    coeffs = _interpolate(top % m, bf16_bits(flat[top]).astype(np.int64))
+    return m.to_bytes(2, "big") + coeffs.astype(">u2").tobytes()
+
+
+def parse(commitment: bytes, k: int = K) -> tuple[int, Array]:
+    """(modulus, coefficients) of a commitment; CommitmentError if it is not one."""
+    if len(commitment) < 4 or len(commitment) % 2 or len(commitment) > 2 + 2 * k:
+        raise CommitmentError(f"a commitment is 2 + 2 x (at most {k}) bytes")
+    m = int.from_bytes(commitment[:2], "big")
+    coeffs = np.frombuffer(commitment[2:], dtype=">u2").astype(np.int64)
+    if not _SMALLEST_MODULUS < m <= PRIME or (coeffs >= PRIME).any():
+        raise CommitmentError("a commitment's modulus or coefficients are out of range")
+    return m, coeffs
+
+
+def check(chunk: Array, commitment: bytes, k: int = K) -> Check:
+    """Compare a recomputed chunk with the prover's commitment to it."""
+    m, coeffs = parse(commitment, k)
+    flat = np.asarray(chunk, dtype=np.float32).reshape(-1)
+    k = top_k(flat.size, k)
+    if not np.isfinite(flat).all() or len(coeffs) != k:  # (not this chunk's commitment)
+        return Check(max(k, len(coeffs)), 0, 0)
+    top = np.argpartition(-np.abs(flat), k - 1)[:k].astype(np.int64)
+    theirs = _evaluate(coeffs, top % m)
+    ours = bf16_bits(flat[top]).astype(np.int64)
+    head = (theirs >> 7) != (ours >> 7)  # sign and exponent
+    diff = np.abs((theirs & 0x7F) - (ours & 0x7F))[~head]
+    return Check(int(head.sum()), int(diff.size), int(diff.sum()))
+
+
+def check_rows(rows: Array, commitments: list[bytes], chunk: int = CHUNK) -> Check:
+    """Compare a sequence's recomputed rows (tokens, ...) with its commitments, chunk by
+    chunk; a missing or extra commitment counts as a chunk with every value mismatched."""
+    parts = chunks(rows, chunk)
+    total = Check(0, 0, 0, 0)
+    for i in range(max(len(parts), len(commitments))):
+        if i >= len(parts) or i >= len(commitments):
+            total += Check(K, 0, 0)
+        else:
+            total += check(parts[i], commitments[i])
+    return total
+
+
+def chunks(rows: Array, chunk: int = CHUNK) -> list[Array]:
+    """A sequence's hidden-state rows (tokens, ...) cut into chunks of `chunk` tokens."""
+    return [rows[i : i + chunk] for i in range(0, len(rows), chunk)]
+
+
+class Committer:
+    """A stage's commitments for one sequence, built as its output rows come: a prompt's at
+    once, then one token's at a time."""
+
+    def __init__(self, chunk: int = CHUNK) -> None:
+        self.chunk = chunk
+        self.pending: list[Array] = []
+        self.held = 0  # rows pending
+        self.commitments: list[bytes] = []
+
+    def add(self, rows: Array) -> list[bytes]:
+        """Take the next rows (tokens, ...); the commitments of the chunks they complete."""
+        rows = np.asarray(rows, dtype=np.float32)
+        done: list[bytes] = []
+        while len(rows):
+            take = min(self.chunk - self.held, len(rows))
+            self.pending.append(rows[:take])
+            self.held += take
+            rows = rows[take:]
+            if self.held == self.chunk:
+                done.append(self._close())
+        return done
+
+    def finish(self) -> list[bytes]:
+        """The last, partial chunk's commitment (none when the rows filled whole chunks)."""
+        return [self._close()] if self.held else []
+
+    def _close(self) -> bytes:
+        out = commit(np.concatenate(self.pending))
+        self.pending, self.held = [], 0
+        self.commitments.append(out)
+        return out
