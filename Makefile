@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/pretrain.py
 	$(PY) benchmarks/models.py
 	$(PY) benchmarks/quantized.py
+	$(PY) benchmarks/verify.py
 	$(PY) benchmarks/internet.py  # the home-internet lab: needs root, else says why it skipped
 	$(PY) benchmarks/fidelity.py  # the lab again (root): predicted against measured
 

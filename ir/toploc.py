@@ -124,10 +124,12 @@ def _interpolate(x: Array, y: Array) -> Array:
         start += n - k
     poly = np.zeros(n, dtype=np.int64)
     poly[0] = dd[n - 1]
-    for i in range(n - 2, -1, -1):  # poly = poly * (t - x_i) + dd_i
-        shifted = np.roll(poly, 1)
-        shifted[0] = 0
-        poly = (shifted - x[i] * poly + (np.arange(n) == 0) * dd[i]) % PRIME
+    for i in range(n - 2, -1, -1):  # poly = poly * (t - x_i) + dd_i, of degree n - 1 - i
+        d = n - 1 - i
+        top = poly[d - 1]
+        poly[1:d] = (poly[: d - 1] - x[i] * poly[1:d]) % PRIME
+        poly[d] = top
+        poly[0] = (dd[i] - x[i] * poly[0]) % PRIME
     return poly
 
 

@@ -1,0 +1,152 @@
+"""Verification benchmark: activation commitments (`ir.toploc`) on the demo decoder, in one
+process (providers do not send commitments yet: this measures the scheme on real stages).
+
+    python benchmarks/verify.py [--tokens 128] [--sessions 20] [--honest 50]
+
+The demo decoder (`make demo`'s, trained here the same way) as a 2-stage package, fp32 and
+fp16, onnxruntime on one thread. Prints one JSON object:
+    verify_cost_ratio   seconds to recompute a session's stage outputs in one prefill pass and
+                        check its commitments, over seconds to generate it one token at a time
+                        with them (median over --sessions sessions of --tokens new tokens)
+    latency_ratio       seconds per generated token with commitments built as rows come, over
+                        without (the same sessions, alternated)
+    commitment_bytes_per_1k_tokens   for both provider stages (258 bytes per 32 tokens each)
+    sampling_rate       the share of sessions verified: the least r with 1 - (1 - r)^20 >= 0.99
+    catch_within_20     the chance a provider cheating on every session is caught within 20
+                        of its sessions at that rate
+    network_cost        sampling_rate x verify_cost_ratio: verification's compute over
+                        generation's, across the network
+    detection           per cheat, the share of --sessions sessions caught
+    false_positives     honest sessions accused, of --honest (fp32 and fp16 packages,
+                        onnxruntime and torch on either side)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.toploc_runs: the sessions and cheats the tests use
+
+import numpy as np  # noqa: E402
+
+from ir.toploc import CHUNK  # noqa: E402
+from tests.toploc_runs import (  # noqa: E402
+    accused,
+    build_packages,
+    garbage,
+    noise,
+    pipeline,
+    replayed,
+    serve,
+    verdicts,
+)
+
+
+def generate_plain(pkg: Any, prompt: list[int], new: int) -> None:
+    pipe = pipeline(pkg, "ort")
+    cache = pipe.new_cache()
+    tokens = list(prompt)
+    logits = pipe.step(np.array([tokens], dtype=np.int64), 0, cache)
+    for _ in range(new):
+        tokens.append(int(np.argmax(logits[0, -1])))
+        logits = pipe.step(np.array([tokens[-1:]], dtype=np.int64), len(tokens) - 1, cache)
+
+
+def main() -> None:
+    import torch
+
+    from cli.demo_models import train_decoder
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--sessions", type=int, default=20)
+    ap.add_argument("--honest", type=int, default=50)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = train_decoder(Path(tmp) / "tokenizer.json")
+        pkgs = build_packages(model, Path(tmp))
+        fp32, fp16 = pkgs["fp32"], pkgs["fp16"]
+        vocab = int(fp32.manifest.config["vocab_size"])
+
+        def prompt() -> list[int]:
+            return [int(t) for t in rng.integers(1, vocab, size=12)]
+
+        generate_plain(fp32, prompt(), 8)  # warm
+        costs, plain_s, committed_s = [], [], []
+        for _ in range(args.sessions):
+            p = prompt()
+            t0 = time.perf_counter()
+            generate_plain(fp32, p, args.tokens)
+            t1 = time.perf_counter()
+            tokens, sent = serve(fp32, "ort", p, args.tokens)
+            t2 = time.perf_counter()
+            assert not accused(fp32, verdicts(fp32, "ort", tokens, sent))
+            t3 = time.perf_counter()
+            plain_s.append(t1 - t0)
+            committed_s.append(t2 - t1)
+            costs.append((t3 - t2) / (t2 - t1))
+        cheats = {
+            "another_model": lambda p: serve(pkgs["other"], "ort", p, args.tokens),
+            "layer_skipped": lambda p: serve(pkgs["skip"], "ort", p, args.tokens),
+            "fp32_computed_in_fp16": lambda p: serve(fp32, "fp16", p, args.tokens),
+            "int4_for_fp32": lambda p: serve(pkgs["int4"], "ort", p, args.tokens),
+            "replay": lambda p: replayed(fp32, p, rng, args.tokens),
+            "garbage": lambda p: garbage(fp32, p, rng, args.tokens),
+            "noise_1pct": lambda p: serve(fp32, "ort", p, args.tokens, noise(0.01, rng)),
+            "noise_0.1pct": lambda p: serve(fp32, "ort", p, args.tokens, noise(0.001, rng)),
+            "noise_1pct_fp16": lambda p: serve(fp16, "ort", p, args.tokens, noise(0.01, rng)),
+        }
+        detection = {}
+        for name, run in cheats.items():
+            honest = fp16 if name.endswith("fp16") else fp32
+            caught = 0
+            for _ in range(args.sessions):
+                tokens, sent = run(prompt())
+                caught += accused(honest, verdicts(honest, "ort", tokens, sent))
+            detection[name] = caught / args.sessions
+            print(f"{name}: {detection[name]:.2f}", file=sys.stderr, flush=True)
+        sides = [("ort", "ort"), ("ort", "torch"), ("torch", "ort")]
+        false_positives = 0
+        for i in range(args.honest):
+            pkg = fp16 if i % 2 else fp32
+            prover, verifier = sides[i % len(sides)]
+            tokens, sent = serve(pkg, prover, prompt(), args.tokens)
+            false_positives += accused(pkg, verdicts(pkg, verifier, tokens, sent))
+    rate = 1 - 0.01 ** (1 / 20)  # the least rate catching an always-cheater within 20 w.p. .99
+    rate = math.ceil(rate * 100) / 100
+    cost = statistics.median(costs)
+    stages = len(fp32.manifest.stages) - 2
+    latency = statistics.median(committed_s) / statistics.median(plain_s)
+    print(
+        json.dumps(
+            {
+                "tokens": args.tokens,
+                "sessions": args.sessions,
+                "verify_cost_ratio": round(cost, 4),
+                "latency_ratio": round(latency, 4),
+                "commitment_bytes_per_1k_tokens": round(stages * 258 * 1000 / CHUNK, 1),
+                "sampling_rate": rate,
+                "catch_within_20": round(1 - (1 - rate) ** 20, 4),
+                "network_cost": round(rate * cost, 4),
+                "detection": detection,
+                "false_positives": false_positives,
+                "honest_sessions": args.honest,
+                "scope": "one process: providers do not send commitments yet",
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
