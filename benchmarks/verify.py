@@ -31,7 +31,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.toploc_runs: the sessions and cheats the tests use
@@ -44,21 +43,10 @@ from tests.toploc_runs import (  # noqa: E402
     build_packages,
     garbage,
     noise,
-    pipeline,
     replayed,
     serve,
     verdicts,
 )
-
-
-def generate_plain(pkg: Any, prompt: list[int], new: int) -> None:
-    pipe = pipeline(pkg, "ort")
-    cache = pipe.new_cache()
-    tokens = list(prompt)
-    logits = pipe.step(np.array([tokens], dtype=np.int64), 0, cache)
-    for _ in range(new):
-        tokens.append(int(np.argmax(logits[0, -1])))
-        logits = pipe.step(np.array([tokens[-1:]], dtype=np.int64), len(tokens) - 1, cache)
 
 
 def main() -> None:
@@ -82,12 +70,12 @@ def main() -> None:
         def prompt() -> list[int]:
             return [int(t) for t in rng.integers(1, vocab, size=12)]
 
-        generate_plain(fp32, prompt(), 8)  # warm
+        serve(fp32, "ort", prompt(), 8, commits=False)  # warm
         costs, plain_s, committed_s = [], [], []
         for _ in range(args.sessions):
             p = prompt()
             t0 = time.perf_counter()
-            generate_plain(fp32, p, args.tokens)
+            serve(fp32, "ort", p, args.tokens, commits=False)
             t1 = time.perf_counter()
             tokens, sent = serve(fp32, "ort", p, args.tokens)
             t2 = time.perf_counter()
