@@ -7,6 +7,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -153,8 +154,41 @@ def broker_command(
     )
 
 
-def provider_command(broker_addr: str, data_dir: Path, *extra: str) -> list[str]:
-    """A provider daemon on 127.0.0.1 joining `broker_addr`, printing JSON event lines."""
+_PROFILE: dict[str, bytes] = {}
+_PROFILE_LOCK = threading.Lock()
+
+
+def machine_profile() -> bytes:
+    """This machine's hardware profile (`profile.json`) as a provider started by
+    `provider_command` measures it (onnxruntime, one compute thread), measured once per test
+    run by `fusionai provider profile`."""
+    with _PROFILE_LOCK:
+        if "json" not in _PROFILE:
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run(
+                    fusionai("provider", "profile", "--executor", "ort", "--data-dir", tmp),
+                    cwd=ROOT,
+                    env={**os.environ, "FUSIONAI_THREADS": "1"},
+                    capture_output=True,
+                    check=True,
+                    timeout=120,
+                )
+                _PROFILE["json"] = (Path(tmp) / "profile.json").read_bytes()
+        return _PROFILE["json"]
+
+
+def provider_command(
+    broker_addr: str, data_dir: Path, *extra: str, measure: bool = False
+) -> list[str]:
+    """A provider daemon on 127.0.0.1 joining `broker_addr`, printing JSON event lines.
+
+    A new `data_dir` is given this machine's profile, measured once per test run, as a
+    restarted provider finds its own (providers that each measured the machine spent seconds
+    of both cores on it, under the load of the others); `measure` leaves it to the provider.
+    One started with another executor or device measures its own (the cached key differs)."""
+    if not measure and not (data_dir / "profile.json").exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "profile.json").write_bytes(machine_profile())
     return fusionai(
         "provider",
         "start",

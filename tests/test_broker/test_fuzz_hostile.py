@@ -70,7 +70,9 @@ def live(
         started = broker.wait_for("broker_started", timeout=30)
         live = BrokerProc(broker, started["addrs"][0], started["http"])
         for i, package in enumerate((minilm_package, llama_package)):  # one provider each
-            providers.append(Proc(provider_command(live.addr, data / f"p{i}")))
+            providers.append(  # (each measured under this test's load: the broker checks it)
+                Proc(provider_command(live.addr, data / f"p{i}", measure=True))
+            )
             wait_joined(live.http, [providers[-1].wait_for("listening", timeout=60)["peer_id"]])
             add_model(live.http, package)
             wait_until(f"{MODELS[i]} served", lambda i=i: MODELS[i] in _ready(live.http), 120)
