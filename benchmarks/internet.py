@@ -25,7 +25,9 @@ Prints one JSON object: `routes`, an object per route kind with
     token_ms_star, token_floor_star_ms   the same with the client's steps to each stage and
                      back (`Client(chain=False)`): 2n legs a token where the chain has n + 1
     texts_s          texts/s of a batch job of --microbatches x 32 texts x 128 tokens
-                     (3-stage all-MiniLM-L6-v2, activations chained provider to provider)
+                     (3-stage all-MiniLM-L6-v2, activations chained provider to provider),
+                     cut into microbatches by the broker (`job_microbatches`; --microbatch
+                     and --in-flight force them)
     texts_ceiling_s  the lesser of the stages' texts/s in this process with the serving
                      providers' total threads, and over the access links, bandwidth over the
                      bytes per text the job's legs put on that link
@@ -91,11 +93,14 @@ with Client(url, timeout=120) as fa:
         out["punches"] = punched() if fa._async._puncher else []
     else:
         ids = json.load(open(ids))
-        fa.wait(fa.submit({"model": name, "token_ids": ids[:32], "microbatch": int(size)}).id)
+        cut = {"microbatch": int(size)} if int(size) else {}  # (none: the broker sizes them)
+        fa.wait(fa.submit({"model": name, "token_ids": ids[:32], **cut}).id)
         start = time.perf_counter()
-        job = fa.submit({"model": name, "token_ids": ids, "microbatch": int(size)})
-        assert fa.wait(job.id).state == "succeeded"
+        job = fa.submit({"model": name, "token_ids": ids, **cut})
+        done = fa.wait(job.id)
+        assert done.state == "succeeded"
         out["texts_s"] = len(ids) / (time.perf_counter() - start)
+        out["job_microbatches"] = done.microbatches
 print(json.dumps(out))
 """
 
@@ -178,8 +183,8 @@ def run_route(lab: Lab, tmp: Path, kind: str, package: Path, args: Any) -> dict[
         broker = Proc(["ip", "netns", "exec", lab.broker, *fusionai(
             "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http", "0.0.0.0:7371",
             "--public-url", f"http://{BROKER_IP}:7371", "--data-dir", str(tmp / f"{kind}-{mode}"),
-            "--heartbeat-s", "1", "--trust-claims", "--in-flight", str(args.in_flight), "--json",
-            *args.broker_arg,
+            "--heartbeat-s", "1", "--trust-claims", "--json", *args.broker_arg,
+            *(("--in-flight", str(args.in_flight)) if args.in_flight else ()),
         )])  # fmt: skip
         flags = {"direct": (), "relayed": ("--no-upnp", "--no-punch"),
                  "hole_punched": ("--no-upnp",)}[kind]  # fmt: skip
@@ -260,13 +265,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="generated per timed run")
     parser.add_argument("--microbatches", type=int, default=16, help="of 32 x 128 per job")
     parser.add_argument(
-        "--microbatch", type=int, default=32, help="texts per microbatch the job asks for"
+        "--microbatch",
+        type=int,
+        default=0,
+        help="texts per microbatch the job asks for (0: none, the broker sizes them)",
     )
     parser.add_argument(
         "--routes", default="direct,relayed,hole_punched", help="route kinds to run (profiling)"
     )
     parser.add_argument(
-        "--in-flight", type=int, default=4, help="the broker's microbatches in flight"
+        "--in-flight",
+        type=int,
+        default=0,
+        help="the broker's microbatches in flight (0: its own, from the route)",
     )
     parser.add_argument("--embed-only", action="store_true", help="skip the generation (profiling)")
     parser.add_argument(
@@ -277,8 +288,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     unknown = set(args.routes.split(",")) - {"direct", "relayed", "hole_punched"}
-    if unknown or args.microbatch < 1:
-        parser.error(f"unknown routes {sorted(unknown)}" if unknown else "--microbatch >= 1")
+    if unknown or args.microbatch < 0 or args.in_flight < 0:
+        parser.error(f"unknown routes {sorted(unknown)}" if unknown else "negative count")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the lab is torn down
     why = missing()
     if why:  # (`make bench` goes on with the others)
@@ -322,6 +333,7 @@ def main() -> int:
                     "texts_s": round(got["texts_s"], 2),
                     "texts_ceiling_s": round(bound["texts_ceiling_s"], 2),
                     "texts_ratio": round(got["texts_s"] / bound["texts_ceiling_s"], 3),
+                    "job_microbatches": embed.get("job_microbatches"),
                     "placement": got["placement"],
                     "punches": punches,
                 }

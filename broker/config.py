@@ -42,10 +42,12 @@ class BrokerConfig:
     missed_heartbeats: int = 3  # heartbeats missed in a row before a provider is dead
     queue_policy: str = "fifo"  # "fifo" or "sjf-bsbf"
     replicas: int | None = 1  # pipeline replicas per model (None: as many as pay)
-    microbatch: int = 32  # sequences per microbatch of a batch job
+    microbatch: int | None = None  # sequences per microbatch of a batch job that names none
+    # (None: sized from the job and its route, `broker.core.microbatch`, at most 32)
     max_attempts: int = 5  # tries of one microbatch before its job fails
     request_timeout_s: float = 60.0  # one stage request may take this long; seconds
-    in_flight: int = 4  # microbatches of one job in the pipeline at once
+    in_flight: int | None = None  # microbatches of one job in the pipeline at once (None: one
+    # per station of its route and one more, at most 8: `broker.core.microbatch`)
     relay: str = "chain"  # batch activations go provider to provider ("chain"), or each
     # stage's there and back through the broker ("star")
     restart_grace_s: float | None = None  # after a restart, how long placed providers have to

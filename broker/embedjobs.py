@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import numpy as np
 from broker.calls import Array, CallFailed, StageCalls
 from broker.config import BrokerConfig
 from broker.core.events import JobProgressed
+from broker.core.microbatch import Cut, cut
 from broker.driver import CoreDriver
 from broker.errors import NotFound, Unavailable
 from broker.events import EventLog
@@ -43,6 +46,8 @@ from dag.validate import DagError
 from dag.wire import from_json, to_json
 from proto.api.jobs import EmbedJobRequest, EmbedResults
 
+log = logging.getLogger("fusionai.broker")
+
 
 @dataclass(frozen=True)
 class JobRequest:
@@ -50,7 +55,7 @@ class JobRequest:
     model: str
     texts: list[str] | None
     token_ids: list[list[int]] | None
-    microbatch: int
+    microbatch: int | None  # None: sized from the job and its route
 
     @property
     def count(self) -> int:
@@ -80,8 +85,10 @@ def parse_request(body: EmbedJobRequest, config: BrokerConfig) -> JobRequest:
     if len(items) > config.max_job_texts:
         most = config.max_job_texts
         raise JobError(field, f"{len(items)} sequences; one job takes at most {most}")
-    microbatch = body.microbatch if body.microbatch is not None else config.microbatch
-    return JobRequest("embed", body.model, texts, ids, microbatch)
+    return JobRequest("embed", body.model, texts, ids, body.microbatch)
+
+
+LARGEST = 32  # sequences per microbatch when the broker sizes them
 
 
 class EmbedJobs:
@@ -132,7 +139,8 @@ class EmbedJobs:
                 raise JobError("token_ids", str(exc)) from None
         elif client.tokenizer is None:
             raise JobError("texts", f"model {request.model} takes token_ids, not texts")
-        mb = request.microbatch
+        mb = self._cut(request.model, request.count, request.microbatch).microbatch
+        request = dataclasses.replace(request, microbatch=mb)  # (kept: a restart cuts alike)
         graph = self._graph(request.model, mb, max(lengths))
         microbatches = -(-request.count // mb)
         flops = sum(task(graph, n).flops for n in graph.nodes) * microbatches
@@ -162,7 +170,7 @@ class EmbedJobs:
                 ids, mask = await asyncio.to_thread(client.pad, token_ids or [])
         except ClientStageError as exc:
             raise JobError("input", str(exc)) from None
-        mb = self.config.microbatch
+        mb = self._cut(model, len(ids)).microbatch
         graph = self._graph(model, mb, ids.shape[1])
         ref = Ref("request-" + uuid.uuid4().hex[:12], model)
         parts: dict[int, Array] = {}
@@ -177,6 +185,16 @@ class EmbedJobs:
         except JobFailed as exc:
             raise Unavailable(str(exc)) from None
         return np.concatenate([parts[i] for i in sorted(parts)]), int(mask.sum())
+
+    def _cut(self, model: str, sequences: int, microbatch: int | None = None) -> Cut:
+        """How a job of `sequences` on `model` is cut (`microbatch`: as the job asked)."""
+        cfg = self.config
+        stages = len(self.models.models[model].units)
+        star = cfg.relay == "star"
+        sized = cut(sequences, stages, largest=LARGEST, in_flight=cfg.in_flight, star=star)
+        if microbatch is None:
+            microbatch = cfg.microbatch
+        return sized if microbatch is None else dataclasses.replace(sized, microbatch=microbatch)
 
     def _graph(self, model: str, microbatch: int, seq: int) -> nx.DiGraph:
         """The job graph of one microbatch: client stages, then each provider stage."""
@@ -227,7 +245,7 @@ class EmbedJobs:
         """Run microbatches `todo` (rows of `mb` sequences), up to `in_flight` at once, each
         result handed to `done(index, output, attempts, providers that computed it)`. One
         failure cancels the others; the job's own failure (`JobFailed`) is raised first."""
-        gate = asyncio.Semaphore(self.config.in_flight)
+        gate = asyncio.Semaphore(self._cut(ref.model, len(ids), mb).in_flight)
 
         async def one(idx: int) -> None:
             async with gate:
@@ -359,7 +377,10 @@ class EmbedJobs:
         used: list[str],
     ) -> Array:
         """Run consecutive stages: chained provider to provider, but for stages due a spot
-        check, whose input and output the broker must see (they run on their own)."""
+        check, whose input and output the broker must see (they run on their own). A check
+        runs beside the stages after it, not before them: the hidden states are returned once
+        every check is made, and a provider a check quarantined is among `used`, so the
+        microbatch is redone (`_microbatch`)."""
         model = self.models.models[job.model]
         peers = [await self.calls.pick(job, pos, avoid) for pos in stages]
         tasks = []
@@ -369,13 +390,15 @@ class EmbedJobs:
             tasks.append((pos, peer, nth if due else 0))
 
         made: set[int] = set()  # the stages whose drawn check was made
+        checks: list[asyncio.Task[tuple[Array, str]]] = []
 
         async def one(pos: int, peer: str, hidden: Array, nth: int) -> Array:
             out, msg = await self.calls.forward(job, pos, peer, hidden, mask, used)
             if nth:  # check the answer: the `nth` task the broker gave that provider
                 made.add(pos)
                 key = model.unit_key(model.units[pos])
-                out, used[-1] = await self.verifier.check(job.model, pos, key, peer, msg, out, nth)
+                check = self.verifier.check(job.model, pos, key, peer, msg, out, nth)
+                checks.append(asyncio.create_task(check))
             return out
 
         try:
@@ -385,6 +408,10 @@ class EmbedJobs:
                 if nth and pos not in made:
                     self.verifier.owe(model.unit_key(model.units[pos]), peer)
             raise
+        finally:  # (made or not, every check started ends here: a wrong answer is caught)
+            for failed in await asyncio.gather(*checks, return_exceptions=True):
+                if isinstance(failed, Exception):
+                    log.warning("a spot check of job %s failed: %r", job.id, failed)
 
     async def _run(
         self,

@@ -74,9 +74,17 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     start.add_argument("--missed-heartbeats", type=int, default=3, help="missed before dead")
     start.add_argument("--queue", choices=["fifo", "sjf-bsbf"], default="fifo")
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
-    start.add_argument("--microbatch", type=int, default=32, help="sequences per microbatch")
     start.add_argument(
-        "--in-flight", type=int, default=4, help="microbatches of one job in the pipeline at once"
+        "--microbatch",
+        type=int,
+        help="sequences per microbatch of a job that names none (default: sized from the job "
+        "and its route, at most 32)",
+    )
+    start.add_argument(
+        "--in-flight",
+        type=int,
+        help="microbatches of one job in the pipeline at once (default: one per leg and stage "
+        "of its route, and one more, at most 8)",
     )
     start.add_argument(
         "--relay",
@@ -217,14 +225,14 @@ def start(args: argparse.Namespace) -> int:
     if (
         args.heartbeat_s <= 0
         or args.missed_heartbeats < 1
-        or args.microbatch < 1
+        or (args.microbatch is not None and args.microbatch < 1)
+        or (args.in_flight is not None and args.in_flight < 1)
         or args.max_body_mb <= 0
         or args.sessions_per_slot <= 0
     ):
         print(
-            "error: --heartbeat-s, --missed-heartbeats, --microbatch, --max-body-mb, "
-            "--sessions-per-slot must be "
-            "positive",
+            "error: --heartbeat-s, --missed-heartbeats, --microbatch, --in-flight, "
+            "--max-body-mb, --sessions-per-slot must be positive",
             file=sys.stderr,
         )
         return 2
