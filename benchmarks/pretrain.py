@@ -15,13 +15,17 @@ Prints one JSON object with an object per variant (`none`, `fp16`, `powersgd`, `
                        job on a broker and K provider processes, the ring over libp2p
                        (`--loopback-steps` steps each; 0 skips it: null)
     local_s_per_step   the same run's replicas in one process, talking through queues
-    lab_s_per_step     mean wall time of a step (past the first two) of the same train job
-                       in the home-internet lab (`lab/`, root): the broker on the Internet,
-                       each replica's provider in its own home behind a UPnP router, the
-                       client in another home, every access link 20 Mbit/s and 25 ms one
-                       way (`--lab-steps`, default 22: DiLoCo's one exchange at step 20 is in
-                       the mean; 0 skips it). Null, with `lab_skipped` saying why, where the
-                       lab cannot run.
+    lab_s_per_step     mean wall time of a step (past the first two) of a train job of
+                       `--lab-config` (default llama-14m: 55 MB of fp32 gradients a step,
+                       where the tiny config's half megabyte crosses a 20 Mbit/s link in a
+                       fifth of a second and the links' latency decides) in the
+                       home-internet lab (`lab/`, root): the broker on the Internet, each
+                       replica's provider in its own home behind a UPnP router, the client
+                       in another home, every access link 20 Mbit/s and 25 ms one way
+                       (`--lab-steps` steps, default 8; DiLoCo's H + 2, so that its one
+                       exchange is in the mean; 0 skips it). Null, with `lab_skipped`
+                       saying why, where the lab cannot run.
+    lab_sent_per_step  what one replica sent a step in that run (the mean over its steps)
 `simulated`: the simulator's `paper-claim` pre-training rows (7B, 50 x RTX 3080 on home
 broadband) as throughput ratios to 4 x H100 per variant (`fp16` gradients, `powersgd`, `acp`,
 `diloco` with H = 100, `diloco_acp`), and `acp_over_powersgd` (the ACP-SGD paper's 1.43x was
@@ -69,7 +73,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--loopback-steps", type=int, default=20)
-    ap.add_argument("--lab-steps", type=int, default=22)
+    ap.add_argument("--lab-steps", type=int, default=8)
+    ap.add_argument("--lab-config", default="llama-14m", choices=sorted(CONFIGS))
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (the lab is torn down)
 
@@ -100,6 +105,7 @@ def main() -> None:
                 "local_s_per_step": statistics.median(r.seconds for r in records),
                 "s_per_step": None,
                 "lab_s_per_step": None,
+                "lab_sent_per_step": None,
             }
             print(f"{name}: loss {records[-1].loss:.4f}", file=sys.stderr, flush=True)
         out["parameters"] = run.replicas[0].parameters
@@ -107,9 +113,15 @@ def main() -> None:
             for name, seconds in loopback(Path(tmp), package, manifest.name, texts, args).items():
                 out[name]["s_per_step"] = seconds
         if args.lab_steps:
-            measured, why = lab_run(Path(tmp), package, texts, args)
-            for name, seconds in measured.items():
+            out["lab_config"] = args.lab_config
+            lab_package = package
+            if args.lab_config != args.config:
+                lab_package = Path(tmp) / "lab-model"
+                init_package(lab_package, texts, config=CONFIGS[args.lab_config], stages=2)
+            measured, why = lab_run(Path(tmp), lab_package, texts, args)
+            for name, (seconds, sent) in measured.items():
                 out[name]["lab_s_per_step"] = seconds
+                out[name]["lab_sent_per_step"] = sent
             if why:
                 out["lab_skipped"] = why
     out["simulated"] = simulated()
@@ -193,21 +205,24 @@ with Client(url, timeout=900) as fa:
         assert time.monotonic() < end, "the model was never served"
         time.sleep(0.5)
     for variant, change in a["variants"].items():
-        done = fa.train(name, texts, steps=a["steps"], replicas=a["replicas"], batch=12,
+        steps = max(a["steps"], change.get("outer_every", 0) + 2)  # (DiLoCo: one exchange)
+        done = fa.train(name, texts, steps=steps, replicas=a["replicas"], batch=12,
                         seq_len=a["seq_len"], rank=a["rank"], name=f"{name}-lab-{variant}",
-                        timeout=1800, **change)
-        out[variant] = statistics.fmean(s.seconds for s in done.steps[2:])
-        print(f"{variant}: {out[variant]:.3f} s/step in the lab", file=sys.stderr, flush=True)
+                        timeout=3600, **change)
+        out[variant] = (statistics.fmean(s.seconds for s in done.steps[2:]),
+                        statistics.fmean(s.bytes_sent for s in done.steps))
+        print(f"{variant}: {out[variant][0]:.3f} s/step in the lab", file=sys.stderr, flush=True)
 print(json.dumps(out))
 """
 
 
 def lab_run(
     tmp: Path, package: Path, texts: list[str], args: Any
-) -> tuple[dict[str, float], str | None]:
-    """Mean seconds per step of a train job per variant in the home-internet lab (each
-    replica's provider behind its own UPnP router, the client in a cone-NAT home, 20 Mbit/s
-    and 25 ms one way on every access link); ({}, why) where the lab cannot run."""
+) -> tuple[dict[str, tuple[float, float]], str | None]:
+    """(Mean seconds per step, mean bytes one replica sent a step) of a train job per variant
+    in the home-internet lab (each replica's provider behind its own UPnP router, the client
+    in a cone-NAT home, 20 Mbit/s and 25 ms one way on every access link); ({}, why) where
+    the lab cannot run."""
     import subprocess
 
     from lab.net import missing
@@ -259,8 +274,8 @@ def lab_run(
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.stop()
-    measured: dict[str, float] = json.loads(answer.strip().splitlines()[-1])
-    return measured, None
+    measured = json.loads(answer.strip().splitlines()[-1])
+    return {name: (float(s), float(b)) for name, (s, b) in measured.items()}, None
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -30,6 +29,7 @@ from broker.config import BrokerConfig
 from broker.core.events import JobProgressed
 from broker.core.microbatch import Cut, cut
 from broker.driver import CoreDriver
+from broker.embedrequest import LARGEST, parse_request
 from broker.errors import NotFound, Unavailable
 from broker.events import EventLog
 from broker.jobkinds import JobError, JobFailed, NotReady, Prepared, Ref
@@ -47,48 +47,6 @@ from dag.wire import from_json, to_json
 from proto.api.jobs import EmbedJobRequest, EmbedResults
 
 log = logging.getLogger("fusionai.broker")
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    kind: str
-    model: str
-    texts: list[str] | None
-    token_ids: list[list[int]] | None
-    microbatch: int | None  # None: sized from the job and its route
-
-    @property
-    def count(self) -> int:
-        return len(self.texts if self.texts is not None else self.token_ids or [])
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "kind": self.kind,
-            "model": self.model,
-            "microbatch": self.microbatch,
-        }
-        if self.texts is not None:
-            out["texts"] = self.texts
-        if self.token_ids is not None:
-            out["token_ids"] = self.token_ids
-        return out
-
-
-def parse_request(body: EmbedJobRequest, config: BrokerConfig) -> JobRequest:
-    """What the body's struct cannot say; raises `JobError` naming the field."""
-    texts, ids = body.texts, body.token_ids
-    if (texts is None) == (ids is None):
-        raise JobError("texts", "give either texts (strings) or token_ids (lists of ints)")
-    field, items = ("texts", texts) if texts is not None else ("token_ids", ids or [])
-    if not items:
-        raise JobError(field, "is empty")
-    if len(items) > config.max_job_texts:
-        most = config.max_job_texts
-        raise JobError(field, f"{len(items)} sequences; one job takes at most {most}")
-    return JobRequest("embed", body.model, texts, ids, body.microbatch)
-
-
-LARGEST = 32  # sequences per microbatch when the broker sizes them
 
 
 class EmbedJobs:
