@@ -175,6 +175,7 @@ async def chained_step(
     except (ChainFailed, P2PError) as exc:
         log.info("session %s: a chained step broke (%s); the star way", session.id, exc)
         return None
+    session.commitments.add(result.commitments)
     out = result.outputs.get("hidden_states_out")
     if result.past_len != expect or out is None or out.wire != session.wire:
         log.info("session %s: a chained step answered unlike a step; the star way", session.id)

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from client.chained import ChainInbox, chainable, chained_step, fill_history
+from client.commitments import Commitments
 from client.errors import GenerationError
 from client.replay import Lost, Mismatch, joined
 from client.sampling import Sampler
@@ -36,7 +37,14 @@ from client.stepmux import StepMux
 from ir.manifest import StageInfo
 from p2p import ErrorCode, Host, P2PError, RemoteError, RequestTimeout, Tensor
 from p2p.tensor import encode
-from proto.session import SESSION, SessionClose, SessionOpen, SessionOutput, SessionStep
+from proto.session import (
+    SESSION,
+    SessionClose,
+    SessionClosed,
+    SessionOpen,
+    SessionOutput,
+    SessionStep,
+)
 
 log = logging.getLogger("fusionai.client")
 Array = np.ndarray[Any, Any]
@@ -136,6 +144,7 @@ class GenerationSession:
         self.unchecked = 0  # stage steps no second provider could check
         self.distrusted: set[str] = set()
         self.lost: set[str] = set()  # providers whose connection failed on one of our stages
+        self.commitments = Commitments()  # the providers' signed commitments to their outputs
 
     async def feed(self, tokens: Sequence[int]) -> Array:
         """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
@@ -255,6 +264,7 @@ class GenerationSession:
         stage.opens += 1
         sid = f"{self.id}.{stage.opens}"
         await self._call(peer, self._opening(stage, sid))
+        self.commitments.opened(sid, peer, stage.key)
         try:
             if any("hidden_states" not in h for h in stage.history):  # (chained steps)
                 await fill_history(self, self.stages.index(stage))
@@ -303,6 +313,7 @@ class GenerationSession:
         answer = await self._call(peer, step)
         if not isinstance(answer, SessionOutput):
             raise Mismatch(f"it answered {type(answer).__name__} to a step")
+        self.commitments.add(answer.commitments)
         back = answer.outputs.get("hidden_states_out")
         if back is not None and back.wire != self.wire:
             raise Mismatch(f"it answered hidden states in the {back.wire} format, not {self.wire}")
@@ -335,11 +346,13 @@ class GenerationSession:
 
         async def one(peer: str, key: str, sid: str) -> None:
             try:
-                await self.host.request(
+                closed = await self.host.request(
                     peer, SESSION, SessionClose(session=sid, stage=key), timeout=5
                 )
             except P2PError:
-                pass
+                return
+            if isinstance(closed, SessionClosed):  # (the last chunk's commitment)
+                self.commitments.add(closed.commitments)
 
         await asyncio.gather(*(one(*t) for t in todo))
 

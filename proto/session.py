@@ -28,6 +28,29 @@ from proto.forward import MAX_ACTIVATION_BYTES, ChainAccepted, ChainBroken, Forw
 
 MAX_STEPS = 256  # steps in one SessionSteps
 STEP_ROUTE_DOMAIN = "fusionai-session-route/1"  # signature domain of a chained step's route
+COMMITMENT_DOMAIN = "fusionai-commitment/1"  # signature domain of a provider's commitment
+
+
+class Commitment(msgspec.Struct, frozen=True, array_like=True):
+    """A provider's signed commitment to one chunk of a session's outputs on one stage: the
+    top values of the hidden states it answered for `tokens` consecutive tokens (`ir.toploc`:
+    258 bytes for 32 tokens), the SHA-256 of the hidden states it was given for them (as
+    float32, batch row 0), and its signature over all of it (`commitment_bytes`)."""
+
+    session: str
+    stage: str
+    chunk: int  # its place in the session: tokens chunk x CHUNK onwards
+    tokens: int  # tokens it covers: ir.toploc.CHUNK, fewer for a session's last
+    input_sha256: bytes
+    data: bytes  # ir.toploc.commit of the outputs
+    signature: bytes  # the provider's, domain COMMITMENT_DOMAIN
+
+
+def commitment_bytes(
+    session: str, stage: str, chunk: int, tokens: int, input_sha256: bytes, data: bytes
+) -> bytes:
+    """What a provider signs for one `Commitment`."""
+    return msgspec.msgpack.encode(["commitment", session, stage, chunk, tokens, input_sha256, data])
 
 
 class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
@@ -78,14 +101,18 @@ class ChainStep(Message, frozen=True, tag="ChainStep/1"):
     inputs: dict[str, Tensor]  # this hop's hidden states, and the inputs the hops share
     expires: float  # unix time after which the route is void
     signature: bytes  # origin's, over `step_route_bytes(...)`
+    commitments: list[Commitment] = msgspec.field(default_factory=list)  # the hops' before
+    # this one made at this step, passed on to the client
 
 
 class ChainStepResult(Message, frozen=True, tag="ChainStepResult/1"):
-    """The last hop's outputs, pushed to the client (answered `ChainAccepted`)."""
+    """The last hop's outputs, pushed to the client (answered `ChainAccepted`), with the
+    commitments every hop made at this step."""
 
     chain: str
     outputs: dict[str, Tensor]
     past_len: int
+    commitments: list[Commitment] = msgspec.field(default_factory=list)
 
 
 def step_route_bytes(chain: str, route: list[StepHop], past: int, expires: float) -> bytes:
@@ -109,10 +136,13 @@ class SessionOutput(Message, frozen=True, tag="SessionOutput/1"):
     session: str
     outputs: dict[str, Tensor]  # the stage's outputs other than its present_* cache outputs
     past_len: int  # tokens now cached
+    commitments: list[Commitment] = msgspec.field(default_factory=list)  # chunks this step
+    # completed (a session of batch 1)
 
 
 class SessionClosed(Message, frozen=True, tag="SessionClosed/1"):
     session: str
+    commitments: list[Commitment] = msgspec.field(default_factory=list)  # the last chunk's
 
 
 class SessionFailed(Message, frozen=True, tag="SessionFailed/1"):

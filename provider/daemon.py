@@ -34,7 +34,7 @@ from proto.challenge import CHALLENGE
 from proto.forward import FORWARD
 from proto.join import JOIN, Leave
 from proto.ping import PING, Ping, Pong
-from proto.session import SESSION, SESSION_CHAIN
+from proto.session import COMMITMENT_DOMAIN, SESSION, SESSION_CHAIN
 from proto.snapshot import SHARD, SNAPSHOT
 from proto.train import TRAIN
 from provider.addresses import broker_peer_id, dialable
@@ -268,6 +268,8 @@ class Provider:
             timeout = aiohttp.ClientTimeout(total=None, sock_read=60.0)
             self.assignments.http = aiohttp.ClientSession(timeout=timeout)
         self.server.peer_id, self.server.broker_id = host.peer_id, self.broker_id
+        identity = host.identity
+        self.server.sign = lambda data: identity.sign(data, domain=COMMITMENT_DOMAIN)
         host.add_compute_handler(FORWARD, self.server.forward)
         host.add_control_handler(PING, self._on_ping)
         host.add_compute_handler(SESSION, self.server.session)

@@ -39,6 +39,7 @@ from proto.forward import (
 from proto.session import StepHop
 from provider.batching import Batcher
 from provider.chain import check_route, finisher
+from provider.commitments import Sign
 from provider.events import event
 from provider.faults import Fault
 from provider.gate import ComputeGate, Priority
@@ -87,6 +88,8 @@ class Server(SessionServing, StepChains):
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._relaying = 0  # chained requests computed here, waiting on the hops after us
+        # signs a session's commitments with our peer key, once the host runs (None: none made)
+        self.sign: Sign | None = None
         # called with the next hop's peer and addresses before a chained request goes there
         self.before_relay: Callable[[str, Sequence[str]], None] | None = None
         self._per_peer: dict[str, int] = {}

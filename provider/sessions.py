@@ -26,6 +26,7 @@ from p2p import ErrorCode, Refused, Tensor
 from p2p.tensor import encode
 from proto.session import (
     MAX_STEPS,
+    Commitment,
     SessionClose,
     SessionClosed,
     SessionFailed,
@@ -38,6 +39,7 @@ from proto.session import (
     SessionSteps,
 )
 from provider.batching import Batcher, Step, batchable
+from provider.commitments import Ledger, Sign
 from provider.gate import ComputeGate, Priority
 from provider.stage import Array, LoadedStage, Session, arrays, run, wire_of
 
@@ -62,6 +64,7 @@ class SessionServing:
         _last_sweep: float
         _absent: set[str]  # peers with sessions found disconnected at the last sweep
         _kv_used: int  # bytes of the sessions' caches
+        sign: Sign | None
 
         def _stage(self, key: str, check: bool = False) -> LoadedStage: ...
         def _admit(
@@ -84,9 +87,12 @@ class SessionServing:
             with self._lock:
                 gone = self.sessions.pop((peer, request.stage, request.session), None)
                 self._kv_used -= gone.nbytes if gone is not None else 0
-            if gone is not None:
-                self.batcher.forget(gone)
-            return SessionClosed(session=request.session)
+            if gone is None:
+                return SessionClosed(session=request.session)
+            self.batcher.forget(gone)
+            with gone.lock:  # (a step still running adds its rows first)
+                last = gone.ledger.finish() if gone.ledger is not None else []
+            return SessionClosed(session=request.session, commitments=last)
         if isinstance(request, SessionSteps):
             return self._steps(peer, request)
         if isinstance(request, SessionHistory):
@@ -148,6 +154,8 @@ class SessionServing:
             self.sessions[key] = Session(
                 peer, request.stage, request.batch, cache, adapters, check=request.check
             )
+            if request.batch == 1 and self.sign is not None:
+                self.sessions[key].ledger = Ledger(request.session, request.stage, self.sign)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
@@ -245,7 +253,10 @@ class SessionServing:
             self._keep(session, step.outputs, [hidden] if hidden is not None else [])
         except Refused as exc:
             return exc
-        answer = SessionOutput(session=request.session, outputs=outputs, past_len=session.past_len)
+        made = _committed(session, request, hidden)
+        answer = SessionOutput(
+            session=request.session, outputs=outputs, past_len=session.past_len, commitments=made
+        )
         session.last = (before, answer)
         return answer
 
@@ -342,6 +353,21 @@ def _repeated(session: Session, request: SessionStep) -> bool:
         f"this session holds {session.past_len} tokens, not the step's {request.past}: open "
         "it again and replay its history",
     )
+
+
+def _committed(session: Session, request: SessionStep, hidden: Tensor | None) -> list[Commitment]:
+    """The session's commitments that this step's outputs complete (the session's lock is
+    held): its input and output rows, batch row 0, as they went over the wire."""
+    given = request.inputs.get("hidden_states")
+    if session.ledger is None or hidden is None or given is None:
+        return []
+    try:
+        rows_in, rows_out = given.to_numpy()[0], hidden.to_numpy()[0]
+    except (ValueError, IndexError):
+        return []
+    if rows_in.ndim != 2 or rows_out.ndim != 2 or len(rows_in) != len(rows_out):
+        return []
+    return session.ledger.add(rows_in, rows_out)
 
 
 def _tokens(inputs: dict[str, Array]) -> int:

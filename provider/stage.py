@@ -17,6 +17,7 @@ from ir.manifest import StageInfo
 from ir.pipeline import zero_adapters
 from p2p import ErrorCode, Refused, Tensor
 from p2p.tensor import encode
+from provider.commitments import Ledger
 
 HIDDEN = ("hidden_states", "hidden_states_out")  # what travels in the package's wire format
 
@@ -58,6 +59,7 @@ class Session:
     # the outputs so far, one entry a step (wire tensors): what the next stage replays from
     trail: list[Tensor] = field(default_factory=list)
     last: tuple[int, Any] | None = None  # (tokens cached before it, answer) of the last step
+    ledger: Ledger | None = None  # its signed commitments (a session of batch 1)
 
     @property
     def nbytes(self) -> int:

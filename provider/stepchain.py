@@ -78,6 +78,7 @@ class StepChains:
         route, i = request.route, request.hop
         inputs = dict(request.inputs)
         done: list[HopDone] = []
+        commitments = list(request.commitments)  # the hops' before us, for the origin
         while True:  # this hop, and the following ones while they are ours
             hop = route[i]
             names = {t.name for t in self._stage(hop.stage, True).info.inputs}
@@ -92,6 +93,7 @@ class StepChains:
             if isinstance(answer, Refused):
                 raise answer
             done.append(HopDone(self.peer_id, hop.stage, (time.perf_counter() - start) * 1e3))
+            commitments += answer.commitments
             if i + 1 == len(route):
                 break
             hidden = answer.outputs.get("hidden_states_out")
@@ -103,7 +105,10 @@ class StepChains:
             i += 1
         if i + 1 == len(route):  # the last hop: the outputs go to the origin
             result = ChainStepResult(
-                chain=request.chain, outputs=answer.outputs, past_len=answer.past_len
+                chain=request.chain,
+                outputs=answer.outputs,
+                past_len=answer.past_len,
+                commitments=commitments,
             )
             return self._pass_on(
                 request.origin, SESSION_RESULT, result, request.expires, done, None
@@ -118,5 +123,6 @@ class StepChains:
             inputs=inputs,
             expires=request.expires,
             signature=request.signature,
+            commitments=commitments,
         )
         return self._pass_on(nxt.peer, SESSION_CHAIN, message, request.expires, done, nxt)

@@ -107,7 +107,7 @@ async def _generate(
     )  # fmt: skip
     tokens = []
     try:
-        async for token in generate(session, PROMPT, NEW_TOKENS, Sampler(0.0)):
+        async for token in generate(session, PROMPT, hooks.get("new", NEW_TOKENS), Sampler(0.0)):
             tokens.append(token)
             if len(tokens) == hooks.get("kill_at"):
                 swarm.net.kill(session.stages[hooks.get("victim", 1)].peer or "")

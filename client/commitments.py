@@ -1,0 +1,57 @@
+"""The signed commitments a generation's providers make to their outputs, gathered as they come.
+
+Each provider session (one stage, one provider, opened by this client) commits to every
+`ir.toploc.CHUNK` tokens of its outputs (`proto.session.Commitment`): with its step answers,
+along a chain with the last hop's result, and at its close for the last chunk. A commitment
+is kept only if it names a session this client opened on that stage and is signed by the
+provider it was opened on; a step answered again sends its commitments again, kept once.
+`by_session()` is what a verifier takes (`POST /v1/verify`), with the session's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from p2p import verify
+from proto.session import COMMITMENT_DOMAIN, Commitment, commitment_bytes
+
+log = logging.getLogger("fusionai.client")
+
+
+@dataclass
+class Opened:
+    peer: str
+    stage: str
+    chunks: dict[int, Commitment] = field(default_factory=dict)
+
+
+class Commitments:
+    def __init__(self) -> None:
+        self.sessions: dict[tuple[str, str], Opened] = {}  # (session id, stage) -> where,
+        # and its chunks (a session id names one session per stage)
+        self.refused = 0  # commitments not kept: unsigned, forged, or for a stranger's session
+
+    def opened(self, sid: str, peer: str, stage: str) -> None:
+        """Session `sid` of `stage` is open on `peer`: its commitments are expected."""
+        self.sessions.setdefault((sid, stage), Opened(peer, stage))
+
+    def add(self, commitments: Iterable[Commitment]) -> None:
+        for c in commitments:
+            opened = self.sessions.get((c.session, c.stage))
+            signed = commitment_bytes(c.session, c.stage, c.chunk, c.tokens, c.input_sha256, c.data)
+            if (
+                opened is None
+                or c.chunk < 0
+                or not verify(opened.peer, signed, c.signature, domain=COMMITMENT_DOMAIN)
+            ):
+                self.refused += 1
+                log.warning("a commitment for session %s was refused", c.session)
+                continue
+            opened.chunks.setdefault(c.chunk, c)
+
+    def by_session(self) -> list[tuple[str, Opened]]:
+        """(session id, where and what) of the sessions that committed to something, in the
+        order they were opened."""
+        return [(sid, o) for (sid, _), o in self.sessions.items() if o.chunks]

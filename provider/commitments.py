@@ -1,0 +1,78 @@
+"""A session's signed commitments to its outputs on one stage, made as its steps are answered.
+
+Every `ir.toploc.CHUNK` tokens of a generation session (batch 1), the provider commits to
+the hidden states it answered for them (the values as they went on the wire, read back as
+float32: what the receiver holds) and to the SHA-256 of the hidden states it was given for
+them, and signs that with its peer key (`proto.session.Commitment`). A verifier that
+recomputes the stage over the session's tokens in one pass then tells whether this provider
+ran the stage it was given on what it was given; the signature makes the commitment its own.
+The last, partial chunk is committed when the session is closed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ir.toploc import CHUNK, CommitmentError, Committer
+from proto.session import Commitment, commitment_bytes
+
+Array = np.ndarray[Any, Any]
+Sign = Callable[[bytes], bytes]  # the provider's signature over bytes (its commitment domain)
+
+
+class Ledger:
+    """One session's commitments on one stage: rows in, signed commitments out."""
+
+    def __init__(self, session: str, stage: str, sign: Sign) -> None:
+        self.session, self.stage, self.sign = session, stage, sign
+        self.committer = Committer()
+        self.chunk = 0  # the chunk being filled
+        self.rows = 0  # its rows so far
+        self.inputs = hashlib.sha256()  # of its input rows so far
+        self.broken = False  # outputs that cannot be committed to (NaN): no more commitments
+
+    def add(self, inputs: Array, outputs: Array) -> list[Commitment]:
+        """The next tokens' input and output rows (tokens, hidden), batch row 0; the
+        commitments of the chunks they complete."""
+        made: list[Commitment] = []
+        if self.broken:
+            return made
+        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
+        outputs = np.asarray(outputs, dtype=np.float32)
+        start = 0
+        while start < len(outputs):
+            take = min(CHUNK - self.rows, len(outputs) - start)
+            self.inputs.update(inputs[start : start + take].tobytes())
+            try:
+                done = self.committer.add(outputs[start : start + take])
+            except CommitmentError:
+                self.broken = True
+                return made
+            self.rows += take
+            start += take
+            if done:
+                made.append(self._signed(done[0]))
+        return made
+
+    def finish(self) -> list[Commitment]:
+        """The last, partial chunk's commitment, if it holds any rows."""
+        if self.broken or not self.rows:
+            return []
+        try:
+            (data,) = self.committer.finish()
+        except CommitmentError:
+            return []
+        return [self._signed(data)]
+
+    def _signed(self, data: bytes) -> Commitment:
+        digest, tokens = self.inputs.digest(), self.rows
+        signed = commitment_bytes(self.session, self.stage, self.chunk, tokens, digest, data)
+        out = Commitment(
+            self.session, self.stage, self.chunk, tokens, digest, data, self.sign(signed)
+        )
+        self.chunk, self.rows, self.inputs = self.chunk + 1, 0, hashlib.sha256()
+        return out

@@ -1,0 +1,103 @@
+"""Providers' signed commitments to a generation's outputs (`provider/commitments.py`), as the
+SDK gathers them (`client/commitments.py`), in-process on the memory network with real stage
+servers: star and chained steps, a failover, and a forged commitment."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from client.chained import ChainInbox
+from ir.package import load_package
+from ir.toploc import CHUNK, TOLERANCES, check_rows
+from p2p import Identity
+from p2p.testing import MemoryNetwork
+from proto.session import COMMITMENT_DOMAIN, Commitment
+from tests.test_client.test_chains import PROMPT, Swarm, _generate
+from tests.toploc_runs import forget_executors, recompute
+
+pytestmark = pytest.mark.timeout(120)
+NEW = 40  # tokens generated: 4 + 39 fed, two chunks of each stage's outputs
+
+
+@pytest.fixture
+async def swarm(llama3_packages: dict[str, Path]) -> Any:
+    s = Swarm(MemoryNetwork(), llama3_packages["fp32"])
+    for pos in (0, 1, 2, 1):  # the last: a spare for the middle stage
+        peer = await s.provider(pos)
+        identity = next(h.identity for h in s.hosts if h.peer_id == peer)
+        s.servers[peer].sign = lambda data, i=identity: i.sign(data, domain=COMMITMENT_DOMAIN)
+    yield s
+    await s.close()
+    forget_executors()
+
+
+def _checked(swarm: Swarm, session: Any, sent: dict[str, Any] | None = None) -> None:
+    """Every provider session committed to each chunk of its outputs, signed by the provider
+    it was opened on, and one prefill pass over the tokens fed reproduces them."""
+    fed = session.fed
+    assert len(fed) == len(PROMPT) + NEW - 1
+    rows = recompute(load_package(swarm.package), "ort", fed)
+    assert session.commitments.refused == 0
+    opened = session.commitments.by_session()
+    assert {o.stage for _, o in opened} == set(swarm.keys)
+    for sid, o in opened:
+        pos = swarm.keys.index(o.stage)
+        chunks = [o.chunks[i] for i in sorted(o.chunks)]
+        assert [c.chunk for c in chunks] == list(range(len(chunks)))
+        assert [c.tokens for c in chunks] == [CHUNK, len(fed) - CHUNK]
+        check = check_rows(rows[pos], [c.data for c in chunks])
+        assert check.within(TOLERANCES["float32"]), (o.stage, check)
+        if sent is not None and pos == 0:  # what the first stage was given: the embedding
+            given = sent[sid]
+            for c in chunks:
+                start = c.chunk * CHUNK
+                digest = hashlib.sha256(given[start : start + c.tokens].tobytes()).digest()
+                assert c.input_sha256 == digest
+
+
+async def test_each_stage_commits_to_its_outputs_star_and_chained(swarm: Swarm) -> None:
+    async with swarm.net.host() as client:
+        star = await _generate(swarm, client, None, new=NEW)
+        chained = await _generate(swarm, client, ChainInbox(client), new=NEW)
+    assert star.chained == 0 and chained.chained == NEW - 1
+    embedded = swarm.client_stages.embed(np.array([star.fed], dtype=np.int64))[0]
+    first = {sid: embedded for sid, o in star.commitments.by_session() if o.stage == swarm.keys[0]}
+    _checked(swarm, star, first)
+    _checked(swarm, chained)
+
+
+async def test_a_replacement_commits_to_the_whole_session_from_its_replay(swarm: Swarm) -> None:
+    async with swarm.net.host() as client:
+        session = await _generate(swarm, client, ChainInbox(client), new=NEW, kill_at=5)
+    assert session.failovers == 1
+    middle = [o for _, o in session.commitments.by_session() if o.stage == swarm.keys[1]]
+    assert len(middle) == 1  # the dead one committed to nothing (its 4 + 4 tokens went with it)
+    _checked(swarm, session)
+
+
+def test_a_commitment_not_signed_by_the_provider_of_that_session_is_refused() -> None:
+    from client.commitments import Commitments
+    from proto.session import commitment_bytes
+
+    provider, stranger = Identity.ephemeral(), Identity.ephemeral()
+    book = Commitments()
+    book.opened("s.1", provider.peer_id, "m/1")
+    fields = ("s.1", "m/1", 0, CHUNK, b"\x00" * 32, b"\x01" * 258)
+
+    def made(by: Identity, *values: Any) -> Commitment:
+        signed = commitment_bytes(*values)
+        return Commitment(*values, by.sign(signed, domain=COMMITMENT_DOMAIN))
+
+    good = made(provider, *fields)
+    book.add([made(stranger, *fields), made(provider, "s.2", *fields[1:])])
+    book.add([msgspec.structs.replace(good, data=b"\x02" * 258)])  # altered after signing
+    assert book.refused == 3 and not book.by_session()
+    book.add([good, good])  # (a step answered again sends its commitments again)
+    assert book.refused == 3 and book.sessions[("s.1", "m/1")].chunks == {0: good}
+
