@@ -100,4 +100,3 @@ def test_a_commitment_not_signed_by_the_provider_of_that_session_is_refused() ->
     assert book.refused == 3 and not book.by_session()
     book.add([good, good])  # (a step answered again sends its commitments again)
     assert book.refused == 3 and book.sessions[("s.1", "m/1")].chunks == {0: good}
-
