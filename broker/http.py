@@ -9,6 +9,7 @@
     GET  /v1/models/{name}/route          the same, for a client opening interactive sessions
     GET  /v1/models/{name}/manifest       its manifest.json (clients fetch their stages by it)
     POST /v1/models/{name}/pick           a provider for one stage of a client's session
+    POST /v1/models/{name}/verify         a generation's signed commitments, checked by a rerun
     POST /v1/providers/{peer}/report      a client's request to this provider failed
     PUT  /v1/artifacts/{sha256}           upload an artifact, verified by its name (admin key)
     GET  /v1/artifacts/{sha256}           download one (range requests supported)
@@ -57,6 +58,7 @@ from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 
 from broker.auth import ArtifactTokens
+from broker.commitcheck import CommitmentChecks
 from broker.config import BrokerConfig
 from broker.errors import NotFound
 from broker.events import EventLog
@@ -203,8 +205,13 @@ def make_app(parts: ApiParts) -> web.Application:
         parts.config.request_timeout_s,
     )
     job_routes = JobRoutes(store, parts.events, parts.jobs, parts.finetunes, parts.stopping)
+    checks = CommitmentChecks(parts.models, parts.verifier, parts.events)
     gateway = parts.gateway
     broker_info = api.BrokerInfo(parts.peer_id, parts.addrs)
+
+    async def verify_generation(request: web.Request) -> web.Response:
+        body = await body_as(request, api.swarm.VerifyRequest)
+        return answer(await checks.verify(request.match_info["name"], body))
 
     def providers_now() -> list[api.Provider]:
         return parts.registry.summary(parts.verifier.summary)
@@ -334,6 +341,7 @@ def make_app(parts: ApiParts) -> web.Application:
         ("GET", "/v1/models/{name}/route"): get_model,
         ("GET", "/v1/models/{name}/manifest"): get_manifest,
         ("POST", "/v1/models/{name}/pick"): sessions.pick,
+        ("POST", "/v1/models/{name}/verify"): verify_generation,
         ("PUT", "/v1/artifacts/{sha}"): put_artifact,
         ("GET", "/v1/artifacts/{sha}"): get_artifact,
         ("GET", "/v1/jobs"): job_routes.list,

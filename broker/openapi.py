@@ -78,6 +78,11 @@ OPS: tuple[Op, ...] = (
     Op("POST", M + "/pick", "models", "A provider for one stage of a client's generation "
        "session (waits for one up to `timeout` s)", swarm.Picked, body=swarm.PickRequest,
        errors=(400, 401, 404, 503)),
+    Op("POST", M + "/verify", "models", "Check a generation: the broker runs the model over "
+       "the tokens it fed in one pass and compares each provider session's signed "
+       "commitments; the first stage whose commitments it does not reproduce has its "
+       "providers quarantined", swarm.Verdict, body=swarm.VerifyRequest,
+       errors=(400, 401, 404)),
     Op("PUT", "/v1/artifacts/{sha}", "models", "Upload an artifact; kept only if its SHA-256 "
        "matches (admin key)", common.Stored, status=201, body=bytes, body_media=BINARY,
        admin=True, errors=(400, 401, 403, 413)),

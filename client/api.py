@@ -26,6 +26,7 @@ import base64
 import hashlib
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -83,6 +84,7 @@ class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
         cache_dir: Path | str | None = None,
         listen: str = "/ip4/127.0.0.1/tcp/0",
         chain: bool | None = None,
+        verify_share: float = 0.0,
     ) -> None:
         """`broker_url` defaults to `$FUSIONAI_BROKER_URL`, then http://127.0.0.1:7371;
         `api_key` to `$FUSIONAI_API_KEY`; `cacert` (a PEM file to trust for https) to
@@ -93,12 +95,17 @@ class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
         go provider to provider along a route this client signs (n + 1 network trips a token
         for n stages) instead of to each stage and back (2n): True always, False never, None
         (default) while it is the client's only generation of its model (concurrent ones send
-        their steps together, one message per provider each way)."""
+        their steps together, one message per provider each way). `verify_share`: the share
+        of generations (0 to 1, drawn at random) whose tokens and providers' signed
+        commitments are sent to the broker once done, to be checked by its own run
+        (`client.verifying`: the broker then sees those tokens); 0 sends none."""
         url = broker_url or os.environ.get("FUSIONAI_BROKER_URL") or DEFAULT_URL
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"broker_url must be an http:// or https:// URL, got {url!r}")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
+        if not 0.0 <= verify_share <= 1.0:
+            raise ValueError("verify_share must be from 0 to 1")
         self.url = url.rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("FUSIONAI_API_KEY")
         self.cacert = cacert or os.environ.get("FUSIONAI_CACERT")
@@ -106,6 +113,8 @@ class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.listen = listen
         self.chain = chain
+        self.verify_share = verify_share
+        self._verify_rng = random.Random()  # which generations are checked: unpredictable
         self._http = BrokerHttp(self.url, self.api_key, self.cacert, retry_s)
         self._host: Any = None  # p2p.Host, started by the first generation
         self._puncher: Any = None  # p2p.punch.Puncher on that host

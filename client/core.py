@@ -4,6 +4,7 @@ each other, declared once for the type checker; at run time this class is empty 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,6 +26,8 @@ class ClientCore:
     if TYPE_CHECKING:
         timeout: float
         cache_dir: Path
+        verify_share: float  # of generations sent to the broker to be checked
+        _verify_rng: random.Random
         _mux: Any  # client.stepmux.StepMux, once `_p2p` started the host
         _chains: Any  # client.chained.ChainInbox, once `_p2p` started the host (if chained)
 

@@ -26,6 +26,7 @@ from client.types import (
     Generation,
     GenerationStream,
 )
+from client.verifying import verify_generation
 from ir.chat import ChatError, render
 
 Array = np.ndarray[Any, Any]
@@ -244,6 +245,7 @@ class GenerationMethods(ClientCore):
         )
         text = TextStream(client.tokenizer, stop, prefix=ids) if client.tokenizer else None
         tokens = generate(session, ids, max_new_tokens, sampler, stops=client.stops)
+        finished = False
         try:
             async for token in tokens:
                 result.tokens.append(token)
@@ -261,6 +263,7 @@ class GenerationMethods(ClientCore):
             if text is not None and (rest := text.finish()):
                 result.text += rest
                 yield rest
+            finished = True
         finally:
             await tokens.aclose()
             result.route = [s.peer or "" for s in session.stages]
@@ -268,3 +271,6 @@ class GenerationMethods(ClientCore):
             result.distrusted = sorted(session.distrusted)
             result.chained = session.chained
             await session.close()
+        checked = finished and tensors is None and not verify  # (an adapter: not the model's)
+        if checked and self._verify_rng.random() < self.verify_share:
+            await verify_generation(self, name, session, result)

@@ -75,6 +75,9 @@ class Generation:
     unchecked: int = 0  # with verify: stage steps no second provider could check
     distrusted: list[str] = field(default_factory=list)  # providers found wrong (quarantined)
     chained: int = 0  # steps that went provider to provider (the others: to each and back)
+    verified: bool | None = None  # whether the broker's rerun reproduced every provider's
+    # commitments (None: not sent to be checked; see `AsyncClient(verify_share=...)`)
+    verdict: Any = None  # the broker's `proto.api.swarm.Verdict`, when sent
 
 
 class GenerationStream:

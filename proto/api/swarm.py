@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from proto.api.common import BrokerInfo, PeerId
+from proto.session import Commitment
 
 Pool = Literal["active", "backup", "draining", "dead"]
 
@@ -180,3 +181,42 @@ class Report(msgspec.Struct, frozen=True):
         ),
     ] = None
     quarantined: bool = False
+
+
+class CommittedSession(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One provider session of a generation: who served it, and the commitments it signed."""
+
+    peer: PeerId
+    commitments: Annotated[list[Commitment], msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class VerifyRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A generation to check: the tokens it fed (the prompt, then every generated token but
+    the last) and its providers' signed commitments, per provider session."""
+
+    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)]
+    sessions: Annotated[list[CommittedSession], msgspec.Meta(min_length=1, max_length=64)]
+
+
+class SessionVerdict(msgspec.Struct, frozen=True):
+    peer_id: str
+    stage: str
+    session: str
+    chunks: int  # commitments compared
+    ok: Annotated[
+        bool | None,
+        msgspec.Meta(description="null: not judged, an earlier stage of the route failed"),
+    ]
+    mismatches: int  # values of the worst chunk whose sign or exponent differ
+    mantissa_mean: float | None  # mean 7-bit mantissa difference of the rest
+    reason: str = ""
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    """Whether the broker's own run of the model over the tokens reproduces every session's
+    commitments; a provider whose commitments it does not reproduce is quarantined."""
+
+    model: str
+    ok: bool
+    sessions: list[SessionVerdict]
+    quarantined: list[str]  # providers quarantined for this generation

@@ -144,9 +144,15 @@ async def test_greedy_generation_equals_local_through_a_provider_death(
         assert gap < 10, f"the answer stalled {gap:.1f} s at the failover"
         # a second, short greedy run on the repaired route (its providers stay under their 14
         # requests: the replacement has had 8) gives the same tokens with no failover
+        fa.verify_share = 1.0  # and the broker's own run reproduces its signed commitments
         again = await fa.generate(PROMPT, 4, stream=False)
         assert again.tokens == tokens[:4] and not again.failovers
         assert again.route[1] == result.route[1]
+        assert again.verified is True, again.verdict
+        assert [(v.stage, v.ok) for v in again.verdict.sessions] == [
+            ("tiny-llama/1", True),
+            ("tiny-llama/2", True),
+        ]
     assert procs[victim].proc.poll() is not None, "the provider should have died"
     assert [p for p, proc in procs.items() if proc.proc.poll() is not None] == [victim]
 

@@ -1,0 +1,173 @@
+"""Checking a generation's signed commitments by running it again (`POST
+/v1/models/{name}/verify`).
+
+A client sends the tokens a generation fed (its prompt, then each generated token but the
+last) and, per provider session, the commitments that session's provider signed
+(`proto.session.Commitment`: every 32 tokens of its stage's outputs). The broker checks each
+signature against the provider named, runs the model over the tokens in one prefill pass (its
+own copy of every stage's validated ONNX file, on onnxruntime, the hidden states put through
+the package's wire between stages as the swarm sends them), and compares each session's
+commitments with its stage's rows, within the tolerance of the stage's output dtype
+(`ir.toploc.TOLERANCES`, measured across onnxruntime and torch, fp32 and fp16).
+
+A stage's wrong outputs are the next stages' inputs, so only the first stage of the route
+whose commitments fail is judged: its providers are quarantined (the broker's own run is the
+confirmation; `Verifier.quarantine` takes them out of the pool and redoes their recent batch
+work), the later stages are "not judged". A commitment whose signature does not check names
+nobody: the request is refused. The check costs one prefill of the whole model here, one at
+a time; a client samples which generations it sends (`AsyncClient(verify_share=...)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from broker.errors import NotFound
+from broker.events import EventLog
+from broker.jobkinds import JobError
+from broker.models import ModelStore, StoredModel
+from broker.verify import Verifier
+from client.stages import ClientStageError
+from ir.executors.ort import OrtExecutor
+from ir.pipeline import LocalPipeline
+from ir.toploc import CHUNK, TOLERANCES, Check, check_rows
+from p2p import verify
+from p2p.tensor import through_wire
+from proto.api.swarm import CommittedSession, SessionVerdict, Verdict, VerifyRequest
+from proto.session import COMMITMENT_DOMAIN, commitment_bytes
+
+log = logging.getLogger("fusionai.broker")
+Array = np.ndarray[Any, Any]
+MODELS_KEPT = 2  # models whose stages stay loaded for checks (least recently used dropped)
+
+
+class CommitmentChecks:
+    def __init__(self, models: ModelStore, verifier: Verifier, events: EventLog) -> None:
+        self.models = models
+        self.verifier = verifier
+        self.events = events
+        self._executors: OrderedDict[bytes, list[OrtExecutor]] = OrderedDict()
+        self._lock = asyncio.Lock()  # one recomputation at a time: each is a whole prefill
+
+    async def verify(self, name: str, body: VerifyRequest) -> Verdict:
+        stored = self.models.models.get(name)
+        if stored is None:
+            raise NotFound(f"no model named {name!r}")
+        keys = [stored.unit_key(i) for i in stored.units]
+        sessions = [(keys.index(_stage_of(s, keys)), s) for s in body.sessions]
+        client = await asyncio.to_thread(self.models.client, name)
+        try:
+            ids, _ = await asyncio.to_thread(client.pad, [body.tokens])
+        except ClientStageError as exc:
+            raise JobError("tokens", str(exc)) from None
+        for _, s in sessions:
+            _covered(s, len(body.tokens))  # the shape of each session's commitments
+        async with self._lock:
+            rows = await asyncio.to_thread(self._rows, stored, ids)
+        first_stage = stored.manifest.stages[stored.units[0]]
+        dtype = next(o.dtype for o in first_stage.outputs if o.name == "hidden_states_out")
+        tolerance = TOLERANCES.get(dtype, TOLERANCES["float16"])
+        judged: list[tuple[int, CommittedSession, Check]] = []
+        for pos, s in sorted(sessions, key=lambda p: p[0]):
+            n = _covered(s, len(body.tokens))
+            data = [c.data for c in sorted(s.commitments, key=lambda c: c.chunk)]
+            judged.append((pos, s, check_rows(rows[pos][:n], data)))
+        failed = [pos for pos, _, check in judged if not check.within(tolerance)]
+        first = min(failed, default=None)
+        verdicts, guilty = [], []
+        for pos, s, check in judged:
+            ok = None if first is not None and pos > first else check.within(tolerance)
+            reason = "" if ok is not False else (
+                f"its commitments to {keys[pos]} differ from the broker's run: "
+                f"{check.mismatches} values of a chunk off in sign or exponent, mantissas "
+                f"{check.mantissa_mean:.3g} apart on average (tolerance "
+                f"{tolerance.mismatches}, {tolerance.mantissa_mean})"
+            )  # fmt: skip
+            verdicts.append(_verdict(s, keys[pos], ok, check, reason))
+            if ok is False and s.peer not in guilty:
+                guilty.append(s.peer)
+                self.verifier.quarantine(s.peer, reason)
+        self.events.emit(
+            "generation_verified", model=name, ok=not guilty, tokens=len(body.tokens),
+            sessions=len(verdicts), quarantined=guilty,
+        )  # fmt: skip
+        return Verdict(name, not guilty, verdicts, guilty)
+
+    def _rows(self, stored: StoredModel, ids: Array) -> list[Array]:
+        """Each provider stage's output rows (tokens, hidden) for `ids`, in one pass."""
+        seen: list[Array] = []
+
+        def hop(hidden: Array) -> Array:  # the embedding's output, then each stage's
+            sent = through_wire(hidden, stored.manifest.wire)
+            seen.append(np.asarray(sent[0], dtype=np.float32))
+            return sent
+
+        pipe = LocalPipeline(stored.manifest, self._stages(stored), hop=hop)
+        pipe.step(ids, 0, pipe.new_cache())
+        return seen[1:]
+
+    def _stages(self, stored: StoredModel) -> list[OrtExecutor]:
+        """Every stage of the model loaded (kept for the next check of the same version)."""
+        key = stored.manifest_bytes
+        runs = self._executors.get(key)
+        if runs is None:
+            runs = [
+                OrtExecutor(stored.directory / s.file, inputs=s.inputs)
+                for s in stored.manifest.stages
+            ]
+            self._executors[key] = runs
+            while len(self._executors) > MODELS_KEPT:
+                self._executors.popitem(last=False)
+        self._executors.move_to_end(key)
+        return runs
+
+
+def _stage_of(session: CommittedSession, keys: list[str]) -> str:
+    """The stage a session's commitments are for, each signed by the provider named."""
+    first = session.commitments[0]
+    for c in session.commitments:
+        if (c.stage, c.session) != (first.stage, first.session):
+            raise JobError("sessions", "one entry's commitments are of one provider session")
+        signed = commitment_bytes(c.session, c.stage, c.chunk, c.tokens, c.input_sha256, c.data)
+        if not verify(session.peer, signed, c.signature, domain=COMMITMENT_DOMAIN):
+            raise JobError("sessions", f"a commitment is not signed by {session.peer}")
+    if first.stage not in keys:
+        raise JobError("sessions", f"{first.stage!r} is not a provider stage of this model")
+    return first.stage
+
+
+def _covered(session: CommittedSession, tokens: int) -> int:
+    """The tokens a session's commitments cover, from the first: chunks 0, 1, ... of CHUNK
+    tokens, the last possibly fewer (JobError if they are not that, or run past `tokens`)."""
+    chunks = sorted(session.commitments, key=lambda c: c.chunk)
+    if (
+        [c.chunk for c in chunks] != list(range(len(chunks)))
+        or any(c.tokens != CHUNK for c in chunks[:-1])
+        or not 1 <= chunks[-1].tokens <= CHUNK
+    ):
+        raise JobError("sessions", "a session's commitments are chunks 0, 1, ... of 32 tokens")
+    covered = CHUNK * (len(chunks) - 1) + chunks[-1].tokens
+    if covered > tokens:
+        raise JobError("sessions", f"commitments to {covered} tokens of a {tokens}-token run")
+    return covered
+
+
+def _verdict(
+    s: CommittedSession, stage: str, ok: bool | None, check: Check, reason: str
+) -> SessionVerdict:
+    mean = check.mantissa_mean
+    return SessionVerdict(
+        peer_id=s.peer,
+        stage=stage,
+        session=s.commitments[0].session,
+        chunks=len(s.commitments),
+        ok=ok,
+        mismatches=check.mismatches,
+        mantissa_mean=round(mean, 4) if np.isfinite(mean) else None,
+        reason=reason,
+    )

@@ -1,0 +1,57 @@
+"""Sending a finished generation to the broker to be checked against its providers'
+commitments (`POST /v1/models/{name}/verify`, `broker/commitcheck.py`).
+
+The providers of a generation's stages sign commitments to their outputs as they go
+(`client/commitments.py` gathers them). For a sampled share of its generations
+(`AsyncClient(verify_share=...)`), the client sends the broker the tokens the generation fed
+and those commitments; the broker runs the model over the tokens in one pass and
+quarantines a provider whose commitments it does not reproduce. The text has been delivered
+by then: a failed check cannot take it back, so the generation's record says so
+(`Generation.verified` False, `verdict`) and a `GenerationWarning` is issued. The broker sees
+the tokens of the generations sent: a client that must keep them from it sends none (0).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from client.core import ClientCore
+from client.errors import FusionAIError
+from client.routing import quote_part
+from client.session import GenerationSession
+from client.types import Generation
+from proto.api.swarm import CommittedSession, Verdict, VerifyRequest
+
+log = logging.getLogger("fusionai.client")
+
+
+class GenerationWarning(UserWarning):
+    """A generation's text came from a provider whose work the broker did not reproduce."""
+
+
+async def verify_generation(
+    core: ClientCore, model: str, session: GenerationSession, result: Generation
+) -> None:
+    """Have the broker check `session`'s commitments; the verdict goes into `result`."""
+    sessions = [
+        CommittedSession(o.peer, [o.chunks[i] for i in sorted(o.chunks)])
+        for _, o in session.commitments.by_session()
+    ]
+    if not sessions or not session.fed:
+        return  # (nothing was committed: older providers, or too short to commit to)
+    body = VerifyRequest(tokens=list(session.fed), sessions=sessions)
+    try:
+        verdict = await core._call("POST", f"/v1/models/{quote_part(model)}/verify", Verdict, body)
+    except FusionAIError as exc:
+        log.warning("the broker could not check a generation of %s: %s", model, exc)
+        return
+    result.verified, result.verdict = verdict.ok, verdict
+    if not verdict.ok:
+        wrong = "; ".join(f"{v.peer_id}: {v.reason}" for v in verdict.sessions if v.ok is False)
+        warnings.warn(
+            f"this generation of {model} came from a provider whose work the broker did not "
+            f"reproduce (it is quarantined now): {wrong}",
+            GenerationWarning,
+            stacklevel=2,
+        )

@@ -1,0 +1,45 @@
+"""A generation checked against its providers' signed commitments by the broker's own run
+(`POST /v1/models/{name}/verify`), over real processes and TCP: a provider that answers
+wrong hidden states is caught, quarantined, and the client told."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_broker.conftest import BrokerProc, add_model, api, wait_ready
+from tests.test_client.test_sdk import PROMPT, Spawner, start_providers
+
+pytestmark = pytest.mark.timeout(300)
+
+
+async def test_a_provider_whose_commitments_the_broker_cannot_reproduce_is_quarantined(
+    broker: Spawner, provider: Spawner, llama_package: Path, tmp_path: Path
+) -> None:
+    from client import AsyncClient
+    from client.verifying import GenerationWarning
+
+    b: BrokerProc = broker("--verify-fraction", "0")  # (no spot checks: commitments alone)
+    (liar,) = start_providers(b, provider, ("--fault", "wrong-output"))  # both stages
+    add_model(b.http, llama_package)
+    wait_ready(b.http, "tiny-llama")
+    async with AsyncClient(
+        b.http, cache_dir=tmp_path / "cache", timeout=20, verify_share=1.0
+    ) as fa:
+        with pytest.warns(GenerationWarning, match="did not reproduce"):
+            result = await fa.generate(PROMPT, 40, temperature=0, stream=False)
+    assert result.verified is False
+    verdict: Any = result.verdict
+    assert verdict.quarantined == [liar]
+    judged = {v.stage: v.ok for v in verdict.sessions}
+    # its first stage's outputs are off, so the second stage (given them) is not judged
+    assert judged == {"tiny-llama/1": False, "tiny-llama/2": None}, verdict
+    first = next(v for v in verdict.sessions if v.stage == "tiny-llama/1")
+    assert first.chunks == 2 and first.peer_id == liar and "differ" in first.reason
+    _, listed = api(b.http, "GET", "/v1/providers")
+    (bad,) = [q for q in listed["quarantined"] if q["peer_id"] == liar]
+    assert "commitments" in bad["reason"]
+    events = [e for e in api(b.http, "GET", "/v1/events")[1]["events"]]
+    assert any(e["kind"] == "generation_verified" and not e["ok"] for e in events)
