@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from broker.verify import Verifier
 from client.stages import ClientStageError
 from ir.executors.ort import OrtExecutor
 from ir.pipeline import LocalPipeline
-from ir.toploc import CHUNK, TOLERANCES, Check, check_rows
+from ir.toploc import CHUNK, TOLERANCES, Check, Tolerance, check_rows
 from p2p import verify
 from p2p.tensor import through_wire
 from proto.api.swarm import CommittedSession, SessionVerdict, Verdict, VerifyRequest
@@ -72,34 +73,30 @@ class CommitmentChecks:
         first_stage = stored.manifest.stages[stored.units[0]]
         dtype = next(o.dtype for o in first_stage.outputs if o.name == "hidden_states_out")
         tolerance = TOLERANCES.get(dtype, TOLERANCES["float16"])
-        judged: list[tuple[int, CommittedSession, Check]] = []
+        judged = []
         for pos, s in sorted(sessions, key=lambda p: p[0]):
             n = _covered(s, len(body.tokens))
-            data = [c.data for c in sorted(s.commitments, key=lambda c: c.chunk)]
-            judged.append((pos, s, check_rows(rows[pos][:n], data)))
-        failed = [pos for pos, _, check in judged if not check.within(tolerance)]
-        first = min(failed, default=None)
+            chunks = sorted(s.commitments, key=lambda c: c.chunk)
+            given = check_rows(rows[pos][:n], [c.input_data for c in chunks])
+            made = check_rows(rows[pos + 1][:n], [c.data for c in chunks])
+            judged.append((pos, s, given, made))
+        findings = judge([(pos, given, made) for pos, _, given, made in judged], tolerance)
         verdicts, guilty = [], []
-        for pos, s, check in judged:
-            ok = None if first is not None and pos > first else check.within(tolerance)
-            reason = "" if ok is not False else (
-                f"its commitments to {keys[pos]} differ from the broker's run: "
-                f"{check.mismatches} values of a chunk off in sign or exponent, mantissas "
-                f"{check.mantissa_mean:.3g} apart on average (tolerance "
-                f"{tolerance.mismatches}, {tolerance.mantissa_mean})"
-            )  # fmt: skip
-            verdicts.append(_verdict(s, keys[pos], ok, check, reason))
-            if ok is False and s.peer not in guilty:
+        for (pos, s, _, made), found in zip(judged, findings, strict=True):
+            verdicts.append(_verdict(s, keys[pos], found.ok, made, found.reason))
+            if found.guilty and s.peer not in guilty:
                 guilty.append(s.peer)
-                self.verifier.quarantine(s.peer, reason)
+                self.verifier.quarantine(s.peer, f"its commitments to {keys[pos]}: {found.reason}")
+        ok = not any(v.ok is False for v in verdicts)
         self.events.emit(
-            "generation_verified", model=name, ok=not guilty, tokens=len(body.tokens),
+            "generation_verified", model=name, ok=ok, tokens=len(body.tokens),
             sessions=len(verdicts), quarantined=guilty,
         )  # fmt: skip
-        return Verdict(name, not guilty, verdicts, guilty)
+        return Verdict(name, ok, verdicts, guilty)
 
     def _rows(self, stored: StoredModel, ids: Array) -> list[Array]:
-        """Each provider stage's output rows (tokens, hidden) for `ids`, in one pass."""
+        """The rows (tokens, hidden) each provider stage is given for `ids` and, last, the last
+        stage's outputs: the embedding's output, then each stage's, in one pass."""
         seen: list[Array] = []
 
         def hop(hidden: Array) -> Array:  # the embedding's output, then each stage's
@@ -109,7 +106,7 @@ class CommitmentChecks:
 
         pipe = LocalPipeline(stored.manifest, self._stages(stored), hop=hop)
         pipe.step(ids, 0, pipe.new_cache())
-        return seen[1:]
+        return seen
 
     def _stages(self, stored: StoredModel) -> list[OrtExecutor]:
         """Every stage of the model loaded (kept for the next check of the same version)."""
@@ -127,14 +124,58 @@ class CommitmentChecks:
         return runs
 
 
+@dataclass(frozen=True)
+class Finding:
+    ok: bool | None  # None: not judged
+    guilty: bool = False  # its own outputs are wrong (it is quarantined)
+    reason: str = ""
+
+
+def judge(sessions: list[tuple[int, Check, Check]], tolerance: Tolerance) -> list[Finding]:
+    """A finding per session, given as (its stage's position, how the broker's run compares
+    with what it committed to being given, and with what it committed to answering), in the
+    order of positions. Walking the route from its first stage: a session whose input
+    commitments differ from the broker's run was given something else than the stage before
+    it committed to sending (or says so falsely), and nobody can be told guilty; one whose
+    inputs agree but outputs differ computed something else, and is guilty. The stages after
+    the first where either happens are not judged."""
+    out: list[Finding] = []
+    broken: int | None = None
+    for pos, given, made in sessions:
+        if broken is not None and pos > broken:
+            out.append(Finding(None, reason=f"not judged: stage {broken} of the route failed"))
+        elif not given.within(tolerance):
+            broken = pos
+            why = (
+                f"what it says it was given differs from what the stage before it committed "
+                f"to sending ({_off(given, tolerance)}): it or that stage's provider "
+                "misreports the hand-over"
+            )
+            out.append(Finding(False, reason=why))
+        elif not made.within(tolerance):
+            broken = pos
+            why = f"its outputs differ from the broker's run ({_off(made, tolerance)})"
+            out.append(Finding(False, guilty=True, reason=why))
+        else:
+            out.append(Finding(True))
+    return out
+
+
+def _off(check: Check, tolerance: Tolerance) -> str:
+    return (
+        f"{check.mismatches} values of a chunk off in sign or exponent, mantissas "
+        f"{check.mantissa_mean:.3g} apart on average; tolerance {tolerance.mismatches} and "
+        f"{tolerance.mantissa_mean}"
+    )
+
+
 def _stage_of(session: CommittedSession, keys: list[str]) -> str:
     """The stage a session's commitments are for, each signed by the provider named."""
     first = session.commitments[0]
     for c in session.commitments:
         if (c.stage, c.session) != (first.stage, first.session):
             raise JobError("sessions", "one entry's commitments are of one provider session")
-        signed = commitment_bytes(c.session, c.stage, c.chunk, c.tokens, c.input_sha256, c.data)
-        if not verify(session.peer, signed, c.signature, domain=COMMITMENT_DOMAIN):
+        if not verify(session.peer, commitment_bytes(c), c.signature, domain=COMMITMENT_DOMAIN):
             raise JobError("sessions", f"a commitment is not signed by {session.peer}")
     if first.stage not in keys:
         raise JobError("sessions", f"{first.stage!r} is not a provider stage of this model")

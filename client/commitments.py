@@ -40,7 +40,7 @@ class Commitments:
     def add(self, commitments: Iterable[Commitment]) -> None:
         for c in commitments:
             opened = self.sessions.get((c.session, c.stage))
-            signed = commitment_bytes(c.session, c.stage, c.chunk, c.tokens, c.input_sha256, c.data)
+            signed = commitment_bytes(c)
             if (
                 opened is None
                 or c.chunk < 0

@@ -49,9 +49,12 @@ async def verify_generation(
     result.verified, result.verdict = verdict.ok, verdict
     if not verdict.ok:
         wrong = "; ".join(f"{v.peer_id}: {v.reason}" for v in verdict.sessions if v.ok is False)
+        caught = (
+            f" (quarantined now: {', '.join(verdict.quarantined)})" if verdict.quarantined else ""
+        )
         warnings.warn(
-            f"this generation of {model} came from a provider whose work the broker did not "
-            f"reproduce (it is quarantined now): {wrong}",
+            f"the broker did not reproduce the providers' work on this generation of {model}"
+            f"{caught}: {wrong}",
             GenerationWarning,
             stacklevel=2,
         )

@@ -32,9 +32,10 @@ COMMITMENT_DOMAIN = "fusionai-commitment/1"  # signature domain of a provider's 
 
 
 class Commitment(msgspec.Struct, frozen=True, array_like=True):
-    """A provider's signed commitment to one chunk of a session's outputs on one stage: the
-    top values of the hidden states it answered for `tokens` consecutive tokens (`ir.toploc`:
-    258 bytes for 32 tokens), the SHA-256 of the hidden states it was given for them (as
+    """A provider's signed commitment to one chunk of a session on one stage: the top values
+    of the hidden states it answered for `tokens` consecutive tokens (`ir.toploc`: 258 bytes
+    for 32 tokens), the same of the hidden states it was given for them (equal to the
+    previous stage's output commitment when it got what that one sent), their SHA-256 (as
     float32, batch row 0), and its signature over all of it (`commitment_bytes`)."""
 
     session: str
@@ -42,15 +43,15 @@ class Commitment(msgspec.Struct, frozen=True, array_like=True):
     chunk: int  # its place in the session: tokens chunk x CHUNK onwards
     tokens: int  # tokens it covers: ir.toploc.CHUNK, fewer for a session's last
     input_sha256: bytes
+    input_data: bytes  # ir.toploc.commit of the inputs
     data: bytes  # ir.toploc.commit of the outputs
     signature: bytes  # the provider's, domain COMMITMENT_DOMAIN
 
 
-def commitment_bytes(
-    session: str, stage: str, chunk: int, tokens: int, input_sha256: bytes, data: bytes
-) -> bytes:
-    """What a provider signs for one `Commitment`."""
-    return msgspec.msgpack.encode(["commitment", session, stage, chunk, tokens, input_sha256, data])
+def commitment_bytes(c: Commitment) -> bytes:
+    """What a provider signs for a `Commitment` (its fields but the signature)."""
+    fields = msgspec.structs.astuple(c)[:-1]
+    return msgspec.msgpack.encode(["commitment", *fields])
 
 
 class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):

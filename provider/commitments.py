@@ -2,10 +2,12 @@
 
 Every `ir.toploc.CHUNK` tokens of a generation session (batch 1), the provider commits to
 the hidden states it answered for them (the values as they went on the wire, read back as
-float32: what the receiver holds) and to the SHA-256 of the hidden states it was given for
-them, and signs that with its peer key (`proto.session.Commitment`). A verifier that
-recomputes the stage over the session's tokens in one pass then tells whether this provider
-ran the stage it was given on what it was given; the signature makes the commitment its own.
+float32: what the receiver holds) and to those it was given for them (a commitment of the
+same kind, and their SHA-256), and signs that with its peer key
+(`proto.session.Commitment`). A verifier that recomputes the stage over the session's tokens
+in one pass then tells whether this provider ran the stage it was given on what it was
+given, and whether what it was given is what the previous stage committed to sending; the
+signature makes the commitment its own.
 The last, partial chunk is committed when the session is closed.
 """
 
@@ -15,6 +17,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from ir.toploc import CHUNK, CommitmentError, Committer
@@ -30,6 +33,7 @@ class Ledger:
     def __init__(self, session: str, stage: str, sign: Sign) -> None:
         self.session, self.stage, self.sign = session, stage, sign
         self.committer = Committer()
+        self.given = Committer()  # of its inputs
         self.chunk = 0  # the chunk being filled
         self.rows = 0  # its rows so far
         self.inputs = hashlib.sha256()  # of its input rows so far
@@ -49,13 +53,14 @@ class Ledger:
             self.inputs.update(inputs[start : start + take].tobytes())
             try:
                 done = self.committer.add(outputs[start : start + take])
+                given = self.given.add(inputs[start : start + take])
             except CommitmentError:
                 self.broken = True
                 return made
             self.rows += take
             start += take
             if done:
-                made.append(self._signed(done[0]))
+                made.append(self._signed(given[0], done[0]))
         return made
 
     def finish(self) -> list[Commitment]:
@@ -63,16 +68,14 @@ class Ledger:
         if self.broken or not self.rows:
             return []
         try:
-            (data,) = self.committer.finish()
+            (data,), (given,) = self.committer.finish(), self.given.finish()
         except CommitmentError:
             return []
-        return [self._signed(data)]
+        return [self._signed(given, data)]
 
-    def _signed(self, data: bytes) -> Commitment:
-        digest, tokens = self.inputs.digest(), self.rows
-        signed = commitment_bytes(self.session, self.stage, self.chunk, tokens, digest, data)
-        out = Commitment(
-            self.session, self.stage, self.chunk, tokens, digest, data, self.sign(signed)
+    def _signed(self, given: bytes, data: bytes) -> Commitment:
+        unsigned = Commitment(
+            self.session, self.stage, self.chunk, self.rows, self.inputs.digest(), given, data, b""
         )
         self.chunk, self.rows, self.inputs = self.chunk + 1, 0, hashlib.sha256()
-        return out
+        return msgspec.structs.replace(unsigned, signature=self.sign(commitment_bytes(unsigned)))

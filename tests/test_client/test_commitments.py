@@ -53,6 +53,9 @@ def _checked(swarm: Swarm, session: Any, sent: dict[str, Any] | None = None) -> 
         assert [c.tokens for c in chunks] == [CHUNK, len(fed) - CHUNK]
         check = check_rows(rows[pos], [c.data for c in chunks])
         assert check.within(TOLERANCES["float32"]), (o.stage, check)
+        if pos > 0 and session.failovers == 0:  # given what the stage before committed to
+            (before,) = [b for _, b in opened if b.stage == swarm.keys[pos - 1]]
+            assert [c.input_data for c in chunks] == [before.chunks[c.chunk].data for c in chunks]
         if sent is not None and pos == 0:  # what the first stage was given: the embedding
             given = sent[sid]
             for c in chunks:
@@ -88,11 +91,12 @@ def test_a_commitment_not_signed_by_the_provider_of_that_session_is_refused() ->
     provider, stranger = Identity.ephemeral(), Identity.ephemeral()
     book = Commitments()
     book.opened("s.1", provider.peer_id, "m/1")
-    fields = ("s.1", "m/1", 0, CHUNK, b"\x00" * 32, b"\x01" * 258)
+    fields = ("s.1", "m/1", 0, CHUNK, b"\x00" * 32, b"\x03" * 258, b"\x01" * 258)
 
     def made(by: Identity, *values: Any) -> Commitment:
-        signed = commitment_bytes(*values)
-        return Commitment(*values, by.sign(signed, domain=COMMITMENT_DOMAIN))
+        unsigned = Commitment(*values, b"")
+        signature = by.sign(commitment_bytes(unsigned), domain=COMMITMENT_DOMAIN)
+        return msgspec.structs.replace(unsigned, signature=signature)
 
     good = made(provider, *fields)
     book.add([made(stranger, *fields), made(provider, "s.2", *fields[1:])])
@@ -100,3 +104,19 @@ def test_a_commitment_not_signed_by_the_provider_of_that_session_is_refused() ->
     assert book.refused == 3 and not book.by_session()
     book.add([good, good])  # (a step answered again sends its commitments again)
     assert book.refused == 3 and book.sessions[("s.1", "m/1")].chunks == {0: good}
+
+
+def test_only_a_stage_given_the_right_inputs_is_found_guilty_of_wrong_outputs() -> None:
+    from broker.commitcheck import judge
+    from ir.toploc import Check
+
+    tol = TOLERANCES["float32"]
+    good, bad = Check(0, 128, 0), Check(40, 88, 300)
+    # the second stage computed wrong: guilty; the third, given its outputs, is not judged
+    found = judge([(0, good, good), (1, good, bad), (2, bad, bad)], tol)
+    assert [(f.ok, f.guilty) for f in found] == [(True, False), (False, True), (None, False)]
+    # the second stage says it was given other than the first committed to sending: one of
+    # them lies about the hand-over, and neither is found guilty
+    found = judge([(0, good, good), (1, bad, bad), (2, bad, bad)], tol)
+    assert [(f.ok, f.guilty) for f in found] == [(True, False), (False, False), (None, False)]
+    assert "hand-over" in found[1].reason
