@@ -54,12 +54,13 @@ def test_providers_behind_each_router_kind_serve_an_embedding_job(
     broker, addr = start_broker(lab, spawn, tmp_path / "broker")
     expect = {}
     for home, reach in zip(lab.homes[:3], ("relayed", "relayed", "mapped"), strict=True):
-        # Room for one stage each (a 14 MB stage loads in 17 MB, beside a quarter of the
-        # budget for KV caches; the placement sees 0.9 of 28 MB): with room for more, a loaded
-        # machine's join measurements can make the placement put two stages on one provider
-        # and keep the third as a backup, which then computes nothing.
+        # Room for one stage each: the placement counts 77 MB for one (14 MB of weights and a
+        # 50 MB workspace for 32 x 128 tokens, times 1.2) and 95 MB for two, and 0.08 GiB is
+        # 86 MB. With room for more, a loaded machine's join measurements can make the
+        # placement put two stages on one provider and keep the third as a backup, which then
+        # computes nothing.
         proc = start_provider(spawn, home.host, addr, tmp_path / home.kind, "--listen",
-                              "/ip4/0.0.0.0/tcp/4900", "--max-memory", "0.028")  # fmt: skip
+                              "/ip4/0.0.0.0/tcp/4900", "--max-memory", "0.08")  # fmt: skip
         expect[proc.wait_for("listening", timeout=120)["peer_id"]] = reach
     for peer, reach in expect.items():
         seen = broker.wait_for(
