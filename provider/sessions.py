@@ -154,7 +154,8 @@ class SessionServing:
             self.sessions[key] = Session(
                 peer, request.stage, request.batch, cache, adapters, check=request.check
             )
-            if request.batch == 1 and self.sign is not None:
+            if request.batch == 1 and not request.check and self.sign is not None:  # (a check's
+                # session, a shadow step's or the broker's probe, is a check already)
                 self.sessions[key].ledger = Ledger(request.session, request.stage, self.sign)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
