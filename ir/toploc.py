@@ -107,37 +107,63 @@ def _inverse(a: Array) -> Array:
 
 def _modulus(indices: Array) -> int:
     for m in range(PRIME, _SMALLEST_MODULUS, -1):
-        if len(np.unique(indices % m)) == len(indices):
+        if np.diff(np.sort(indices % m)).all():  # (distinct)
             return m
     raise CommitmentError("no modulus keeps these indices apart")  # (not for K <= 2^15)
 
 
-def _interpolate(x: Array, y: Array) -> Array:
-    """Coefficients (lowest degree first) of the polynomial over GF(PRIME) through (x, y)."""
+def _mulmod(a: Array, b: Array) -> Array:
+    """a @ b mod PRIME, exact in float64: the entries are below PRIME, so every sum of up to
+    2^20 products stays below 2^53."""
+    return (np.asarray(a, np.float64) @ np.asarray(b, np.float64) % PRIME).astype(np.int64)
+
+
+def _powers(x: Array, n: int) -> Array:
+    """(len(x), n): x_i^e mod PRIME for e < n, by doubling the columns."""
+    v = np.ones((len(x), n), dtype=np.int64)
+    width, power = 1, x % PRIME  # columns filled; x^width
+    while width < n:
+        take = min(width, n - width)
+        v[:, width : width + take] = v[:, :take] * power[:, None] % PRIME
+        width, power = width + take, power * power % PRIME
+    return v
+
+
+def _vanishing(x: Array) -> Array:
+    """Coefficients (lowest degree first, len(x) + 1) of prod (t - x_i) mod PRIME, by a
+    product tree multiplied out one level at a time: each level's pairs' outer products, their
+    anti-diagonals summed by shifting row r by r places."""
     n = len(x)
-    dd = y.astype(np.int64) % PRIME
-    gaps = np.concatenate([(x[k:] - x[:-k]) % PRIME for k in range(1, n)] or [x[:0]])
-    inverses, start = _inverse(gaps), 0  # every divisor's inverse at once
-    for k in range(1, n):  # Newton's divided differences, in place
-        step = (dd[k:] - dd[k - 1 : -1]) % PRIME
-        dd[k:] = step * inverses[start : start + n - k] % PRIME
-        start += n - k
-    poly = np.zeros(n, dtype=np.int64)
-    poly[0] = dd[n - 1]
-    for i in range(n - 2, -1, -1):  # poly = poly * (t - x_i) + dd_i, of degree n - 1 - i
-        d = n - 1 - i
-        top = poly[d - 1]
-        poly[1:d] = (poly[: d - 1] - x[i] * poly[1:d]) % PRIME
-        poly[d] = top
-        poly[0] = (dd[i] - x[i] * poly[0]) % PRIME
-    return poly
+    polys = np.zeros((1 << max(0, (n - 1).bit_length()), 2), dtype=np.int64)
+    polys[:, 0] = 1  # padding: the constant 1
+    polys[:n, 0], polys[:n, 1] = (-x) % PRIME, 1
+    while len(polys) > 1:
+        pairs, length = len(polys) // 2, polys.shape[1]
+        shifted = np.zeros((pairs, length, 2 * length), dtype=np.int64)
+        shifted[:, :, :length] = polys[0::2, :, None] * polys[1::2, None, :] % PRIME
+        shifted = shifted.reshape(pairs, -1)[:, : length * (2 * length - 1)]
+        polys = shifted.reshape(pairs, length, 2 * length - 1).sum(axis=1) % PRIME
+    return polys[0, : n + 1]
+
+
+def _interpolate(x: Array, y: Array) -> Array:
+    """Coefficients (lowest degree first) of the polynomial over GF(PRIME) through (x, y), the
+    x distinct: Lagrange's, sum_i y_i / M'(x_i) * M(t) / (t - x_i) with M = prod (t - x_i),
+    as two matrix products (M(t) / (t - x_i) has coefficients sum_k a_k x_i^(k-1-j): the
+    powers of x_i times a Hankel matrix of M's coefficients a)."""
+    n = len(x)
+    a = _vanishing(x)
+    powers = _powers(x, n)
+    slopes = _mulmod(powers, a[1:] * np.arange(1, n + 1) % PRIME)  # M'(x_i), never 0
+    weights = y % PRIME * _inverse(slopes) % PRIME
+    hankel = np.lib.stride_tricks.sliding_window_view(
+        np.concatenate([a[1:], np.zeros(n, dtype=np.int64)]), n
+    )[:n]
+    return _mulmod(_mulmod(weights, powers), hankel)
 
 
 def _evaluate(coeffs: Array, x: Array) -> Array:
-    acc = np.zeros(len(x), dtype=np.int64)
-    for c in coeffs[::-1]:
-        acc = (acc * x + c) % PRIME
-    return acc
+    return _mulmod(_powers(x, len(coeffs)), coeffs)
 
 
 def top_k(size: int, k: int = K) -> int:

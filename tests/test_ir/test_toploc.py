@@ -20,7 +20,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ir.toploc import CHUNK, TOLERANCES, CommitmentError, Committer, check_rows, commit, parse
+from ir.toploc import (
+    CHUNK,
+    PRIME,
+    TOLERANCES,
+    CommitmentError,
+    Committer,
+    K,
+    _evaluate,
+    _interpolate,
+    check_rows,
+    commit,
+    parse,
+)
 from tests.toploc_runs import (
     accused,
     build_packages,
@@ -129,3 +141,17 @@ def test_a_commitment_per_chunk_as_rows_come() -> None:
     assert len(done) == 2 and len(c.finish()) == 1 and len(c.commitments) == 3
     assert check_rows(rows, c.commitments).within(TOLERANCES["float32"])
     assert not check_rows(rows[:40], c.commitments).within(TOLERANCES["float16"])
+
+
+def test_the_polynomial_passes_through_every_committed_value() -> None:
+    # (the interpolation is two matrix products in float64: exact only while every sum stays
+    # below 2^53; checked here against plain integer arithmetic, degrees 0 to K - 1)
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 3, 31, 64, 100, K):
+        x = rng.choice(PRIME, size=n, replace=False).astype(np.int64)
+        y = rng.integers(0, 2**16, size=n).astype(np.int64)
+        coeffs = [int(c) for c in _interpolate(x, y)]
+        assert len(coeffs) == n and all(0 <= c < PRIME for c in coeffs)
+        for xi, yi in zip(x.tolist(), y.tolist(), strict=True):
+            assert sum(c * pow(xi, e, PRIME) for e, c in enumerate(coeffs)) % PRIME == yi % PRIME
+        assert _evaluate(np.array(coeffs), x).tolist() == (y % PRIME).tolist()
