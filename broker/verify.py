@@ -228,8 +228,9 @@ class Verifier:
             executor = self._local.get(info.sha256)
             if executor is None:
                 path = stored.directory / info.file
-                executor = await asyncio.to_thread(  # (checks come now and then: idle
-                    OrtExecutor, path, inputs=info.inputs, spinning=False  # threads sleep)
+                # (checks come now and then: idle threads sleep, not spin)
+                executor = await asyncio.to_thread(
+                    OrtExecutor, path, inputs=info.inputs, spinning=False
                 )
                 self._local[info.sha256] = executor
                 while len(self._local) > LOCAL_STAGES:
