@@ -113,8 +113,8 @@ class CommitmentChecks:
         key = stored.manifest_bytes
         runs = self._executors.get(key)
         if runs is None:
-            runs = [
-                OrtExecutor(stored.directory / s.file, inputs=s.inputs)
+            runs = [  # (checks come now and then: idle threads sleep, not spin)
+                OrtExecutor(stored.directory / s.file, inputs=s.inputs, spinning=False)
                 for s in stored.manifest.stages
             ]
             self._executors[key] = runs
