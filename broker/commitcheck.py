@@ -59,40 +59,49 @@ class CommitmentChecks:
         stored = self.models.models.get(name)
         if stored is None:
             raise NotFound(f"no model named {name!r}")
-        keys = [stored.unit_key(i) for i in stored.units]
-        sessions = [(keys.index(_stage_of(s, keys)), s) for s in body.sessions]
         client = await asyncio.to_thread(self.models.client, name)
         try:
             ids, _ = await asyncio.to_thread(client.pad, [body.tokens])
         except ClientStageError as exc:
             raise JobError("tokens", str(exc)) from None
-        for _, s in sessions:
-            _covered(s, len(body.tokens))  # the shape of each session's commitments
-        async with self._lock:
-            rows = await asyncio.to_thread(self._rows, stored, ids)
+        async with self._lock:  # (signatures, the prefill and the comparisons: off the loop)
+            judged = await asyncio.to_thread(self._compare, stored, ids, body)
         first_stage = stored.manifest.stages[stored.units[0]]
         dtype = next(o.dtype for o in first_stage.outputs if o.name == "hidden_states_out")
         tolerance = TOLERANCES.get(dtype, TOLERANCES["float16"])
-        judged = []
-        for pos, s in sorted(sessions, key=lambda p: p[0]):
-            n = _covered(s, len(body.tokens))
-            chunks = sorted(s.commitments, key=lambda c: c.chunk)
-            given = check_rows(rows[pos][:n], [c.input_data for c in chunks])
-            made = check_rows(rows[pos + 1][:n], [c.data for c in chunks])
-            judged.append((pos, s, given, made))
-        findings = judge([(pos, given, made) for pos, _, given, made in judged], tolerance)
+        findings = judge([(pos, given, made) for pos, _, _, given, made in judged], tolerance)
         verdicts, guilty = [], []
-        for (pos, s, _, made), found in zip(judged, findings, strict=True):
-            verdicts.append(_verdict(s, keys[pos], found.ok, made, found.reason))
+        for (_, key, s, _, made), found in zip(judged, findings, strict=True):
+            verdicts.append(_verdict(s, key, found.ok, made, found.reason))
             if found.guilty and s.peer not in guilty:
                 guilty.append(s.peer)
-                self.verifier.quarantine(s.peer, f"its commitments to {keys[pos]}: {found.reason}")
+                self.verifier.quarantine(s.peer, f"its commitments to {key}: {found.reason}")
         ok = not any(v.ok is False for v in verdicts)
         self.events.emit(
             "generation_verified", model=name, ok=ok, tokens=len(body.tokens),
             sessions=len(verdicts), quarantined=guilty,
         )  # fmt: skip
         return Verdict(name, ok, verdicts, guilty)
+
+    def _compare(
+        self, stored: StoredModel, ids: Array, body: VerifyRequest
+    ) -> list[tuple[int, str, CommittedSession, Check, Check]]:
+        """Each session (its stage's position and key, then how the broker's run compares with
+        what it committed to being given and to answering), in the order of positions;
+        JobError for commitments not signed by the provider named, or not a run's chunks."""
+        keys = [stored.unit_key(i) for i in stored.units]
+        sessions = []
+        for s in body.sessions:
+            pos = keys.index(_stage_of(s, keys))
+            sessions.append((pos, s, _covered(s, len(body.tokens))))
+        rows = self._rows(stored, ids)
+        judged = []
+        for pos, s, n in sorted(sessions, key=lambda p: p[0]):
+            chunks = sorted(s.commitments, key=lambda c: c.chunk)
+            given = check_rows(rows[pos][:n], [c.input_data for c in chunks])
+            made = check_rows(rows[pos + 1][:n], [c.data for c in chunks])
+            judged.append((pos, keys[pos], s, given, made))
+        return judged
 
     def _rows(self, stored: StoredModel, ids: Array) -> list[Array]:
         """The rows (tokens, hidden) each provider stage is given for `ids` and, last, the last
