@@ -21,8 +21,13 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
+# Two workers (pytest-xdist): real-process tests spend much of their time waiting on their
+# children, which the other worker's tests fill. (Its default scheduling: by file or by group,
+# it drops the fuzz tests' schemathesis cases, which share one test id.)
+XDIST := -n 2
+
 test: lint browser
-	$(PY) -m pytest -m "not slow and not lab" --durations=12
+	$(PY) -m pytest $(XDIST) -m "not slow and not lab" --durations=12
 
 # The dashboard test needs Debian's Chromium: installed here when we can (root with apt-get);
 # elsewhere that test is skipped, except under CI=true where it fails.
@@ -31,13 +36,14 @@ browser:
 		&& apt-get install -y -q --no-install-recommends chromium >/dev/null \
 		|| echo "note: Chromium is not installed; the dashboard test will be skipped"; }
 
+# (one process: these are mostly busy, and one compares its pace under load with its own)
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow --durations=12
 
 # The home-internet lab (network namespaces, NAT routers, shaped links): needs root,
 # iproute2, iptables, nftables and miniupnpd (`.ci/run` installs them on Debian).
 test-lab: $(STAMP)
-	$(PY) -m pytest -m lab
+	$(PY) -m pytest -m lab --durations=12
 
 # A broker and 5 providers, 100 mixed jobs, providers killed and frozen, one broker restart:
 # prints a JSON summary; fails unless every job succeeded with single-process output.

@@ -65,11 +65,13 @@ def _blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
         err = ((q * scale[:, None, :] - blocks) ** 2).sum(axis=1)
         if best_q is None or best_scale is None or best_err is None:
             best_q, best_scale, best_err = q, scale, err
-            continue
-        better = err < best_err
-        best_q = np.where(better[:, None, :], q, best_q)
-        best_scale = np.where(better, scale, best_scale)
-        best_err = np.minimum(err, best_err)
+        else:
+            better = err < best_err
+            best_q = np.where(better[:, None, :], q, best_q)
+            best_scale = np.where(better, scale, best_scale)
+            best_err = np.minimum(err, best_err)
+        if not best_err.any():  # every block exact (a GGUF's blocks): no candidate does better
+            break
     assert best_q is not None and best_scale is not None
     return best_q.astype(np.int8), best_scale.astype(np.float32)
 

@@ -263,8 +263,9 @@ def write_gguf(
 
 def write_large(path: Path, layers: int, hidden: int, intermediate: int, vocab: int = 256) -> int:
     """A Llama-architecture GGUF of random Q8_0 weights, streamed to disk: the blocks of each
-    shape are drawn once and each tensor gets its own block scale, so no two are equal (an
-    exporter would merge equal ones). Returns the model's float32 size in bytes."""
+    shape are drawn once (each holding a 127, as llama.cpp's quantizer writes them) and each
+    tensor gets its own block scale, so no two are equal (an exporter would merge equal ones).
+    Returns the model's float32 size in bytes."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -274,6 +275,7 @@ def write_large(path: Path, layers: int, hidden: int, intermediate: int, vocab: 
     def shape(rows: int, cols: int) -> tuple[int, int]:
         if (rows, cols) not in blocks:
             values = rng.integers(-127, 128, size=(rows * cols // 32, 34), dtype=np.int16)
+            values[:, 2] = 127  # as llama.cpp quantizes: each block's largest magnitude is 127
             blocks[rows, cols] = values.astype(np.int8).view(np.uint8)
         return rows, cols // 32 * 34
 
