@@ -132,6 +132,7 @@ class Swarm:
     log: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     trace: Path | None = None  # the broker records its core's inputs and decisions here
+    stopped: bool = False  # a restart timer firing after `stop` starts nothing
 
     def start_broker(self) -> None:
         from tests.test_broker.conftest import free_port
@@ -199,6 +200,8 @@ class Swarm:
 
     def _restart(self, i: int, die_at: int) -> None:
         with self.lock:
+            if self.stopped:
+                return
             # comes back, and will die again by itself at its `die_at`-th request
             self.start_provider(i, "--fault", f"die-at-step={die_at}")
             self.down.discard(i)
@@ -206,6 +209,8 @@ class Swarm:
 
     def _resume(self, i: int) -> None:
         with self.lock:
+            if self.stopped:
+                return
             self.providers[i].signal(signal.SIGCONT)
             self.down.discard(i)
             self.note("sigcont", provider=i)
@@ -221,6 +226,8 @@ class Swarm:
             self.note("broker_restarted")
 
     def stop(self) -> None:
+        with self.lock:  # (a restart under way finishes first; none starts after)
+            self.stopped = True
         for proc in [*self.providers.values(), *([self.broker] if self.broker else [])]:
             if proc.proc.poll() is None:
                 proc.signal(signal.SIGCONT)

@@ -153,7 +153,6 @@ async def test_a_wrong_answer_to_the_check_refuses_the_join(
         await s.close()
 
 
-@pytest.mark.slow
 async def test_a_provider_that_does_not_finish_the_check_in_time_is_refused(
     tmp_path: Path,
 ) -> None:
