@@ -22,8 +22,8 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Two workers (pytest-xdist): real-process tests spend much of their time waiting on their
-# children, which the other worker's tests fill. (Its default scheduling: by file or by group,
-# it drops the fuzz tests' schemathesis cases, which share one test id.)
+# children, which the other worker's tests fill. (Default scheduling: with `--dist loadfile` or
+# `loadgroup`, xdist silently drops the fuzz tests' schemathesis cases, which share one test id.)
 XDIST := -n 2
 
 test: lint browser
