@@ -6,8 +6,9 @@ token (when the client sampled each), as one user sees them (`python -m client.l
 
 Prints one JSON line per generation: when it started (Unix time), its time to the first token,
 the gaps between the tokens after it, and its failovers (stage, peer, the stall: the gap the
-failover fell in). `--warmup` first runs a one-token generation, not reported, so connections
-are open and the model's client stages loaded. `--wait S` first waits up to S seconds for the
+failover fell in). `--warmup` first runs a two-token generation, not reported, so connections
+are open (its second step goes the chained way: the providers' connections to each other too)
+and the model's client stages loaded. `--wait S` first waits up to S seconds for the
 model to be served (`--backups`: with a backup for every stage) and prints its route;
 `--go-on-stdin` then waits for a line on stdin before the timed rounds (so that several clients
 start together). Greedy decoding: every round is the same text.
@@ -84,7 +85,7 @@ async def _run(args: argparse.Namespace) -> int:
         if args.wait:
             print(json.dumps(await _route(fa, args)), flush=True)
         if args.warmup:
-            await _one(fa, args, 1)
+            await _one(fa, args, 2)
         print(json.dumps({"event": "ready"}), flush=True)
         if args.go_on_stdin:
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the model (default: the broker's only decoder)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1, help="generations, one after another")
-    p.add_argument("--warmup", action="store_true", help="a one-token generation first")
+    p.add_argument("--warmup", action="store_true", help="a two-token generation first")
     p.add_argument("--timeout", type=float, default=30.0, help="per-step deadline, seconds")
     p.add_argument("--wait", type=float, default=0.0, help="wait for the model, seconds")
     p.add_argument("--backups", action="store_true", help="and for a backup of every stage")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from files.cache import ArtifactCache
 from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
 from sim.labscenario import LabScenario, figures, prompt, summarize
@@ -106,6 +108,35 @@ class Events:
             return [e for e in self.lines if e.get("event") == name]
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds process `pid` has used (all its threads), or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _machine() -> tuple[float, float]:
+    """(busy, all) CPU seconds of this machine so far, over every core (`/proc/stat`)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+def _provider_artifacts(package: Path) -> dict[str, Path]:
+    """The package's provider stages by SHA-256: each provider's artifact cache starts with
+    them, as one that served the model before has them (the scenarios time generation, not
+    downloads: a 600 KB stage takes half a minute through a 0.15 Mbit/s link)."""
+    manifest = json.loads((package / "manifest.json").read_text())
+    return {
+        st["sha256"]: package / st["file"]
+        for st in manifest["stages"]
+        if st["placement"] == "provider"
+    }
+
+
 def _fusionai(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
@@ -144,7 +175,11 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             procs: dict[str, subprocess.Popen[str]] = {}
             peers: dict[str, str] = {}  # peer id -> scenario name
             events: dict[str, Events] = {}
+            seed = _provider_artifacts(package)
             for i, p in enumerate(spec.provider):
+                cache = ArtifactCache(work / p.name / "artifacts")
+                for sha, path in seed.items():
+                    cache.put(sha, path.read_bytes())
                 quota = Quota(f"fusionai-lab-{lab.run_id}-{p.name}", p.cpu)
                 quotas.append(quota)
                 cmd = _fusionai(
@@ -161,6 +196,7 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 lab.procs.append(proc)  # (killed at teardown)
                 procs[p.name] = proc
                 events[p.name] = Events(proc, f"provider {p.name}")
+            for p in spec.provider:  # (they start together: each measures under its quota)
                 listening = events[p.name].wait("listening", 180)
                 peers[listening["peer_id"]] = p.name
             say(f"{s.name}: {len(procs)} providers up; adding the model")
@@ -187,6 +223,8 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             for c in clients:
                 c.wait("ready", 300)
             route = clients[0].wait("route", 1)
+            cpu0 = {name: _cpu_s(proc.pid) for name, proc in procs.items()}
+            machine0 = _machine()
             start = time.time()
             for c in clients:
                 assert c.proc.stdin is not None
@@ -200,6 +238,12 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             for c in clients:
                 if c.proc.wait(timeout=600) != 0:
                     raise LabError(f"{c.what} failed; see {work / 'stderr.log'}")
+            wall = time.time() - start
+            busy, total = (b - a for a, b in zip(machine0, _machine(), strict=True))
+            cpu = {}  # what each provider used while the clients ran (None: killed)
+            for name, proc in procs.items():
+                now, then = _cpu_s(proc.pid), cpu0[name]
+                cpu[name] = None if now is None or then is None else round(now - then, 2)
             gens = [g for c in clients for g in c.all("generation")]
             placement = [
                 {"stage": st["index"],
@@ -210,12 +254,17 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             raw = [{"started": round(g["started"] - start, 3), "ttft_s": g["ttft_s"],
                     "tokens": g["tokens"], "gaps_s": g["gaps_s"], "failovers": g["failovers"]}
                    for g in gens]  # fmt: skip
-            return {
+            result = {
                 "figures": figures(gens, w.sessions),
                 "placement": placement,
                 "reach": {name: _reach(e) for name, e in events.items()},
                 "generations": raw,
-            }
+                # where the CPU went: each provider's seconds and the machine's busy share
+                "cpu": {"wall_s": round(wall, 2), "providers_s": cpu,
+                        "machine_busy": round(busy / total, 3) if total else None},
+            }  # fmt: skip
+        shutil.rmtree(work, ignore_errors=True)  # (kept when a run fails: its stderr.log)
+        return result
     finally:
         stderr.close()
         for q in quotas:
@@ -241,4 +290,5 @@ def run(s: LabScenario, package: Path, model: str, runs: int, say: Any = print) 
         "generations": [d["generations"] for d in done],
         "placement": done[0]["placement"],
         "reach": [d["reach"] for d in done],
+        "cpu": [d["cpu"] for d in done],
     }
