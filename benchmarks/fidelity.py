@@ -76,7 +76,7 @@ def main() -> int:
         sim = prediction(s, package, cal_path)
         t = time.monotonic()
         try:
-            lab = run(s, package, "story-llama", args.runs or s.lab.runs, say)
+            lab = run(s, package, "story-llama", args.runs or s.lab.runs, say, cal_path)
         except LabError as exc:  # (the others still run; the targets are then not met)
             say(f"{name}: the lab run failed: {exc}")
             rows[name] = {"error": str(exc), "predicted": sim["figures"]}

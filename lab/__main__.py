@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("scenario", help="a scenario file with a [lab] table, or a shipped name")
     sc.add_argument("--package", required=True, help="the model package it serves")
     sc.add_argument("--runs", type=int, help="runs (default: the scenario's)")
+    sc.add_argument(
+        "--calibration", help="providers' profiles from this `fusionai sim calibrate` file "
+        "(default: measured here once)",
+    )  # fmt: skip
     sc.add_argument("--out", help="write the result (JSON) here; default: print it")
     args = parser.parse_args(argv)
     try:
@@ -88,7 +92,8 @@ def _scenario(args: argparse.Namespace) -> int:
     if not 1 <= runs <= 9:
         raise LabError("--runs is 1 to 9")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    result = run(scenario, Path(args.package), manifest["name"], runs, say)
+    cal = Path(args.calibration) if args.calibration else None
+    result = run(scenario, Path(args.package), manifest["name"], runs, say, cal)
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -25,10 +25,14 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
+
 from files.cache import ArtifactCache
 from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
-from sim.labscenario import LabScenario, figures, prompt, summarize
+from provider.profile import ExecutorProfile, MachineProfile, cache_key
+from sim.calibration import load as load_calibration
+from sim.labscenario import LabScenario, LabSpec, figures, prompt, summarize
 
 CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2 = Path("/sys/fs/cgroup")
@@ -59,6 +63,13 @@ class Quota:
     @property
     def procs(self) -> Path:
         return self.path / "cgroup.procs"
+
+    def throttled(self) -> tuple[int, float]:
+        """(periods in which it was throttled, seconds throttled) so far (`cpu.stat`)."""
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        if "throttled_time" in stat:  # v1: nanoseconds
+            return int(stat["nr_throttled"]), int(stat["throttled_time"]) / 1e9
+        return int(stat.get("nr_throttled", 0)), int(stat.get("throttled_usec", 0)) / 1e6
 
     def close(self) -> None:
         for _ in range(50):
@@ -137,6 +148,49 @@ def _provider_artifacts(package: Path) -> dict[str, Path]:
     }
 
 
+def _profiles(spec: LabSpec, calibration: Path | None = None) -> dict[str, bytes]:
+    """Each provider's hardware profile (`profile.json`): this machine as measured once by
+    the provider daemon's own measurement (`fusionai provider profile`), or as `calibration`
+    (`fusionai sim calibrate`) measured it, its compute figures scaled to the provider's
+    share (`LabProvider.share`), as the simulator scales the calibration's. (Providers
+    measuring under their quotas in 1 ms slices measured noisily: the same scenario was
+    placed a, a, b, b in one run and a, a, a, a in the next.)"""
+    if calibration is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(
+                _fusionai("provider", "profile", "--executor", "ort", "--data-dir", tmp),
+                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                check=True, timeout=180,
+            )  # fmt: skip
+            measured = (Path(tmp) / "profile.json").read_bytes()
+        machine = msgspec.json.decode(measured, type=MachineProfile)
+    else:
+        cal = load_calibration(calibration)
+        if cal.profile.executor != "ort":
+            raise LabError(f"{calibration} profiled {cal.profile.executor}; the lab runs ort")
+        machine = MachineProfile(
+            key=cache_key("ort", None), cpu=cal.profile.name, cpu_cores=os.cpu_count() or 1,
+            gpu=None, gpu_driver=None, executors=[ExecutorProfile(
+                executor="ort", device="CPUExecutionProvider", flops=dict(cal.profile.flops),
+                mem_bandwidth=cal.profile.mem_bandwidth, memory_bytes=int(cal.profile.memory_bytes),
+                memory_free_bytes=int(cal.profile.memory_bytes),
+            )], measured_at=cal.measured_at, seconds=0.0,
+        )  # fmt: skip
+    out = {}
+    for p in spec.provider:
+        executors = [
+            msgspec.structs.replace(
+                e,
+                flops={k: v * p.share for k, v in e.flops.items()},
+                mem_bandwidth=e.mem_bandwidth * p.share,
+            )
+            for e in machine.executors
+        ]
+        scaled = msgspec.structs.replace(machine, executors=executors)
+        out[p.name] = msgspec.json.format(msgspec.json.encode(scaled), indent=2)
+    return out
+
+
 def _fusionai(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
@@ -151,9 +205,14 @@ def _reach(provider: Events) -> str:
     return ""
 
 
-def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dict[str, Any]:
-    """One run of `s` in a fresh lab: its figures, placement and the providers' reach."""
+def run_once(
+    s: LabScenario, package: Path, model: str, say: Any = print,
+    profiles: dict[str, bytes] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One run of `s` in a fresh lab: its figures, placement and the providers' reach.
+    `profiles`: the providers' (`_profiles`; measured here if not given)."""
     spec = s.lab
+    profiles = profiles or _profiles(spec)
     links = [(p.rate_mbit, p.delay_ms) for p in spec.provider]
     links.append((spec.client.rate_mbit, spec.client.delay_ms))
     kinds = [p.nat for p in spec.provider] + [spec.client.nat]
@@ -168,6 +227,10 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                     "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http",
                     "0.0.0.0:7371", "--public-url", f"http://{BROKER_IP}:7371", "--data-dir",
                     str(work / "broker"), "--heartbeat-s", str(spec.heartbeat_s), "--json",
+                    # (the providers' profiles are the machine's scaled to their quotas; the
+                    # join's check would time a short burst, which a quota throttles: it
+                    # measured 11 GFLOP/s where 0.3 of the machine is 45 over time)
+                    "--trust-claims",
                 ), stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, env=env,
             )  # fmt: skip
             started = Events(broker, "the broker").wait("broker_started", 60)
@@ -177,6 +240,8 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             events: dict[str, Events] = {}
             seed = _provider_artifacts(package)
             for i, p in enumerate(spec.provider):
+                (work / p.name).mkdir(mode=0o700)
+                (work / p.name / "profile.json").write_bytes(profiles[p.name])
                 cache = ArtifactCache(work / p.name / "artifacts")
                 for sha, path in seed.items():
                     cache.put(sha, path.read_bytes())
@@ -184,7 +249,8 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 quotas.append(quota)
                 cmd = _fusionai(
                     "provider", "start", "--broker", addr, "--data-dir", str(work / p.name),
-                    "--max-memory", "2", "--listen", "/ip4/0.0.0.0/tcp/4800", "--json",
+                    "--executor", "ort", "--max-memory", "2", "--listen",
+                    "/ip4/0.0.0.0/tcp/4800", "--json",
                 )  # fmt: skip
                 # (the cgroup first: `ip netns exec` mounts its own /sys, without cgroups)
                 wrapped = f'echo $$ > {quota.procs} && exec ip netns exec "$@"'
@@ -196,9 +262,11 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 lab.procs.append(proc)  # (killed at teardown)
                 procs[p.name] = proc
                 events[p.name] = Events(proc, f"provider {p.name}")
-            for p in spec.provider:  # (they start together: each measures under its quota)
+            for p in spec.provider:  # (they start together)
                 listening = events[p.name].wait("listening", 180)
                 peers[listening["peer_id"]] = p.name
+            for p in spec.provider:  # (the model is placed on those that joined)
+                events[p.name].wait("joined", 120)
             say(f"{s.name}: {len(procs)} providers up; adding the model")
             client_ns = lab.homes[-1].host
             url = f"http://{BROKER_IP}:7371"
@@ -223,7 +291,18 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             for c in clients:
                 c.wait("ready", 300)
             route = clients[0].wait("route", 1)
+            swarm = json.loads(lab.run(client_ns, *_fusionai("swarm", "--broker", url, "--json")))
+            seen = {  # what the broker measured of each provider at its join
+                peers.get(p["peer_id"], p["peer_id"]): {
+                    "net_up_mbit": round(p["net_up_bytes_s"] * 8 / 1e6, 2),
+                    "rtt_ms": round(p["rtt_s"] * 1e3, 1),
+                    "gflops": round(p["flops"].get("float32", 0.0) / 1e9, 2),
+                    "checked_gflops": p["checked_flops"] and round(p["checked_flops"] / 1e9, 2),
+                }
+                for p in swarm["providers"]
+            }
             cpu0 = {name: _cpu_s(proc.pid) for name, proc in procs.items()}
+            throttled0 = [q.throttled() for q in quotas]
             machine0 = _machine()
             start = time.time()
             for c in clients:
@@ -244,6 +323,11 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             for name, proc in procs.items():
                 now, then = _cpu_s(proc.pid), cpu0[name]
                 cpu[name] = None if now is None or then is None else round(now - then, 2)
+            throttled = {
+                p.name: [b[0] - a[0], round(b[1] - a[1], 3)]
+                for p, q, a in zip(spec.provider, quotas, throttled0, strict=True)
+                if (b := q.throttled())
+            }
             gens = [g for c in clients for g in c.all("generation")]
             placement = [
                 {"stage": st["index"],
@@ -258,9 +342,11 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
                 "figures": figures(gens, w.sessions),
                 "placement": placement,
                 "reach": {name: _reach(e) for name, e in events.items()},
+                "seen": seen,
                 "generations": raw,
                 # where the CPU went: each provider's seconds and the machine's busy share
                 "cpu": {"wall_s": round(wall, 2), "providers_s": cpu,
+                        "throttled": throttled,  # per provider: [periods, seconds]
                         "machine_busy": round(busy / total, 3) if total else None},
             }  # fmt: skip
         shutil.rmtree(work, ignore_errors=True)  # (kept when a run fails: its stderr.log)
@@ -271,12 +357,17 @@ def run_once(s: LabScenario, package: Path, model: str, say: Any = print) -> dic
             q.close()
 
 
-def run(s: LabScenario, package: Path, model: str, runs: int, say: Any = print) -> dict[str, Any]:
-    """`runs` runs of `s`: the result `fusionai sim --compare` reads (medians, spreads)."""
+def run(
+    s: LabScenario, package: Path, model: str, runs: int, say: Any = print,
+    calibration: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """`runs` runs of `s`: the result `fusionai sim --compare` reads (medians, spreads).
+    `calibration`: the providers' profiles are its (`_profiles`)."""
     done = []
+    profiles = _profiles(s.lab, calibration)
     for i in range(runs):
         t = time.monotonic()
-        one = run_once(s, package, model, say)
+        one = run_once(s, package, model, say, profiles)
         say(f"{s.name}: run {i + 1}/{runs} in {time.monotonic() - t:.0f} s: {one['figures']}")
         done.append(one)
     median, spread = summarize([d["figures"] for d in done])
@@ -291,4 +382,5 @@ def run(s: LabScenario, package: Path, model: str, runs: int, say: Any = print) 
         "placement": done[0]["placement"],
         "reach": [d["reach"] for d in done],
         "cpu": [d["cpu"] for d in done],
+        "seen": [d["seen"] for d in done],
     }

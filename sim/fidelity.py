@@ -70,7 +70,7 @@ class Placed:
 
 def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
     """What the broker sees of `p`: the calibrated executor at `p`'s CPU share."""
-    share = min(p.cpu, float(p.threads))
+    share = p.share
     return HardwareProfile(
         name=p.name,
         flops={k: v * share for k, v in cal.profile.flops.items()},

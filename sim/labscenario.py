@@ -72,6 +72,12 @@ class LabProvider(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def link(self) -> Link:
         return Link(self.rate_mbit, self.delay_ms, self.nat)
 
+    @property
+    def share(self) -> float:
+        """What its quota and threads leave it of the machine's measured compute (the
+        profile both the simulator and the lab's providers are given)."""
+        return min(self.cpu, float(self.threads))
+
 
 class LabWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: Literal["generate"] = "generate"
