@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import statistics
 import sys
@@ -248,12 +249,155 @@ def _package_times(package: Path, count: int) -> PackageTimes:
     hops = sum(1 for st in pkg.manifest.stages if st.placement == "provider")
     return PackageTimes(
         model=pkg.manifest.name,
+        provider_stages=hops,
         stage_step_s=statistics.median(steps),
         stage_token_s=max(0.0, many - one) / (long - 1),
         client_step_s=statistics.median(ends),
         hidden_bytes_per_token=int(info.activation_bytes_per_token),
         **_chain_bytes(pkg.manifest.name, hops, width),
     )
+
+
+PROVIDER_ROUNDS = 12  # generations of each length the providers' CPU is read over
+SHORT, LONG = 2, 24  # their lengths (tokens)
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+async def _provider_generations(
+    http: str, package: Path, pids: list[int], stages_each: int
+) -> list[float]:
+    """Each provider daemon's CPU seconds per generated token: the package added to the
+    broker at `http`, served by the providers `pids`, `stages_each` stages on each; the CPU
+    each used over long generations less that over short ones (the opening, prefill and
+    closing cancel) per extra token."""
+    from client.api import AsyncClient
+    from ir.manifest import ModelManifest
+    from sim.labscenario import prompt
+
+    name = ModelManifest.from_json((package / "manifest.json").read_bytes()).name
+    text = prompt(8)  # (the lab scenarios' prompt length)
+    async with AsyncClient(http, timeout=30.0) as fa:
+        await fa.add_model(package)
+        end = time.monotonic() + 120
+        while not (model := await fa.model(name)).ready:
+            if time.monotonic() > end:
+                raise RuntimeError(f"the calibration's providers did not serve {name} in 120 s")
+            await asyncio.sleep(0.2)
+        held = [p.peer_id for s in model.stages for p in s.providers]
+        if sorted(held.count(p) for p in set(held)) != [stages_each] * len(pids):
+            raise RuntimeError(f"the calibration wanted {stages_each} stages on each provider")
+        await fa.generate(text, SHORT, model=name, stream=False)  # connections open, warm
+        used, made = {}, {}
+        for n in (SHORT, LONG):
+            before, tokens = [_cpu_s(pid) for pid in pids], 0
+            for _ in range(PROVIDER_ROUNDS):
+                tokens += len((await fa.generate(text, n, model=name, stream=False)).tokens)
+            used[n] = [_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True)]
+            made[n] = tokens
+    if made[LONG] <= made[SHORT]:
+        raise RuntimeError(f"{name}'s generations ended at once: no per-token CPU to measure")
+    extra = made[LONG] - made[SHORT]
+    return [max(0.0, a - b) / extra for a, b in zip(used[LONG], used[SHORT], strict=True)]
+
+
+def _split_memory(package: Path, stages_each: int) -> float:
+    """A provider memory limit (GiB) in which the broker places `stages_each` of the
+    package's provider stages and not one more (`broker.core.placement`'s accounting)."""
+    from broker.config import LOAD_OVERHEAD, PLACEMENT_WORK
+    from broker.models import model_spec
+    from dag.cost import layer_memory, stage_workspace
+    from ir.manifest import ModelManifest
+
+    manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
+    spec = model_spec(manifest)
+    stages = sum(1 for st in manifest.stages if st.placement == "provider")
+    layers = spec.n_layers / stages
+    need = stage_workspace(spec, PLACEMENT_WORK)
+    need += (stages_each + 0.5) * layers * layer_memory(spec, PLACEMENT_WORK)
+    return LOAD_OVERHEAD * need / 1024**3
+
+
+def _provider_token_cpu(
+    package: Path, profile: bytes, executor: str, providers: int = 1, quota: float = 0.0
+) -> list[float]:
+    """A real broker and `providers` provider daemons (loopback, one compute thread each,
+    this machine's profile as measured here, each capped at `quota` of a core if > 0),
+    sharing the provider stages of `package` evenly: each one's CPU per generated token."""
+    import tempfile
+
+    from cli.demo import STARTUP_TIMEOUT, Child, _cli
+    from ir.manifest import ModelManifest
+    from sim.cgroup import Quota
+
+    manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
+    each = sum(1 for st in manifest.stages if st.placement == "provider") // providers
+    memory = f"{_split_memory(package, each):.4f}" if providers > 1 else "2"
+    env = {**os.environ, "FUSIONAI_THREADS": "1"}
+    children: list[Child] = []
+    quotas: list[Quota] = []
+    with tempfile.TemporaryDirectory(prefix="fusionai-calibrate-") as tmp:
+        work = Path(tmp)
+        try:
+            broker = Child("the broker", _cli(
+                "broker", "start", "--listen", "/ip4/127.0.0.1/tcp/0", "--http",
+                "127.0.0.1:0", "--data-dir", str(work / "broker"), "--trust-claims", "--json",
+            ), work / "broker.log", env)  # fmt: skip
+            children.append(broker)
+            started = broker.wait_for("broker_started", STARTUP_TIMEOUT)
+            pids = []
+            for i in range(providers):
+                data = work / f"provider-{i}"
+                data.mkdir(mode=0o700)
+                (data / "profile.json").write_bytes(profile)
+                cmd = _cli(
+                    "provider", "start", "--broker", started["addrs"][0], "--data-dir",
+                    str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--executor", executor,
+                    "--max-memory", memory, "--json",
+                )  # fmt: skip
+                if quota > 0:
+                    quotas.append(Quota(f"fusionai-calibrate-{os.getpid()}-{i}", quota))
+                    cmd = ["sh", "-c", f'echo $$ > {quotas[-1].procs} && exec "$@"', "sh", *cmd]
+                child = Child(f"provider {i}", cmd, work / f"provider-{i}.log", env)
+                children.append(child)
+                pids.append(child.proc.pid)
+            for child in children[1:]:
+                child.wait_for("joined", STARTUP_TIMEOUT)
+            return asyncio.run(_provider_generations(started["http"], package, pids, each))
+        finally:
+            for child in reversed(children):
+                child.stop()
+            for q in quotas:
+                q.close()
+
+
+def _provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, float | None]:
+    """A provider daemon's CPU per token serving every stage, and serving half of them (two
+    providers: their mean), and the second again with each provider under a CPU quota
+    (`QUOTA_PROBE` of a core, as the lab caps its providers; as root only)."""
+    from sim.calibration import QUOTA_PROBE
+    from sim.cgroup import available
+
+    out: dict[str, float | None] = {
+        "provider_token_cpu_s": _provider_token_cpu(package, profile, executor)[0],
+        "provider_half_token_cpu_s": None,
+        "provider_half_quota_token_cpu_s": None,
+    }
+    try:
+        half = _provider_token_cpu(package, profile, executor, providers=2)
+    except RuntimeError as exc:  # (a package of one provider stage, or placed otherwise)
+        print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
+        return out
+    out["provider_half_token_cpu_s"] = statistics.mean(half)
+    if available() is None:
+        capped = _provider_token_cpu(package, profile, executor, 2, QUOTA_PROBE)
+        out["provider_half_quota_token_cpu_s"] = statistics.mean(capped)
+    return out
 
 
 def calibrate(
@@ -272,6 +416,14 @@ def calibrate(
         machine.gpu or machine.cpu, e.executor, {k: v for k, v in e.flops.items() if v > 0},
         e.mem_bandwidth, e.memory_bytes,
     )  # fmt: skip
+    times = None
+    if package is not None:
+        import msgspec
+
+        times = _package_times(package, count)
+        kind = e.executor if e.executor in ("ort", "torch") else "ort"
+        costs = _provider_costs(package, msgspec.json.encode(machine), kind)
+        times = msgspec.structs.replace(times, **costs)
     return Calibration(
         version=VERSION,
         machine=f"{machine.cpu} ({platform.system()} {platform.machine()})",
@@ -286,7 +438,7 @@ def calibrate(
         large_bytes=large * 4,
         samples=count,
         profile=profile,
-        package=None if package is None else _package_times(package, count),
+        package=times,
     )
 
 

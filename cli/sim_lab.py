@@ -67,7 +67,7 @@ def _lengths(package: Path, text: str, most: int) -> tuple[int, int]:
     ids = stages.tokenizer.encode(text).ids
     pkg = load_package(package)
     executors = [OrtExecutor(pkg.models[st.index]) for st in pkg.manifest.stages]
-    tokens = LocalPipeline(pkg.manifest, executors).generate_greedy(ids, most)[len(ids) :]
+    tokens = LocalPipeline(pkg.manifest, executors).generate_greedy(ids, most)  # (new ones)
     if stages.eos in tokens:
         tokens = tokens[: tokens.index(stages.eos) + 1]
     return len(ids), len(tokens)

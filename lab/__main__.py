@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "--calibration", help="providers' profiles from this `fusionai sim calibrate` file "
         "(default: measured here once)",
     )  # fmt: skip
+    sc.add_argument("--keep", action="store_true", help="keep each run's folder and logs")
     sc.add_argument("--out", help="write the result (JSON) here; default: print it")
     args = parser.parse_args(argv)
     try:
@@ -93,7 +94,7 @@ def _scenario(args: argparse.Namespace) -> int:
         raise LabError("--runs is 1 to 9")
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     cal = Path(args.calibration) if args.calibration else None
-    result = run(scenario, Path(args.package), manifest["name"], runs, say, cal)
+    result = run(scenario, Path(args.package), manifest["name"], runs, say, cal, args.keep)
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -32,52 +32,8 @@ from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
 from provider.profile import ExecutorProfile, MachineProfile, cache_key
 from sim.calibration import load as load_calibration
+from sim.cgroup import Quota
 from sim.labscenario import LabScenario, LabSpec, figures, prompt, summarize
-
-CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
-CGROUP_V2 = Path("/sys/fs/cgroup")
-# The shortest slices the kernel allows: a quota of 1 ms (its least) each 1 ms / cores. (A
-# lone request still runs near full speed: a thread may overrun its quota until a tick and
-# pays later; the quota caps what a provider serves over time, as `sim.fidelity` models.)
-QUOTA_US = 1000
-
-
-class Quota:
-    """A cgroup capping its processes at `cores` CPUs; removed by `close()`."""
-
-    def __init__(self, name: str, cores: float) -> None:
-        period = max(QUOTA_US, min(1_000_000, round(QUOTA_US / cores)))
-        quota = max(QUOTA_US, round(cores * period))
-        if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
-            self.path = CGROUP_V1 / name
-            self.path.mkdir(exist_ok=True)
-            (self.path / "cpu.cfs_period_us").write_text(str(period))
-            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-        elif (CGROUP_V2 / "cgroup.controllers").exists():
-            self.path = CGROUP_V2 / name
-            self.path.mkdir(exist_ok=True)
-            (self.path / "cpu.max").write_text(f"{quota} {period}")
-        else:
-            raise LabError("no cgroup cpu controller (v1 or v2) to cap providers with")
-
-    @property
-    def procs(self) -> Path:
-        return self.path / "cgroup.procs"
-
-    def throttled(self) -> tuple[int, float]:
-        """(periods in which it was throttled, seconds throttled) so far (`cpu.stat`)."""
-        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
-        if "throttled_time" in stat:  # v1: nanoseconds
-            return int(stat["nr_throttled"]), int(stat["throttled_time"]) / 1e9
-        return int(stat.get("nr_throttled", 0)), int(stat.get("throttled_usec", 0)) / 1e6
-
-    def close(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)  # its processes are still exiting
 
 
 class Events:
@@ -207,10 +163,11 @@ def _reach(provider: Events) -> str:
 
 def run_once(
     s: LabScenario, package: Path, model: str, say: Any = print,
-    profiles: dict[str, bytes] | None = None,
+    profiles: dict[str, bytes] | None = None, keep: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One run of `s` in a fresh lab: its figures, placement and the providers' reach.
-    `profiles`: the providers' (`_profiles`; measured here if not given)."""
+    `profiles`: the providers' (`_profiles`; measured here if not given). `keep`: keep the
+    run's folder (the processes' logs) when it succeeds too."""
     spec = s.lab
     profiles = profiles or _profiles(spec)
     links = [(p.rate_mbit, p.delay_ms) for p in spec.provider]
@@ -349,7 +306,10 @@ def run_once(
                         "throttled": throttled,  # per provider: [periods, seconds]
                         "machine_busy": round(busy / total, 3) if total else None},
             }  # fmt: skip
-        shutil.rmtree(work, ignore_errors=True)  # (kept when a run fails: its stderr.log)
+        if keep:
+            say(f"{s.name}: the run's folder (its processes' stderr.log) is kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)  # (kept when a run fails: its stderr.log)
         return result
     finally:
         stderr.close()
@@ -359,15 +319,15 @@ def run_once(
 
 def run(
     s: LabScenario, package: Path, model: str, runs: int, say: Any = print,
-    calibration: Path | None = None,
+    calibration: Path | None = None, keep: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """`runs` runs of `s`: the result `fusionai sim --compare` reads (medians, spreads).
-    `calibration`: the providers' profiles are its (`_profiles`)."""
+    `calibration`: the providers' profiles are its (`_profiles`); `keep`: `run_once`'s."""
     done = []
     profiles = _profiles(s.lab, calibration)
     for i in range(runs):
         t = time.monotonic()
-        one = run_once(s, package, model, say, profiles)
+        one = run_once(s, package, model, say, profiles, keep)
         say(f"{s.name}: run {i + 1}/{runs} in {time.monotonic() - t:.0f} s: {one['figures']}")
         done.append(one)
     median, spread = summarize([d["figures"] for d in done])

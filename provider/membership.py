@@ -45,6 +45,9 @@ log = logging.getLogger("fusionai.provider")
 
 FAST_RETRY_S = 30.0  # seconds of an outage during which joins are retried about every second
 JOIN_TIMEOUT_S = 60.0  # a join's answer may take this long (the broker's hardware check runs)
+# the uplink's echo payload: grown from ECHO_MIN until an echo takes ECHO_S, at most ECHO_MAX
+# (under the ping protocol's 1 MiB limit)
+ECHO_MIN, ECHO_MAX, ECHO_S = 32 * 1024, 512 * 1024, 0.25
 
 
 class Rejoin(Exception):
@@ -123,25 +126,33 @@ class Membership:
             backoff = min(self.config.backoff_max_s, backoff * 2)
 
     async def measure_network(self) -> tuple[float, float]:
-        """(upload bytes/s, rtt s) to the broker: pings, then 512 KiB echoes (assumed
-        symmetric: the echo takes as long back)."""
-        assert self.host is not None
+        """(upload bytes/s, rtt s) to the broker: pings, then echoes (assumed symmetric: the
+        echo takes as long back) of a payload grown from 32 KiB to 512 KiB until one takes
+        `ECHO_S` (a thin uplink is measured in seconds, not minutes: three 512 KiB echoes
+        took over two minutes at 0.15 Mbit/s), the best of three at that size."""
+        host = self.host
+        assert host is not None
         rtts = []
         for i in range(5):
             start = time.perf_counter()
-            await self.host.request(self.broker_id, PING, Ping(nonce=i), timeout=10.0)
+            await host.request(self.broker_id, PING, Ping(nonce=i), timeout=10.0)
             rtts.append(time.perf_counter() - start)
         rtt = statistics.median(rtts)
-        payload = b"\0" * (512 * 1024)  # under the ping protocol's 1 MiB limit
-        times = []
-        for i in range(3):
+
+        async def echo(size: int, nonce: int) -> float:
             start = time.perf_counter()
-            await self.host.request(
-                self.broker_id, PING, Ping(nonce=100 + i, payload=payload), timeout=30.0
+            await host.request(
+                self.broker_id, PING, Ping(nonce=nonce, payload=b"\0" * size), timeout=60.0
             )
-            times.append(time.perf_counter() - start)
-        transfer = max(1e-6, min(times) - rtt)
-        return 2 * len(payload) / transfer, rtt
+            return max(1e-6, time.perf_counter() - start - rtt)
+
+        size = ECHO_MIN
+        took = await echo(size, 100)
+        while took < ECHO_S and size < ECHO_MAX:
+            size = min(ECHO_MAX, size * 4)
+            took = await echo(size, 100)
+        best = min([took, *[await echo(size, 101 + i) for i in range(2)]])
+        return 2 * size / best, rtt
 
     def _announced(self) -> list[str]:
         assert self.host is not None

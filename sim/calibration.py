@@ -18,7 +18,9 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       thread: a provider stage's one-token step and its cost per prefill
                       token (`provider.serving`, as providers run it), the client's embedding
                       and head for a token, and the encoded size of a chained step's
-                      messages (what lab scenarios are predicted from)
+                      messages (what lab scenarios are predicted from); and a provider
+                      process's CPU per generated token (a real broker and provider on
+                      loopback, the provider holding every stage: one hop of four messages)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
@@ -34,6 +36,7 @@ import msgspec
 from sim.scenario import Scenario
 
 VERSION = 2
+QUOTA_PROBE = 0.3  # the CPU quota (cores) a provider's cost is measured under
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
@@ -68,6 +71,16 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     accepted_bytes: Bytes
     star_bytes: Bytes
     open_bytes: Bytes
+    # a provider daemon's CPU seconds per generated token (from the CPU it used in long
+    # generations less short ones), holding all `provider_stages` stages of the package (one
+    # hop: the step in, its answer, the outputs pushed to the client, the acceptance); one
+    # of two providers holding half the stages each (the same four messages each: the step
+    # in and its answer, the step on and its answer, or the push and the acceptance); and
+    # the latter under a CPU quota of `QUOTA_PROBE` of a core in the lab's slices
+    provider_token_cpu_s: Seconds | None = None
+    provider_stages: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    provider_half_token_cpu_s: Seconds | None = None
+    provider_half_quota_token_cpu_s: Seconds | None = None
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +98,22 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     samples: int
     profile: MeasuredProfile
     package: PackageTimes | None = None
+
+    def provider_costs(self) -> tuple[float, float, float] | None:
+        """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at
+        its end of a message, the factor a lab quota puts on its CPU), or None if not
+        measured. With both provider measurements the first two solve k s + 4 e for the
+        whole package and half of it; with one, each message end costs `call_s`."""
+        t = self.package
+        if t is None or t.provider_token_cpu_s is None:
+            return None
+        n, whole, half = t.provider_stages, t.provider_token_cpu_s, t.provider_half_token_cpu_s
+        if half is None or n < 2:
+            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, 1.0
+        stage = max(0.0, whole - half) / (n - n // 2)
+        end = max(0.0, half - (n // 2) * stage) / 4
+        capped = t.provider_half_quota_token_cpu_s
+        return stage, end, 1.0 if capped is None or half <= 0 else max(1.0, capped / half)
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""

@@ -44,7 +44,7 @@ from dag.cost import HardwareProfile
 from dag.model import ModelSpec
 from sim.calibration import Calibration, PackageTimes
 from sim.driver import Driver
-from sim.labscenario import FIGURES, LabProvider, LabScenario
+from sim.labscenario import FIGURES, QUOTA_SLICE_S, LabProvider, LabScenario
 
 CLIENT = "client"
 MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2
@@ -113,6 +113,10 @@ class Model:
         self.s, self.cal, self.placed = s, cal, placed
         self.t: PackageTimes = cal.package
         self.providers = {p.name: p for p in s.lab.provider}
+        # a stage's step and a message's end as a provider daemon runs them, and what a
+        # quota adds to its CPU, where measured (else the in-process step and `call_s`)
+        costs = cal.provider_costs() or (self.t.stage_step_s, cal.call_s, 1.0)
+        self.stage_s, self.provider_end_s, self.quota_factor = costs
 
     # ---- the parts -------------------------------------------------------------------------
 
@@ -127,15 +131,31 @@ class Model:
         """The cores `x` may use: a provider's quota (the client's machine is not capped)."""
         return 1.0 if x == CLIENT else min(self.providers[x].cpu, 1.0)
 
+    def stretch(self, x: str, work: float) -> float:
+        """The wall time of `work` seconds of CPU run at once on `x`: a provider's quota
+        lets the first slice run at full speed, the rest at its share."""
+        if x == CLIENT or work <= QUOTA_SLICE_S:
+            return work
+        return QUOTA_SLICE_S + (work - QUOTA_SLICE_S) / self.share(x)
+
     def on_link(self, nbytes: float) -> float:
         """The bytes a message of `nbytes` puts on a link: the transport's framing, then
         TCP's segments' headers."""
         wire = nbytes + self.cal.frame_bytes
         return wire + math.ceil(wire / SEGMENT_BYTES) * HEADER_BYTES
 
+    def cpu(self, x: str, seconds: float) -> float:
+        """CPU seconds `x` spends on what takes `seconds` on a provider without a quota."""
+        return seconds * self.quota_factor if x != CLIENT and self.share(x) < 1 else seconds
+
+    def stage(self, x: str) -> float:
+        """`x`'s CPU for one stage's one-token step."""
+        return self.cpu(x, self.stage_s)
+
     def end(self, x: str, nbytes: float) -> float:
         """`x`'s CPU time to send or receive a message (at the calibrated machine's speed)."""
-        return self.cal.call_s + nbytes * self.cal.wire_s_per_byte
+        fixed = self.cal.call_s if x == CLIENT else self.provider_end_s
+        return self.cpu(x, fixed + nbytes * self.cal.wire_s_per_byte)
 
     def hop(self, a: str, b: str, nbytes: float) -> float:
         """One message from `a` to `b` (each a provider or the client) over the Internet."""
@@ -183,10 +203,18 @@ class Model:
         return out
 
     def token_alone(self) -> float:
-        """One decode step of a session alone on the swarm: the chained trip."""
-        trips = sum(self.hop(a, b, n) for a, b, n, path in self.messages() if path)
-        stages = len(self.placed) * self.t.stage_step_s
-        return self.t.client_step_s + stages + trips
+        """One decode step of a session alone on the swarm: the chained trip, each
+        provider's part of it (its stages, its ends of the step's messages) at its quota."""
+        path = [(a, b, n) for a, b, n, on in self.messages() if on]
+        trips = sum(self.hop(a, b, n) for a, b, n in path)
+        work = {x: k * self.stage(x) for x, k in self.route()}
+        for a, b, n in path:
+            for x in (a, b):
+                if x != CLIENT:
+                    work[x] += self.end(x, n)
+        slowed = sum(self.stretch(x, w) - w for x, w in work.items())
+        stages = sum(self.stage(p.provider) for p in self.placed)
+        return self.t.client_step_s + stages + trips + slowed
 
     def demands(self) -> dict[str, float]:
         """Seconds per token each queue serves: each provider's CPU (its stage steps, its ends
@@ -198,7 +226,7 @@ class Model:
             out[key] = out.get(key, 0.0) + seconds
 
         for p in self.placed:
-            add(p.provider, self.t.stage_step_s)
+            add(p.provider, self.stage(p.provider))
         for a, b, n, _ in self.messages():
             for x in (a, b):
                 if x != CLIENT:
@@ -207,7 +235,8 @@ class Model:
             add(f"down:{b}", self.on_link(n) / self.rate(b))
             add(f"up:{b}", HEADER_BYTES / self.rate(b))
             add(f"down:{a}", HEADER_BYTES / self.rate(a))
-        return out
+        # a provider serves its CPU demand at its quota's pace
+        return {k: self.stretch(k, d) if k in self.providers else d for k, d in out.items()}
 
     def mva(self, sessions: int) -> tuple[float, dict[str, float]]:
         """Exact mean-value analysis of `sessions` closed loops: (tokens per second of all,
@@ -226,14 +255,14 @@ class Model:
         """(seconds per token of each session, tokens per second of all) with `sessions`
         running at once: no more tokens a second than each provider's quota allows."""
         x, _ = self.mva(sessions)
-        demand = self.demands()
-        x = min(x, *(self.share(k) / d for k, d in demand.items() if k in self.providers and d))
         return sessions / x, x
 
     # ---- the first token, a failover -------------------------------------------------------
 
     def prefill(self, x: str, tokens: int) -> float:
-        return self.t.stage_step_s + max(0, tokens - 1) * self.t.stage_token_s
+        return self.stretch(
+            x, self.cpu(x, self.stage_s + max(0, tokens - 1) * self.t.stage_token_s)
+        )
 
     def star_step(self, x: str, tokens: int) -> float:
         """A step of `tokens` sent to `x` the star way and its outputs back."""
@@ -286,34 +315,60 @@ class Model:
         return out + self.t.client_step_s
 
 
+def promoted(placed: list[Placed], victim: str) -> list[Placed]:
+    """The placement once `victim` is gone: its stages on their backups, with none behind."""
+    return [
+        Placed(p.stage, p.backup, None) if p.provider == victim and p.backup else p for p in placed
+    ]
+
+
 def predict(
     s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
     core: CoreConfig, prompt_tokens: int, generated: int,
 ) -> dict[str, object]:  # fmt: skip
     """The lab scenario's figures as the simulator predicts them (`sim.labscenario.FIGURES`;
     None where it predicts nothing: a spread (p90), a stall without a kill). `generated`: the
-    tokens each generation gives (greedy, it may end before `output_tokens`)."""
+    tokens each generation gives (greedy, it may end before `output_tokens`).
+
+    Every session runs alike, so one session's timeline stands for all: its rounds one after
+    another, each a first token then `generated - 1` gaps, at the pace of `sessions` at once;
+    a churn event puts its failover stall in the gap it falls in, and the tokens after it
+    take the route with the victim's stages on their backups."""
     placed = place(s, model, spec, indices, cal, core)
-    m = Model(s, cal, placed)
     w = s.lab.workload
-    per_token, _ = m.token(w.sessions)
-    ttft = m.first_token(prompt_tokens, w.sessions)
-    generation = ttft + (generated - 1) * per_token
-    stalls = []
-    for e in s.lab.event:
-        done = max(1, int((e.at_s - ttft) / per_token) % generated)  # tokens so far
-        stall = m.stall(e.provider, prompt_tokens + done)
-        if stall is not None and e.action == "freeze":  # no drop: the step's deadline passes
-            stall += w.step_timeout_s - m.hop(e.provider, CLIENT, 64)
-        stalls.append(stall)
-    known = [x for x in stalls if x is not None]
+    m = Model(s, cal, placed)
+    events = sorted(s.lab.event, key=lambda e: e.at_s)
+    t, gaps, took, stalls, ttfts = 0.0, [], [], [], []
+    for _ in range(w.rounds):
+        ttft = m.first_token(prompt_tokens, w.sessions)
+        t += ttft
+        ttfts.append(ttft)
+        spent = ttft
+        for i in range(1, generated):
+            gap, stalled = m.token(w.sessions)[0], False
+            while events and events[0].at_s <= t + gap:
+                e = events.pop(0)
+                stall = m.stall(e.provider, prompt_tokens + i)
+                if stall is None:  # (no backup: the victim was not serving, or none stands by)
+                    continue
+                if e.action == "freeze":  # no drop: the step's deadline passes first
+                    stall += w.step_timeout_s - m.hop(e.provider, CLIENT, 64)
+                gap, stalled = stall, True
+                stalls.append(stall)
+                m = Model(s, cal, promoted(m.placed, e.provider))
+            if not stalled:  # (the lab's token gaps leave the stalls out too)
+                gaps.append(gap)
+            t += gap
+            spent += gap
+        took.append(spent)
+    gaps.sort()
     figures = {
-        "throughput_tokens_s": round(w.sessions * generated / generation, 3),
-        "ttft_ms_p50": round(1e3 * ttft, 3),
-        "token_ms_p50": round(1e3 * per_token, 3),
+        "throughput_tokens_s": round(w.sessions * generated * w.rounds / sum(took), 3),
+        "ttft_ms_p50": round(1e3 * sorted(ttfts)[len(ttfts) // 2], 3),
+        "token_ms_p50": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None,
         "token_ms_p90": None,
-        "generation_s_p50": round(generation, 4),
-        "failover_stall_ms": round(1e3 * sorted(known)[len(known) // 2], 3) if known else None,
+        "generation_s_p50": round(sorted(took)[len(took) // 2], 4),
+        "failover_stall_ms": round(1e3 * sorted(stalls)[len(stalls) // 2], 3) if stalls else None,
     }
     assert set(figures) == set(FIGURES)
     return {
