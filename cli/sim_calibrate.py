@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -258,8 +258,9 @@ def _package_times(package: Path, count: int) -> PackageTimes:
     )
 
 
-PROVIDER_ROUNDS = 12  # generations of each length the providers' CPU is read over
-SHORT, LONG = 2, 24  # their lengths (tokens)
+PROVIDER_ROUNDS = 3  # generations of each length in one reading of the providers' CPU
+PROVIDER_READINGS = 5  # readings (the median is kept); with a quota, alternately on and off
+SHORT, LONG = 2, 24  # the generations' lengths (tokens)
 
 
 def _cpu_s(pid: int) -> float:
@@ -270,18 +271,22 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _provider_generations(
-    http: str, package: Path, pids: list[int], stages_each: int
-) -> list[float]:
-    """Each provider daemon's CPU seconds per generated token: the package added to the
-    broker at `http`, served by the providers `pids`, `stages_each` stages on each; the CPU
-    each used over long generations less that over short ones (the opening, prefill and
-    closing cancel) per extra token."""
+    http: str, package: Path, pids: list[int], stages_each: int, quotas: list[Any]
+) -> dict[bool, list[tuple[float, float]]]:
+    """Each provider daemon's CPU seconds per generated token and per generation beyond its
+    tokens: the package added to the broker at `http`, served by the providers `pids`,
+    `stages_each` stages on each. A reading: the CPU each used over long generations less
+    that over short ones (the opening, prefill and closing cancel) per extra token, and what
+    the short ones used beyond their tokens, per generation; the median of the readings.
+    With `quotas` (a `sim.cgroup.Quota` per provider) the readings alternate between the
+    providers under them (key True) and free (key False)."""
     from client.api import AsyncClient
     from ir.manifest import ModelManifest
     from sim.labscenario import prompt
 
     name = ModelManifest.from_json((package / "manifest.json").read_bytes()).name
     text = prompt(8)  # (the lab scenarios' prompt length)
+    readings: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
     async with AsyncClient(http, timeout=30.0) as fa:
         await fa.add_model(package)
         end = time.monotonic() + 120
@@ -293,17 +298,35 @@ async def _provider_generations(
         if sorted(held.count(p) for p in set(held)) != [stages_each] * len(pids):
             raise RuntimeError(f"the calibration wanted {stages_each} stages on each provider")
         await fa.generate(text, SHORT, model=name, stream=False)  # connections open, warm
-        used, made = {}, {}
-        for n in (SHORT, LONG):
-            before, tokens = [_cpu_s(pid) for pid in pids], 0
-            for _ in range(PROVIDER_ROUNDS):
-                tokens += len((await fa.generate(text, n, model=name, stream=False)).tokens)
-            used[n] = [_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True)]
-            made[n] = tokens
-    if made[LONG] <= made[SHORT]:
-        raise RuntimeError(f"{name}'s generations ended at once: no per-token CPU to measure")
-    extra = made[LONG] - made[SHORT]
-    return [max(0.0, a - b) / extra for a, b in zip(used[LONG], used[SHORT], strict=True)]
+        for i in range(PROVIDER_READINGS * (2 if quotas else 1)):
+            capped = bool(quotas) and i % 2 == 1
+            for q, pid in zip(quotas, pids, strict=False):  # (none: never capped)
+                if capped:
+                    q.add(pid)
+                else:
+                    q.release(pid)
+            used, made = {}, {}
+            for n in (SHORT, LONG):
+                before, tokens = [_cpu_s(pid) for pid in pids], 0
+                for _ in range(PROVIDER_ROUNDS):
+                    tokens += len((await fa.generate(text, n, model=name, stream=False)).tokens)
+                used[n] = [_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True)]
+                made[n] = tokens
+            if made[LONG] <= made[SHORT]:
+                raise RuntimeError(f"{name}'s generations ended at once: no CPU per token")
+            extra, one = made[LONG] - made[SHORT], []
+            for long, short in zip(used[LONG], used[SHORT], strict=True):
+                token = max(0.0, long - short) / extra
+                one.append((token, max(0.0, short - token * made[SHORT]) / PROVIDER_ROUNDS))
+            readings[capped].append(one)
+    return {
+        capped: [
+            (statistics.median(r[k][0] for r in rs), statistics.median(r[k][1] for r in rs))
+            for k in range(len(pids))
+        ]
+        for capped, rs in readings.items()
+        if rs
+    }
 
 
 def _split_memory(package: Path, stages_each: int) -> float:
@@ -325,10 +348,11 @@ def _split_memory(package: Path, stages_each: int) -> float:
 
 def _provider_token_cpu(
     package: Path, profile: bytes, executor: str, providers: int = 1, quota: float = 0.0
-) -> list[float]:
+) -> dict[bool, list[tuple[float, float]]]:
     """A real broker and `providers` provider daemons (loopback, one compute thread each,
-    this machine's profile as measured here, each capped at `quota` of a core if > 0),
-    sharing the provider stages of `package` evenly: each one's CPU per generated token."""
+    this machine's profile as measured here), sharing the provider stages of `package`
+    evenly: each one's CPU per generated token and per generation (`_provider_generations`;
+    with `quota` > 0 also capped at that much of a core, key True)."""
     import tempfile
 
     from cli.demo import STARTUP_TIMEOUT, Child, _cli
@@ -362,13 +386,12 @@ def _provider_token_cpu(
                 )  # fmt: skip
                 if quota > 0:
                     quotas.append(Quota(f"fusionai-calibrate-{os.getpid()}-{i}", quota))
-                    cmd = ["sh", "-c", f'echo $$ > {quotas[-1].procs} && exec "$@"', "sh", *cmd]
                 child = Child(f"provider {i}", cmd, work / f"provider-{i}.log", env)
                 children.append(child)
                 pids.append(child.proc.pid)
             for child in children[1:]:
                 child.wait_for("joined", STARTUP_TIMEOUT)
-            return asyncio.run(_provider_generations(started["http"], package, pids, each))
+            return asyncio.run(_provider_generations(started["http"], package, pids, each, quotas))
         finally:
             for child in reversed(children):
                 child.stop()
@@ -383,20 +406,22 @@ def _provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, f
     from sim.calibration import QUOTA_PROBE
     from sim.cgroup import available
 
+    token, session = _provider_token_cpu(package, profile, executor)[False][0]
     out: dict[str, float | None] = {
-        "provider_token_cpu_s": _provider_token_cpu(package, profile, executor)[0],
+        "provider_token_cpu_s": token,
+        "provider_session_cpu_s": session,
         "provider_half_token_cpu_s": None,
         "provider_half_quota_token_cpu_s": None,
     }
+    quota = QUOTA_PROBE if available() is None else 0.0
     try:
-        half = _provider_token_cpu(package, profile, executor, providers=2)
+        half = _provider_token_cpu(package, profile, executor, 2, quota)
     except RuntimeError as exc:  # (a package of one provider stage, or placed otherwise)
         print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
         return out
-    out["provider_half_token_cpu_s"] = statistics.mean(half)
-    if available() is None:
-        capped = _provider_token_cpu(package, profile, executor, 2, QUOTA_PROBE)
-        out["provider_half_quota_token_cpu_s"] = statistics.mean(capped)
+    out["provider_half_token_cpu_s"] = statistics.mean(t for t, _ in half[False])
+    if True in half:
+        out["provider_half_quota_token_cpu_s"] = statistics.mean(t for t, _ in half[True])
     return out
 
 

@@ -81,6 +81,8 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider_stages: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     provider_half_token_cpu_s: Seconds | None = None
     provider_half_quota_token_cpu_s: Seconds | None = None
+    # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
+    provider_session_cpu_s: Seconds | None = None
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,21 +101,24 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     profile: MeasuredProfile
     package: PackageTimes | None = None
 
-    def provider_costs(self) -> tuple[float, float, float] | None:
+    def provider_costs(self) -> tuple[float, float, float, float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at
-        its end of a message, the factor a lab quota puts on its CPU), or None if not
-        measured. With both provider measurements the first two solve k s + 4 e for the
-        whole package and half of it; with one, each message end costs `call_s`."""
+        its end of a message, the factor a lab quota puts on its CPU, a stage's session
+        beyond its tokens: its opening, prompt and closing), or None if not measured. With
+        both provider measurements the first two solve k s + 4 e for the whole package and
+        half of it; with one, each message end costs `call_s`."""
         t = self.package
         if t is None or t.provider_token_cpu_s is None:
             return None
         n, whole, half = t.provider_stages, t.provider_token_cpu_s, t.provider_half_token_cpu_s
+        session = (t.provider_session_cpu_s or 0.0) / n
         if half is None or n < 2:
-            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, 1.0
+            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, 1.0, session
         stage = max(0.0, whole - half) / (n - n // 2)
         end = max(0.0, half - (n // 2) * stage) / 4
         capped = t.provider_half_quota_token_cpu_s
-        return stage, end, 1.0 if capped is None or half <= 0 else max(1.0, capped / half)
+        quota = 1.0 if capped is None or half <= 0 else max(1.0, capped / half)
+        return stage, end, quota, session
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""

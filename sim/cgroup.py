@@ -44,6 +44,14 @@ class Quota:
     def procs(self) -> Path:
         return self.path / "cgroup.procs"
 
+    def add(self, pid: int) -> None:
+        """Move process `pid` (all its threads) under this quota."""
+        self.procs.write_text(str(pid))
+
+    def release(self, pid: int) -> None:
+        """Move process `pid` back out, to the root group (no quota)."""
+        (self.path.parent / "cgroup.procs").write_text(str(pid))
+
     def throttled(self) -> tuple[int, float]:
         """(periods in which it was throttled, seconds throttled) so far (`cpu.stat`)."""
         stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())

@@ -115,8 +115,8 @@ class Model:
         self.providers = {p.name: p for p in s.lab.provider}
         # a stage's step and a message's end as a provider daemon runs them, and what a
         # quota adds to its CPU, where measured (else the in-process step and `call_s`)
-        costs = cal.provider_costs() or (self.t.stage_step_s, cal.call_s, 1.0)
-        self.stage_s, self.provider_end_s, self.quota_factor = costs
+        costs = cal.provider_costs() or (self.t.stage_step_s, cal.call_s, 1.0, 0.0)
+        self.stage_s, self.provider_end_s, self.quota_factor, self.session_s = costs
 
     # ---- the parts -------------------------------------------------------------------------
 
@@ -259,19 +259,23 @@ class Model:
 
     # ---- the first token, a failover -------------------------------------------------------
 
-    def prefill(self, x: str, tokens: int) -> float:
-        return self.stretch(
-            x, self.cpu(x, self.stage_s + max(0, tokens - 1) * self.t.stage_token_s)
-        )
+    def served(self, x: str, there: float, back: float, work: float) -> float:
+        """A request of `there` bytes from the client to `x` and its answer of `back`,
+        with `work` CPU seconds on `x` between them; `x`'s part at its quota's pace."""
+        ends = self.end(x, there) + self.end(x, back)
+        return self.rtt(CLIENT, x, there, back) + self.stretch(x, ends + work) - ends
 
     def star_step(self, x: str, tokens: int) -> float:
         """A step of `tokens` sent to `x` the star way and its outputs back."""
         extra = self.t.hidden_bytes_per_token * (tokens - 1)
         there, back = self.t.star_bytes + extra, self.t.result_bytes + extra
-        return self.rtt(CLIENT, x, there, back) + self.prefill(x, tokens)
+        work = self.cpu(x, self.stage_s + max(0, tokens - 1) * self.t.stage_token_s)
+        return self.served(x, there, back, work)
 
     def opening(self, x: str) -> float:
-        return self.rtt(CLIENT, x, self.t.open_bytes, self.t.accepted_bytes)
+        """A session opened on `x` (and, later, closed: what a session costs a provider
+        beyond its tokens, `Calibration.provider_costs`)."""
+        return self.served(x, self.t.open_bytes, self.t.accepted_bytes, self.cpu(x, self.session_s))
 
     def first_token(self, prompt_tokens: int, sessions: int = 1) -> float:
         """The first step: each stage opened in turn (the broker's pick, an open, the prompt's
