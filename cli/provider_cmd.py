@@ -58,6 +58,46 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     prof.add_argument("--json", action="store_true", help="print as JSON")
     prof.set_defaults(func=dispatch, provider_command="profile")
 
+    pre = psub.add_parser(
+        "prefetch",
+        help="put a model package's provider stages into this provider's artifact cache",
+        description="Copies the stages from a local package (verified by their SHA-256), so "
+        "the provider downloads nothing when the broker assigns them: for thin uplinks, or "
+        "machines that share one download.",
+    )
+    pre.add_argument("package", help="a model package directory (from `fusionai ir split`)")
+    pre.add_argument("--data-dir", help=data_help)
+    pre.set_defaults(func=dispatch, provider_command="prefetch")
+
+
+def prefetch(args: argparse.Namespace) -> int:
+    from files.cache import ArtifactCache, ArtifactError
+    from ir.errors import ManifestError
+    from ir.manifest import ModelManifest
+
+    package = Path(args.package)
+    try:
+        manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
+    except OSError as exc:
+        print(f"error: {package} is not a model package: {exc.strerror}", file=sys.stderr)
+        return 2
+    except (ManifestError, ValueError) as exc:
+        print(f"error: {package}/manifest.json: {exc}", file=sys.stderr)
+        return 2
+    cache = ArtifactCache(data_dir_of(args) / "artifacts")
+    stages = [s for s in manifest.stages if s.placement == "provider"]
+    for s in stages:
+        try:
+            cache.put(s.sha256, (package / s.file).read_bytes())
+        except OSError as exc:
+            print(f"error: {package / s.file}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except ArtifactError as exc:
+            print(f"error: {package / s.file}: {exc}", file=sys.stderr)
+            return 2
+    print(f"{len(stages)} stages of {manifest.name} in {cache.root}")
+    return 0
+
 
 def profile(args: argparse.Namespace) -> int:
     import msgspec

@@ -25,12 +25,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-import msgspec
-
-from files.cache import ArtifactCache
 from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
-from provider.profile import ExecutorProfile, MachineProfile, cache_key
 from sim.calibration import load as load_calibration
 from sim.cgroup import Quota
 from sim.labscenario import LabScenario, LabSpec, figures, prompt, summarize
@@ -92,59 +88,47 @@ def _machine() -> tuple[float, float]:
     return (sum(ticks) - idle) / hz, sum(ticks) / hz
 
 
-def _provider_artifacts(package: Path) -> dict[str, Path]:
-    """The package's provider stages by SHA-256: each provider's artifact cache starts with
-    them, as one that served the model before has them (the scenarios time generation, not
-    downloads: a 600 KB stage takes half a minute through a 0.15 Mbit/s link)."""
-    manifest = json.loads((package / "manifest.json").read_text())
-    return {
-        st["sha256"]: package / st["file"]
-        for st in manifest["stages"]
-        if st["placement"] == "provider"
-    }
-
-
 def _profiles(spec: LabSpec, calibration: Path | None = None) -> dict[str, bytes]:
-    """Each provider's hardware profile (`profile.json`): this machine as measured once by
-    the provider daemon's own measurement (`fusionai provider profile`), or as `calibration`
-    (`fusionai sim calibrate`) measured it, its compute figures scaled to the provider's
+    """Each provider's hardware profile (`profile.json`): this machine as the provider
+    daemon's own measurement (`fusionai provider profile`) sees it, with the compute figures
+    `calibration` (`fusionai sim calibrate`) measured if given, scaled to the provider's
     share (`LabProvider.share`), as the simulator scales the calibration's. (Providers
     measuring under their quotas in 1 ms slices measured noisily: the same scenario was
     placed a, a, b, b in one run and a, a, a, a in the next.)"""
-    if calibration is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(
-                _fusionai("provider", "profile", "--executor", "ort", "--data-dir", tmp),
-                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                check=True, timeout=180,
-            )  # fmt: skip
-            measured = (Path(tmp) / "profile.json").read_bytes()
-        machine = msgspec.json.decode(measured, type=MachineProfile)
-    else:
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            _fusionai("provider", "profile", "--executor", "ort", "--data-dir", tmp),
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+            check=True, timeout=180,
+        )  # fmt: skip
+        machine = json.loads((Path(tmp) / "profile.json").read_text())
+    if calibration is not None:
         cal = load_calibration(calibration)
         if cal.profile.executor != "ort":
             raise LabError(f"{calibration} profiled {cal.profile.executor}; the lab runs ort")
-        machine = MachineProfile(
-            key=cache_key("ort", None), cpu=cal.profile.name, cpu_cores=os.cpu_count() or 1,
-            gpu=None, gpu_driver=None, executors=[ExecutorProfile(
-                executor="ort", device="CPUExecutionProvider", flops=dict(cal.profile.flops),
-                mem_bandwidth=cal.profile.mem_bandwidth, memory_bytes=int(cal.profile.memory_bytes),
-                memory_free_bytes=int(cal.profile.memory_bytes),
-            )], measured_at=cal.measured_at, seconds=0.0,
-        )  # fmt: skip
+        for e in machine["executors"]:
+            e["flops"], e["mem_bandwidth"] = dict(cal.profile.flops), cal.profile.mem_bandwidth
     out = {}
     for p in spec.provider:
-        executors = [
-            msgspec.structs.replace(
-                e,
-                flops={k: v * p.share for k, v in e.flops.items()},
-                mem_bandwidth=e.mem_bandwidth * p.share,
-            )
-            for e in machine.executors
-        ]
-        scaled = msgspec.structs.replace(machine, executors=executors)
-        out[p.name] = msgspec.json.format(msgspec.json.encode(scaled), indent=2)
+        mine = json.loads(json.dumps(machine))
+        for e in mine["executors"]:
+            e["flops"] = {k: v * p.share for k, v in e["flops"].items()}
+            e["mem_bandwidth"] *= p.share
+        out[p.name] = json.dumps(mine, indent=2).encode()
     return out
+
+
+def _prefetched(package: Path, into: Path) -> Path:
+    """An artifact cache holding `package`'s provider stages (`fusionai provider prefetch`),
+    which each provider's cache starts as, as one that served the model before (the
+    scenarios time generation, not downloads: a 600 KB stage takes half a minute through a
+    0.15 Mbit/s link)."""
+    subprocess.run(
+        _fusionai("provider", "prefetch", str(package), "--data-dir", str(into)), cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, check=True,
+        timeout=120,
+    )  # fmt: skip
+    return into / "artifacts"
 
 
 def _fusionai(*args: str) -> list[str]:
@@ -195,13 +179,11 @@ def run_once(
             procs: dict[str, subprocess.Popen[str]] = {}
             peers: dict[str, str] = {}  # peer id -> scenario name
             events: dict[str, Events] = {}
-            seed = _provider_artifacts(package)
+            seed = _prefetched(package, work / "prefetched")
             for i, p in enumerate(spec.provider):
                 (work / p.name).mkdir(mode=0o700)
                 (work / p.name / "profile.json").write_bytes(profiles[p.name])
-                cache = ArtifactCache(work / p.name / "artifacts")
-                for sha, path in seed.items():
-                    cache.put(sha, path.read_bytes())
+                shutil.copytree(seed, work / p.name / "artifacts")
                 quota = Quota(f"fusionai-lab-{lab.run_id}-{p.name}", p.cpu)
                 quotas.append(quota)
                 cmd = _fusionai(

@@ -55,3 +55,29 @@ def test_start_refuses_bad_arguments_clearly(tmp_path: Path) -> None:
     assert bad_slots.returncode == 2 and "--compute-slots must be positive" in bad_slots.stderr
     bad_announce = _cli("provider", "start", "--broker", addr, "--announce", "1.2.3.4:5")
     assert bad_announce.returncode == 2 and "not a multiaddr" in bad_announce.stderr
+
+
+def test_prefetch_puts_a_packages_provider_stages_in_the_cache(
+    llama_package: Path, tmp_path: Path
+) -> None:
+    from files.cache import ArtifactCache
+    from ir.manifest import ModelManifest
+
+    manifest = ModelManifest.from_json((llama_package / "manifest.json").read_bytes())
+    done = _cli("provider", "prefetch", str(llama_package), "--data-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    cache = ArtifactCache(tmp_path / "artifacts")
+    assert not cache.check()  # every file verifies
+    held = {p.name for p in (tmp_path / "artifacts" / "objects").iterdir()}
+    assert held == {s.sha256 for s in manifest.stages if s.placement == "provider"}
+    # a stage file that is not what the manifest says is refused, clearly
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in llama_package.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    stage = next(s for s in manifest.stages if s.placement == "provider")
+    (bad / stage.file).write_bytes(b"not the stage")
+    refused = _cli("provider", "prefetch", str(bad), "--data-dir", str(tmp_path / "other"))
+    assert refused.returncode == 2 and "refused" in refused.stderr
+    missing = _cli("provider", "prefetch", str(tmp_path / "none"), "--data-dir", str(tmp_path))
+    assert missing.returncode == 2 and "not a model package" in missing.stderr
