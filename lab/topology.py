@@ -173,10 +173,16 @@ class Lab:
         sh("iptables", "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate",
            "ESTABLISHED,RELATED,DNAT", "-j", "ACCEPT", ns=r)  # fmt: skip
         sh("iptables", "-A", "FORWARD", "-i", "wan", "-j", "DROP", ns=r)
-        rate = f"{self.link(home.index)[0]}mbit"
+        mbit = self.link(home.index)[0]
+        per_s = mbit * 1e6 / 8
+        # A burst of 10 ms at the rate (two frames at least): the link keeps its rate on the
+        # small scale too, as the simulator prices every message (a 32 KB burst passed 32 KiB
+        # probes of a 0.15 Mbit/s uplink at line rate). Its queue: 200 ms and 32 KB.
+        burst = max(2 * 1514, round(per_s * 0.01))
+        limit = round(per_s * 0.2) + 32 * 1024
         for dev in ("wan", "lan"):  # upload leaves by wan, download by lan
-            sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb",
-               "latency", "200ms", ns=r)  # fmt: skip
+            sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst",
+               str(burst), "limit", str(limit), ns=r)  # fmt: skip
         if home.kind == "upnp":
             self._igd(home)
 
