@@ -12,7 +12,7 @@ import pytest
 from broker.core import CoreConfig
 from dag.model import ModelSpec
 from sim.calibration import Calibration, MeasuredProfile, PackageTimes
-from sim.fidelity import CLIENT, Model, place, predict
+from sim.fidelity import CLIENT, Model, Placed, place, predict, promoted
 from sim.labscenario import FIGURES, QUOTA_SLICE_S, figures, load, parse, summarize
 
 STEP = 0.002  # a stage's decode step, seconds
@@ -111,3 +111,43 @@ def test_a_kill_costs_a_stall_only_where_a_backup_stands_by() -> None:
             assert stall > m.token_alone()  # a replay costs more than a step
     m, out = predicted("fidelity-latency")
     assert out["figures"]["failover_stall_ms"] is None  # type: ignore[index]
+
+
+def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
+    s = load("fidelity-churn")
+    placed = [Placed(1, "a", "c"), Placed(2, "a", "c"), Placed(3, "b", "d"), Placed(4, "b", "d")]
+    m = Model(s, CAL, placed)
+    after = promoted(placed, "a")
+    assert after == [Placed(1, "c", None), Placed(2, "c", None), *placed[2:]]
+    assert m.stall("a", 12) is not None and Model(s, CAL, after).stall("c", 12) is None
+    # c's link is slower than a's: the tokens after the failover come slower
+    assert Model(s, CAL, after).token_alone() > m.token_alone()
+
+
+def test_sessions_starting_together_wait_for_each_others_first_steps() -> None:
+    m, _ = predicted("fidelity-bandwidth")
+    firsts = [m.first_token(8, 6, ahead) for ahead in range(6)]
+    assert firsts == sorted(firsts) and firsts[0] < firsts[-1]
+    assert firsts[0] == pytest.approx(m.first_token(8, 1))  # the first in line waits for none
+
+
+def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
+    assert CAL.package is not None
+    t = msgspec.structs.replace(
+        CAL.package, provider_stages=4, provider_token_cpu_s=8e-3,
+        provider_half_token_cpu_s=6e-3, provider_half_quota_token_cpu_s=7.2e-3,
+        provider_session_cpu_s=20e-3,
+    )  # fmt: skip
+    costs = msgspec.structs.replace(CAL, package=t).provider_costs()
+    assert costs is not None
+    stage, end, quota, session = costs
+    # 4 s + 4 e = 8 ms and 2 s + 4 e = 6 ms
+    assert stage == pytest.approx(1e-3) and end == pytest.approx(1e-3)
+    assert quota == pytest.approx(1.2) and session == pytest.approx(5e-3)
+    only = msgspec.structs.replace(t, provider_half_token_cpu_s=None)
+    costs = msgspec.structs.replace(CAL, package=only).provider_costs()
+    assert costs is not None
+    stage, end, quota, _ = costs
+    assert end == CAL.call_s and stage == pytest.approx((8e-3 - 4 * CAL.call_s) / 4)
+    assert quota == 1.0
+    assert CAL.provider_costs() is None  # not measured: the model uses the in-process step
