@@ -52,20 +52,23 @@ async def _round_trips(values: int, count: int) -> list[float]:
 class _Proxy:
     """A TCP proxy on loopback to `port` that counts the bytes it passes."""
 
-    def __init__(self, port: int) -> None:
-        self.port, self.moved = port, 0
+    def __init__(self, port: int, delay_s: float = 0.0) -> None:
+        self.port, self.moved, self.delay_s = port, 0, delay_s
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._splice, "127.0.0.1", 0)
         return int(self.server.sockets[0].getsockname()[1])
 
     async def _splice(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(2 * self.delay_s)  # (TCP's handshake: a round trip)
         r2, w2 = await asyncio.open_connection("127.0.0.1", self.port)
         await asyncio.gather(self._pipe(reader, w2), self._pipe(r2, writer), return_exceptions=True)
 
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while data := await r.read(1 << 16):
             self.moved += len(data)
+            if self.delay_s:  # one way's delay (the set-up's messages go one at a time)
+                await asyncio.sleep(self.delay_s)
             w.write(data)
             await w.drain()
         w.close()
@@ -106,6 +109,53 @@ async def _transport(count: int) -> tuple[float, float]:
                     per_message = (proxy.moved - before) / (2 * count)
         proxy.close()
     return max(0.0, per_message - len(encode_message(msg))), statistics.median(setups)
+
+
+async def _connect_rtts(delay_s: float = 0.05) -> float:
+    """How many round trips a new connection's set-up takes (TCP, multistream, Noise,
+    yamux): the median set-up through a proxy that delays every chunk `2 * delay_s` each
+    way, less that through one delaying `delay_s`, over the round trip added (both long
+    enough that the dialer's own least wait, `connect_s`, is not what they measure)."""
+    from p2p import Host
+    from p2p.testing import LOCAL, serve_test_protocols
+
+    async def setups(delay: float) -> float:
+        out = []
+        async with Host(LOCAL) as server:
+            serve_test_protocols(server)
+            proxy = _Proxy(int(server.addrs[0].split("/")[4]), delay)
+            addr = f"/ip4/127.0.0.1/tcp/{await proxy.start()}/p2p/{server.peer_id}"
+            for _ in range(3):
+                async with Host(LOCAL) as client:
+                    start = time.perf_counter()
+                    await client.connect(addr)
+                    out.append(time.perf_counter() - start)
+            proxy.close()
+        return statistics.median(out)
+
+    short, long = await setups(delay_s), await setups(2 * delay_s)
+    return max(0.0, long - short) / (2 * delay_s)
+
+
+async def _dead_dial() -> float:
+    """How long a request to a peer that has gone takes to fail (its connection closed, a
+    dial refused): the p2p layer's own give-up time, on loopback."""
+    from p2p import Host
+    from p2p.errors import P2PError
+    from p2p.testing import ECHO_CONTROL, LOCAL, Echo, serve_test_protocols
+
+    async with Host(LOCAL) as client:
+        async with Host(LOCAL) as server:
+            serve_test_protocols(server)
+            peer = await client.connect(server.addrs[0])
+            await client.request(peer, ECHO_CONTROL, Echo(b"x"))
+        await asyncio.sleep(0.2)  # (the close seen)
+        start = time.perf_counter()
+        try:
+            await client.request(peer, ECHO_CONTROL, Echo(b"x"), timeout=30.0)
+        except P2PError:
+            return time.perf_counter() - start
+    raise RuntimeError("a request to a closed host succeeded")
 
 
 def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, int]:
@@ -267,6 +317,7 @@ def calibrate(
     small_rtt = statistics.median(asyncio.run(_round_trips(SMALL, count)))
     large_rtt = statistics.median(asyncio.run(_round_trips(large, max(5, count // 20))))
     frame_bytes, connect_s = asyncio.run(_transport(min(count, 200)))
+    connect_rtts, dead_dial_s = asyncio.run(_connect_rtts()), asyncio.run(_dead_dial())
     machine = measure(executor)
     e = machine.executors[0]
     profile = MeasuredProfile(
@@ -290,6 +341,8 @@ def calibrate(
         call_s=small_rtt / 4,
         frame_bytes=frame_bytes,
         connect_s=connect_s,
+        connect_rtts=connect_rtts,
+        dead_dial_s=dead_dial_s,
         wire_s_per_byte=max(0.0, large_rtt - small_rtt) / (4 * large * 4),
         stage_call_s=statistics.median(_executor_calls(count)),
         small_rtt_s=small_rtt,

@@ -8,6 +8,9 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       trips' bytes through a counting proxy, less the messages' size)
     connect_s         a new connection's set-up on loopback (TCP, multistream, Noise, yamux
                       and the dialer's own wait: py-libp2p holds a dial 250 ms)
+    connect_rtts      the round trips of that set-up (through a loopback proxy delaying
+                      each way 50 and then 100 ms: the difference over the added round trip)
+    dead_dial_s       a request to a peer that has gone, until it fails (on loopback)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
                       few MiB, less the small ones')
     stage_call_s      one executor call's fixed time: onnxruntime running a 64 x 64 MatMul
@@ -100,6 +103,10 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     samples: int
     profile: MeasuredProfile
     package: PackageTimes | None = None
+    # round trips a new connection's set-up takes (beyond the p2p layer's own least time,
+    # `connect_s`), and how long a request to a peer that has gone takes to fail
+    connect_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
+    dead_dial_s: Seconds | None = None
 
     def provider_costs(self) -> tuple[float, float, float, float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at

@@ -33,6 +33,7 @@ star way.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ class Model:
                 out.append((p.provider, 1))
         return out
 
+    def pairs(self) -> list[tuple[str, str]]:
+        """The providers next to each other on the chain (each sends the step to the next)."""
+        route = [x for x, _ in self.route()]
+        return list(itertools.pairwise(route))
+
     def messages(self) -> list[tuple[str, str, float, bool]]:
         """A chained step's messages: (from, to, bytes, on the token's path). The step goes
         along the route, the last hop pushes the outputs to the client, each hop's answer
@@ -317,29 +323,55 @@ class Model:
             out += sum(queue.get(k, 0.0) * demand.get(k, 0.0) for k in passed)
         return out
 
+    def connect(self, a: str, b: str) -> float:
+        """A new connection from `a` to `b`: its set-up's round trips (`connect_rtts`), or
+        the p2p layer's own least set-up time (`connect_s`) where that is longer."""
+        rtt = 2 * (self.delay(a) + self.delay(b))
+        if self.cal.connect_rtts is None:
+            return self.cal.connect_s + rtt
+        return max(self.cal.connect_s, self.cal.connect_rtts * rtt)
+
+    def dead_dial(self, a: str, victim: str) -> float:
+        """`a`'s request to `victim` once it has gone: the p2p layer gives up after its own
+        time (`dead_dial_s`) and a refused dial's round trip."""
+        return (self.cal.dead_dial_s or 0.0) + 2 * (self.delay(a) + self.delay(victim))
+
     def stall(self, victim: str, history: int) -> float | None:
-        """The gap a kill of `victim` puts in a session's tokens (None: no backup): the
-        client sees the connection drop and reports it; the broker pings the victim (its
-        connection is gone: a dial, refused) and promotes the backup; the client asks for
-        the stage, connects to the backup, opens and replays the history there; each of
-        the victim's further stages the same (no call to the victim again); the step
-        then finishes the star way."""
+        """The gap a kill of `victim` puts in a session's tokens (None: no backup). The
+        chained step breaks: where the victim is first on the route, the client sees its
+        connection drop; else the hop before it finds it gone (a dial that fails) and tells
+        the client. The step then goes the star way: the stages before the victim's, then
+        the client's own request to the victim fails the same way; it reports the failure
+        (the broker promotes the backup), asks for the stage, connects to the backup, opens
+        a session there and replays the history (a later stage first fetches its chained
+        inputs from the provider before it); each of the victim's further stages the same
+        (no call to the victim again); the stages after them the star way."""
         stages = [i for i, p in enumerate(self.placed) if p.provider == victim]
         if not stages or self.placed[stages[0]].backup is None:
             return None
-        out = self.delay(victim) + self.delay(CLIENT) + 2 * self.broker_rtt()
-        out += 2 * self.delay(victim)  # the broker's ping, refused
+        first = stages[0]
+        if first == 0:
+            out = self.delay(victim) + self.delay(CLIENT)
+        else:
+            before = self.placed[first - 1].provider
+            out = self.delay(victim) + self.delay(before) + self.dead_dial(before, victim)
+            out += self.hop(before, CLIENT, self.t.answer_bytes)
+        out += sum(self.star_step(p.provider, 1) for p in self.placed[:first])
+        out += self.dead_dial(CLIENT, victim) + self.broker_rtt()  # (and the report)
         done: set[str] = set()
-        for p in self.placed[stages[0] :]:
-            if p.provider == victim:
-                backup = p.backup or victim
-                out += self.broker_rtt()
-                if backup not in done:
-                    out += self.cal.connect_s + 2 * (self.delay(CLIENT) + self.delay(backup))
-                    done.add(backup)
-                out += self.opening(backup) + self.star_step(backup, history)
-            else:
+        for i, p in enumerate(self.placed[first:], first):
+            if p.provider != victim:
                 out += self.star_step(p.provider, 1)
+                continue
+            backup = p.backup or victim
+            out += self.broker_rtt()
+            if backup not in done:
+                out += self.connect(CLIENT, backup)
+                done.add(backup)
+            if i > 0:  # its chained inputs, kept by the provider before it
+                width = self.t.hidden_bytes_per_token * history
+                out += self.rtt(CLIENT, self.placed[i - 1].provider, self.t.open_bytes, width)
+            out += self.opening(backup) + self.star_step(backup, history)
         return out + self.t.client_step_s
 
 
@@ -366,7 +398,7 @@ def predict(
     w = s.lab.workload
     m = Model(s, cal, placed)
     events = sorted(s.lab.event, key=lambda e: e.at_s)
-    t, gaps, took, stalls, ttfts = 0.0, [], [], [], []
+    t, gaps, took, stalls, ttfts, rechain = 0.0, [], [], [], [], 0.0
     for r in range(w.rounds):
         if r == 0:  # the sessions start together: one waits for none, the next for one, ...
             firsts = [m.first_token(prompt_tokens, w.sessions, i) for i in range(w.sessions)]
@@ -377,7 +409,8 @@ def predict(
         t += ttft
         spent = ttft
         for i in range(1, generated):
-            gap, stalled = m.token(w.sessions)[0], False
+            gap, stalled = m.token(w.sessions)[0] + rechain, False
+            rechain = 0.0
             while events and events[0].at_s <= t + gap:
                 e = events.pop(0)
                 stall = m.stall(e.provider, prompt_tokens + i)
@@ -387,7 +420,12 @@ def predict(
                     stall += w.step_timeout_s - m.hop(e.provider, CLIENT, 64)
                 gap, stalled = stall, True
                 stalls.append(stall)
-                m = Model(s, cal, promoted(m.placed, e.provider))
+                after = Model(s, cal, promoted(m.placed, e.provider))
+                # the next chained step: each pair of providers new to each other on the
+                # route connects, and the sender asks its peer for a punch (a round trip)
+                new = set(after.pairs()) - set(m.pairs())
+                rechain = sum(after.connect(a, b) + after.rtt(a, b, 64, 64) for a, b in new)
+                m = after
             if not stalled:  # (the lab's token gaps leave the stalls out too)
                 gaps.append(gap)
             t += gap
