@@ -250,9 +250,11 @@ def run_once(
                 c.proc.stdin.flush()
             for e in sorted(spec.event, key=lambda e: e.at_s):
                 time.sleep(max(0.0, start + e.at_s - time.time()))
-                victim = procs[e.provider]
+                serving = [peers.get(st["providers"][0], "") for st in route["stages"]]
+                name = e.victim(serving)
+                victim = procs[name]
                 victim.send_signal(signal.SIGKILL if e.action == "kill" else signal.SIGSTOP)
-                say(f"{s.name}: {e.action} {e.provider} at {time.time() - start:.1f} s")
+                say(f"{s.name}: {e.action} {name} at {time.time() - start:.1f} s")
             for c in clients:
                 if c.proc.wait(timeout=600) != 0:
                     raise LabError(f"{c.what} failed; see {work / 'stderr.log'}")

@@ -413,14 +413,15 @@ def predict(
             rechain = 0.0
             while events and events[0].at_s <= t + gap:
                 e = events.pop(0)
-                stall = m.stall(e.provider, prompt_tokens + i)
+                victim = e.victim([p.provider for p in m.placed])
+                stall = m.stall(victim, prompt_tokens + i)
                 if stall is None:  # (no backup: the victim was not serving, or none stands by)
                     continue
                 if e.action == "freeze":  # no drop: the step's deadline passes first
-                    stall += w.step_timeout_s - m.hop(e.provider, CLIENT, 64)
+                    stall += w.step_timeout_s - m.hop(victim, CLIENT, 64)
                 gap, stalled = stall, True
                 stalls.append(stall)
-                after = Model(s, cal, promoted(m.placed, e.provider))
+                after = Model(s, cal, promoted(m.placed, victim))
                 # the next chained step: each pair of providers new to each other on the
                 # route connects, and the sender asks its peer for a punch (a round trip)
                 new = set(after.pairs()) - set(m.pairs())

@@ -22,8 +22,8 @@ A scenario file is a study file (`sim/scenarios/*.toml`) with a `[lab]` table:
     output_tokens = 24
     [[lab.event]]                     # churn at given times (seconds after the load starts)
     at_s = 3.0
-    provider = "b"
-    action = "kill"                   # kill or freeze
+    provider = "b"                    # a provider by name, or instead `stage = 1`: the one
+    action = "kill"                   # serving that stage (1: the first); kill or freeze
 
 Every figure is validated here, for both sides: nothing else reads the `[lab]` table.
 """
@@ -94,8 +94,18 @@ class LabWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class LabEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     at_s: Annotated[float, msgspec.Meta(ge=0, le=600)]
-    provider: Name
     action: Literal["kill", "freeze"]  # SIGKILL, or SIGSTOP (it stops answering)
+    provider: Name | None = None
+    # or the provider serving this stage (1-based, of the package's provider stages): where
+    # the placement ties (two alike in either order), a name would hit either role
+    stage: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+
+    def victim(self, serving: list[str]) -> str:
+        """The provider it hits, given who serves each stage (in order)."""
+        if self.provider is not None:
+            return self.provider
+        assert self.stage is not None  # (`check`)
+        return serving[self.stage - 1]
 
 
 class LabSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -132,9 +142,16 @@ def check(scenario: LabScenario) -> LabScenario:
             f"{MAX_CPU} (the broker, the clients and the links need the rest)"
         )
     for e in scenario.lab.event:
-        if e.provider not in names:
+        if (e.provider is None) == (e.stage is None):
+            raise ValueError(f"{scenario.name}: event at {e.at_s} s needs a provider or a stage")
+        if e.provider is not None and e.provider not in names:
             raise ValueError(
                 f"{scenario.name}: event at {e.at_s} s names no provider {e.provider!r}"
+            )
+        if e.stage is not None and e.stage > scenario.lab.stages:
+            raise ValueError(
+                f"{scenario.name}: event at {e.at_s} s names stage {e.stage} of "
+                f"{scenario.lab.stages}"
             )
     return scenario
 

@@ -57,6 +57,16 @@ def test_the_shipped_lab_scenarios_load_and_bad_ones_say_why() -> None:
     with pytest.raises(ValueError, match="names no provider 'z'"):
         parse({"lab": {"provider": [one], "event": [{"at_s": 1, "provider": "z",
                                                      "action": "kill"}]}}, "x")  # fmt: skip
+    for event, why in (
+        ({"provider": "a", "stage": 1}, "needs a provider or a stage"),
+        ({}, "needs a provider or a stage"),
+        ({"stage": 5}, "names stage 5 of 4"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse({"lab": {"provider": [one], "event": [{"at_s": 1, "action": "kill", **event}]}},
+                  "x")  # fmt: skip
+    churn = load("fidelity-churn").lab.event[0]
+    assert churn.victim(["b", "b", "a", "a"]) == "b"  # whoever serves the first stage
     with pytest.raises(ValueError, match="unknown field"):
         parse({"lab": {"provider": [{**one, "gpu": "rtx3080"}]}}, "x")
 
