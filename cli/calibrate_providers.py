@@ -26,22 +26,23 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _provider_generations(
-    http: str, package: Path, pids: list[int], stages_each: int, quotas: list[Any]
-) -> dict[bool, list[tuple[float, float]]]:
+    http: str, package: Path, pids: list[int], stages_each: int, quotas: dict[float, list[Any]]
+) -> dict[float, list[tuple[float, float]]]:
     """Each provider daemon's CPU seconds per generated token and per generation beyond its
     tokens: the package added to the broker at `http`, served by the providers `pids`,
     `stages_each` stages on each. A reading: the CPU each used over long generations less
     that over short ones (the opening, prefill and closing cancel) per extra token, and what
     the short ones used beyond their tokens, per generation; the median of the readings.
-    With `quotas` (a `sim.cgroup.Quota` per provider) the readings alternate between the
-    providers under them (key True) and free (key False)."""
+    With `quotas` (for each quota in cores, a `sim.cgroup.Quota` per provider) the readings
+    cycle through the providers free (key 0.0) and under each quota (its key)."""
     from client.api import AsyncClient
     from ir.manifest import ModelManifest
     from sim.labscenario import prompt
 
     name = ModelManifest.from_json((package / "manifest.json").read_bytes()).name
     text = prompt(8)  # (the lab scenarios' prompt length)
-    readings: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
+    modes = [0.0, *sorted(quotas)]
+    readings: dict[float, list[list[tuple[float, float]]]] = {m: [] for m in modes}
     async with AsyncClient(http, timeout=30.0) as fa:
         await fa.add_model(package)
         end = time.monotonic() + 120
@@ -53,13 +54,13 @@ async def _provider_generations(
         if sorted(held.count(p) for p in set(held)) != [stages_each] * len(pids):
             raise RuntimeError(f"the calibration wanted {stages_each} stages on each provider")
         await fa.generate(text, SHORT, model=name, stream=False)  # connections open, warm
-        for i in range(PROVIDER_READINGS * (2 if quotas else 1)):
-            capped = bool(quotas) and i % 2 == 1
-            for q, pid in zip(quotas, pids, strict=False):  # (none: never capped)
-                if capped:
-                    q.add(pid)
-                else:
-                    q.release(pid)
+        for i in range(PROVIDER_READINGS * len(modes)):
+            mode = modes[i % len(modes)]
+            for k, pid in enumerate(pids):
+                if mode:
+                    quotas[mode][k].add(pid)
+                elif quotas:
+                    next(iter(quotas.values()))[k].release(pid)
             used, made = {}, {}
             for n in (SHORT, LONG):
                 before, tokens = [_cpu_s(pid) for pid in pids], 0
@@ -73,14 +74,13 @@ async def _provider_generations(
             for long, short in zip(used[LONG], used[SHORT], strict=True):
                 token = max(0.0, long - short) / extra
                 one.append((token, max(0.0, short - token * made[SHORT]) / PROVIDER_ROUNDS))
-            readings[capped].append(one)
+            readings[mode].append(one)
     return {
-        capped: [
+        mode: [
             (statistics.median(r[k][0] for r in rs), statistics.median(r[k][1] for r in rs))
             for k in range(len(pids))
         ]
-        for capped, rs in readings.items()
-        if rs
+        for mode, rs in readings.items()
     }
 
 
@@ -102,12 +102,13 @@ def _split_memory(package: Path, stages_each: int) -> float:
 
 
 def _provider_token_cpu(
-    package: Path, profile: bytes, executor: str, providers: int = 1, quota: float = 0.0
-) -> dict[bool, list[tuple[float, float]]]:
+    package: Path, profile: bytes, executor: str, providers: int = 1,
+    quotas: tuple[float, ...] = (),
+) -> dict[float, list[tuple[float, float]]]:  # fmt: skip
     """A real broker and `providers` provider daemons (loopback, one compute thread each,
     this machine's profile as measured here), sharing the provider stages of `package`
-    evenly: each one's CPU per generated token and per generation (`_provider_generations`;
-    with `quota` > 0 also capped at that much of a core, key True)."""
+    evenly: each one's CPU per generated token and per generation (`_provider_generations`:
+    free, key 0.0, and capped at each of `quotas` cores, keyed by it)."""
     import tempfile
 
     from cli.demo import STARTUP_TIMEOUT, Child, _cli
@@ -119,7 +120,7 @@ def _provider_token_cpu(
     memory = f"{_split_memory(package, each):.4f}" if providers > 1 else "2"
     env = {**os.environ, "FUSIONAI_THREADS": "1"}
     children: list[Child] = []
-    quotas: list[Quota] = []
+    groups: dict[float, list[Quota]] = {q: [] for q in quotas}
     with tempfile.TemporaryDirectory(prefix="fusionai-calibrate-") as tmp:
         work = Path(tmp)
         try:
@@ -139,42 +140,42 @@ def _provider_token_cpu(
                     str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--executor", executor,
                     "--max-memory", memory, "--json",
                 )  # fmt: skip
-                if quota > 0:
-                    quotas.append(Quota(f"fusionai-calibrate-{os.getpid()}-{i}", quota))
+                for q in quotas:
+                    groups[q].append(Quota(f"fusionai-calibrate-{os.getpid()}-{q:g}-{i}", q))
                 child = Child(f"provider {i}", cmd, work / f"provider-{i}.log", env)
                 children.append(child)
                 pids.append(child.proc.pid)
             for child in children[1:]:
                 child.wait_for("joined", STARTUP_TIMEOUT)
-            return asyncio.run(_provider_generations(started["http"], package, pids, each, quotas))
+            return asyncio.run(_provider_generations(started["http"], package, pids, each, groups))
         finally:
             for child in reversed(children):
                 child.stop()
-            for q in quotas:
-                q.close()
+            for group in groups.values():
+                for quota in group:
+                    quota.close()
 
 
-def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, float | None]:
+def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
     """A provider daemon's CPU per token serving every stage, and serving half of them (two
-    providers: their mean), and the second again with each provider under a CPU quota
-    (`QUOTA_PROBE` of a core, as the lab caps its providers; as root only)."""
-    from sim.calibration import QUOTA_PROBE
+    providers: their mean), and the second again with each provider under CPU quotas
+    (`QUOTA_PROBES`, as the lab caps its providers; as root only)."""
+    from sim.calibration import QUOTA_PROBES
     from sim.cgroup import available
 
-    token, session = _provider_token_cpu(package, profile, executor)[False][0]
-    out: dict[str, float | None] = {
+    token, session = _provider_token_cpu(package, profile, executor)[0.0][0]
+    out: dict[str, Any] = {
         "provider_token_cpu_s": token,
         "provider_session_cpu_s": session,
-        "provider_half_token_cpu_s": None,
-        "provider_half_quota_token_cpu_s": None,
     }
-    quota = QUOTA_PROBE if available() is None else 0.0
+    quotas = QUOTA_PROBES if available() is None else ()
     try:
-        half = _provider_token_cpu(package, profile, executor, 2, quota)
+        half = _provider_token_cpu(package, profile, executor, 2, quotas)
     except RuntimeError as exc:  # (a package of one provider stage, or placed otherwise)
         print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
         return out
-    out["provider_half_token_cpu_s"] = statistics.mean(t for t, _ in half[False])
-    if True in half:
-        out["provider_half_quota_token_cpu_s"] = statistics.mean(t for t, _ in half[True])
+    out["provider_half_token_cpu_s"] = statistics.mean(t for t, _ in half[0.0])
+    out["provider_half_quota_token_cpu_s"] = {
+        f"{q:g}": statistics.mean(t for t, _ in half[q]) for q in quotas
+    }
     return out

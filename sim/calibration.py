@@ -31,6 +31,7 @@ Nothing here is set by hand or fitted to a scenario: each figure is a measuremen
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Annotated
 
@@ -39,7 +40,7 @@ import msgspec
 from sim.scenario import Scenario
 
 VERSION = 2
-QUOTA_PROBE = 0.3  # the CPU quota (cores) a provider's cost is measured under
+QUOTA_PROBES = (0.15, 0.3, 0.45)  # CPU quotas (cores) a provider's cost is measured under
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
@@ -79,11 +80,11 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # hop: the step in, its answer, the outputs pushed to the client, the acceptance); one
     # of two providers holding half the stages each (the same four messages each: the step
     # in and its answer, the step on and its answer, or the push and the acceptance); and
-    # the latter under a CPU quota of `QUOTA_PROBE` of a core in the lab's slices
+    # the latter under each CPU quota of `QUOTA_PROBES` (cores, keyed "0.3") in the lab's slices
     provider_token_cpu_s: Seconds | None = None
     provider_stages: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     provider_half_token_cpu_s: Seconds | None = None
-    provider_half_quota_token_cpu_s: Seconds | None = None
+    provider_half_quota_token_cpu_s: dict[str, Seconds] = {}
     # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
     provider_session_cpu_s: Seconds | None = None
 
@@ -108,24 +109,27 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     connect_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
     dead_dial_s: Seconds | None = None
 
-    def provider_costs(self) -> tuple[float, float, float, float] | None:
+    def provider_costs(self) -> tuple[float, float, dict[float, float], float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at
-        its end of a message, the factor a lab quota puts on its CPU, a stage's session
-        beyond its tokens: its opening, prompt and closing), or None if not measured. With
-        both provider measurements the first two solve k s + 4 e for the whole package and
-        half of it; with one, each message end costs `call_s`."""
+        its end of a message, the factor each lab quota measured puts on its CPU (`quota_factor`),
+        a stage's session beyond its tokens: its opening, prompt and closing), or None if not
+        measured. With both provider measurements the first two solve k s + 4 e for the
+        whole package and half of it; with one, each message end costs `call_s`."""
         t = self.package
         if t is None or t.provider_token_cpu_s is None:
             return None
         n, whole, half = t.provider_stages, t.provider_token_cpu_s, t.provider_half_token_cpu_s
         session = (t.provider_session_cpu_s or 0.0) / n
         if half is None or n < 2:
-            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, 1.0, session
+            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, {}, session
         stage = max(0.0, whole - half) / (n - n // 2)
         end = max(0.0, half - (n // 2) * stage) / 4
-        capped = t.provider_half_quota_token_cpu_s
-        quota = 1.0 if capped is None or half <= 0 else max(1.0, capped / half)
-        return stage, end, quota, session
+        factors = {
+            float(q): max(1.0, capped / half)
+            for q, capped in t.provider_half_quota_token_cpu_s.items()
+            if half > 0
+        }
+        return stage, end, factors, session
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""
@@ -154,3 +158,18 @@ def load(path: Path | str) -> Calibration:
 
 def save(calibration: Calibration, path: Path | str) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(calibration)) + b"\n")
+
+
+def quota_factor(factors: dict[float, float], share: float) -> float:
+    """What a quota of `share` cores puts on a provider's CPU: interpolated between the
+    quotas measured (`Calibration.provider_costs`), 1 without a quota, the nearest
+    measurement's beyond them."""
+    if share >= 1 or not factors:
+        return 1.0
+    points = [*sorted(factors.items()), (1.0, 1.0)]
+    if share <= points[0][0]:
+        return points[0][1]
+    for (q0, f0), (q1, f1) in itertools.pairwise(points):
+        if q0 <= share <= q1:
+            return f0 + (f1 - f0) * (share - q0) / (q1 - q0)
+    return 1.0

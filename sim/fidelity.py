@@ -43,7 +43,7 @@ from broker.core.actions import AssignStage
 from broker.core.events import ModelAdded, ProviderJoined
 from dag.cost import HardwareProfile
 from dag.model import ModelSpec
-from sim.calibration import Calibration, PackageTimes
+from sim.calibration import Calibration, PackageTimes, quota_factor
 from sim.driver import Driver
 from sim.labscenario import FIGURES, QUOTA_SLICE_S, LabProvider, LabScenario, percentile
 
@@ -116,8 +116,8 @@ class Model:
         self.providers = {p.name: p for p in s.lab.provider}
         # a stage's step and a message's end as a provider daemon runs them, and what a
         # quota adds to its CPU, where measured (else the in-process step and `call_s`)
-        costs = cal.provider_costs() or (self.t.stage_step_s, cal.call_s, 1.0, 0.0)
-        self.stage_s, self.provider_end_s, self.quota_factor, self.session_s = costs
+        costs = cal.provider_costs() or (self.t.stage_step_s, cal.call_s, {}, 0.0)
+        self.stage_s, self.provider_end_s, self.quota_factors, self.session_s = costs
 
     # ---- the parts -------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class Model:
 
     def cpu(self, x: str, seconds: float) -> float:
         """CPU seconds `x` spends on what takes `seconds` on a provider without a quota."""
-        return seconds * self.quota_factor if x != CLIENT and self.share(x) < 1 else seconds
+        return seconds if x == CLIENT else seconds * quota_factor(self.quota_factors, self.share(x))
 
     def stage(self, x: str) -> float:
         """`x`'s CPU for one stage's one-token step."""

@@ -11,7 +11,7 @@ import pytest
 
 from broker.core import CoreConfig
 from dag.model import ModelSpec
-from sim.calibration import Calibration, MeasuredProfile, PackageTimes
+from sim.calibration import Calibration, MeasuredProfile, PackageTimes, quota_factor
 from sim.fidelity import CLIENT, Model, Placed, place, predict, promoted
 from sim.labscenario import FIGURES, QUOTA_SLICE_S, figures, load, parse, summarize
 
@@ -145,19 +145,24 @@ def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
     assert CAL.package is not None
     t = msgspec.structs.replace(
         CAL.package, provider_stages=4, provider_token_cpu_s=8e-3,
-        provider_half_token_cpu_s=6e-3, provider_half_quota_token_cpu_s=7.2e-3,
+        provider_half_token_cpu_s=6e-3,
+        provider_half_quota_token_cpu_s={"0.15": 9e-3, "0.3": 7.2e-3},
         provider_session_cpu_s=20e-3,
     )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=t).provider_costs()
     assert costs is not None
-    stage, end, quota, session = costs
+    stage, end, factors, session = costs
     # 4 s + 4 e = 8 ms and 2 s + 4 e = 6 ms
     assert stage == pytest.approx(1e-3) and end == pytest.approx(1e-3)
-    assert quota == pytest.approx(1.2) and session == pytest.approx(5e-3)
+    assert factors == pytest.approx({0.15: 1.5, 0.3: 1.2}) and session == pytest.approx(5e-3)
+    # between the quotas measured, and up to none at a whole core
+    assert quota_factor(factors, 0.225) == pytest.approx(1.35)
+    assert quota_factor(factors, 0.65) == pytest.approx(1.1)
+    assert quota_factor(factors, 0.1) == pytest.approx(1.5) and quota_factor(factors, 1.0) == 1
     only = msgspec.structs.replace(t, provider_half_token_cpu_s=None)
     costs = msgspec.structs.replace(CAL, package=only).provider_costs()
     assert costs is not None
-    stage, end, quota, _ = costs
+    stage, end, factors, _ = costs
     assert end == CAL.call_s and stage == pytest.approx((8e-3 - 4 * CAL.call_s) / 4)
-    assert quota == 1.0
+    assert factors == {}
     assert CAL.provider_costs() is None  # not measured: the model uses the in-process step
