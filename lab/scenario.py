@@ -260,7 +260,7 @@ def run_once(
                     raise LabError(f"{c.what} failed; see {work / 'stderr.log'}")
             wall = time.time() - start
             busy, total = (b - a for a, b in zip(machine0, _machine(), strict=True))
-            cpu = {}  # what each provider used while the clients ran (None: killed)
+            cpu = {}  # what each provider used while the clients ran (a killed one: until then)
             for name, proc in procs.items():
                 now, then = _cpu_s(proc.pid), cpu0[name]
                 cpu[name] = None if now is None or then is None else round(now - then, 2)
