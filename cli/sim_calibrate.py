@@ -88,27 +88,46 @@ async def _transport(count: int) -> tuple[float, float]:
     from p2p.testing import LOCAL, TENSOR, TensorMsg, serve_test_protocols
 
     msg = TensorMsg(Tensor.from_numpy(np.ones(SMALL, dtype=np.float32)))
-    setups, per_message = [], 0.0
     async with Host(LOCAL) as server:
         serve_test_protocols(server)
         proxy = _Proxy(int(server.addrs[0].split("/")[4]))
         addr = f"/ip4/127.0.0.1/tcp/{await proxy.start()}/p2p/{server.peer_id}"
-        for i in range(3):
+        async with Host(LOCAL) as client:
+            peer = await client.connect(addr)
+            for _ in range(5):  # the connection's set-up is not a message's
+                await client.request(peer, TENSOR, msg)
+            await asyncio.sleep(0.2)
+            before = proxy.moved
+            for _ in range(count):
+                await client.request(peer, TENSOR, msg)
+            await asyncio.sleep(0.2)
+            per_message = (proxy.moved - before) / (2 * count)
+        proxy.close()
+    return max(0.0, per_message - len(encode_message(msg))), await _setups(0.0)
+
+
+async def _setups(delay: float) -> float:
+    """A new connection's set-up (the median of 3) through a proxy that delays every chunk
+    `delay` seconds each way."""
+    from p2p import Host
+    from p2p.testing import ECHO_CONTROL, LOCAL, Echo, serve_test_protocols
+
+    out = []
+    async with Host(LOCAL) as server:
+        serve_test_protocols(server)
+        proxy = _Proxy(int(server.addrs[0].split("/")[4]), delay)
+        addr = f"/ip4/127.0.0.1/tcp/{await proxy.start()}/p2p/{server.peer_id}"
+        for _ in range(3):
             async with Host(LOCAL) as client:
                 start = time.perf_counter()
                 peer = await client.connect(addr)
-                setups.append(time.perf_counter() - start)
-                if i == 0:
-                    for _ in range(5):  # the connection's set-up is not a message's
-                        await client.request(peer, TENSOR, msg)
-                    await asyncio.sleep(0.2)
-                    before = proxy.moved
-                    for _ in range(count):
-                        await client.request(peer, TENSOR, msg)
-                    await asyncio.sleep(0.2)
-                    per_message = (proxy.moved - before) / (2 * count)
+                out.append(time.perf_counter() - start)
+                # (used once before it closes: libp2p's identify exchange, which follows a
+                # connection, finishes instead of failing noisily)
+                await client.request(peer, ECHO_CONTROL, Echo(b"x"))
+                await asyncio.sleep(0.1 + 8 * delay)
         proxy.close()
-    return max(0.0, per_message - len(encode_message(msg))), statistics.median(setups)
+    return statistics.median(out)
 
 
 async def _connect_rtts(delay_s: float = 0.05) -> float:
@@ -116,28 +135,7 @@ async def _connect_rtts(delay_s: float = 0.05) -> float:
     yamux): the median set-up through a proxy that delays every chunk `2 * delay_s` each
     way, less that through one delaying `delay_s`, over the round trip added (both long
     enough that the dialer's own least wait, `connect_s`, is not what they measure)."""
-    from p2p import Host
-    from p2p.testing import ECHO_CONTROL, LOCAL, Echo, serve_test_protocols
-
-    async def setups(delay: float) -> float:
-        out = []
-        async with Host(LOCAL) as server:
-            serve_test_protocols(server)
-            proxy = _Proxy(int(server.addrs[0].split("/")[4]), delay)
-            addr = f"/ip4/127.0.0.1/tcp/{await proxy.start()}/p2p/{server.peer_id}"
-            for _ in range(3):
-                async with Host(LOCAL) as client:
-                    start = time.perf_counter()
-                    peer = await client.connect(addr)
-                    out.append(time.perf_counter() - start)
-                    # (used once before it closes: libp2p's identify exchange, which follows
-                    # a connection, finishes instead of failing noisily)
-                    await client.request(peer, ECHO_CONTROL, Echo(b"x"))
-                    await asyncio.sleep(8 * delay)
-            proxy.close()
-        return statistics.median(out)
-
-    short, long = await setups(delay_s), await setups(2 * delay_s)
+    short, long = await _setups(delay_s), await _setups(2 * delay_s)
     return max(0.0, long - short) / (2 * delay_s)
 
 
