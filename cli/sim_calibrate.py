@@ -125,7 +125,7 @@ async def _setups(delay: float) -> float:
                 # (used once before it closes: libp2p's identify exchange, which follows a
                 # connection, finishes instead of failing noisily)
                 await client.request(peer, ECHO_CONTROL, Echo(b"x"))
-                await asyncio.sleep(0.1 + 8 * delay)
+                await asyncio.sleep(0.05 + 2 * delay)
         proxy.close()
     return statistics.median(out)
 
