@@ -324,6 +324,7 @@ def run(
         "per_run": [d["figures"] for d in done],
         "generations": [d["generations"] for d in done],
         "placement": done[0]["placement"],
+        "placements": [d["placement"] for d in done],  # (each run's: they may differ)
         "reach": [d["reach"] for d in done],
         "cpu": [d["cpu"] for d in done],
         "seen": [d["seen"] for d in done],
