@@ -9,7 +9,8 @@ the gaps between the tokens after it, and its failovers (stage, peer, the stall:
 failover fell in). `--warmup` first runs a two-token generation, not reported, so connections
 are open (its second step goes the chained way: the providers' connections to each other too)
 and the model's client stages loaded. `--wait S` first waits up to S seconds for the
-model to be served (`--backups`: with a backup for every stage) and prints its route;
+model to be served (`--backups`: with a backup for every stage; `--backup-stage N`, repeatable:
+for stage N, 1 the first) and prints its route;
 `--go-on-stdin` then waits for a line on stdin before the timed rounds (so that several clients
 start together). Greedy decoding: every round is the same text.
 """
@@ -67,7 +68,8 @@ async def _route(fa: AsyncClient, args: argparse.Namespace) -> dict[str, object]
     end = time.monotonic() + args.wait
     while True:
         model = await fa.model(args.model)
-        if model.ready and (not args.backups or all(s.backups for s in model.stages)):
+        want = range(len(model.stages)) if args.backups else [n - 1 for n in args.backup_stage]
+        if model.ready and all(model.stages[i].backups for i in want if i < len(model.stages)):
             stages = [
                 {"index": s.index, "providers": [p.peer_id for p in s.providers],
                  "backups": list(s.backups)}
@@ -75,7 +77,7 @@ async def _route(fa: AsyncClient, args: argparse.Namespace) -> dict[str, object]
             ]  # fmt: skip
             return {"event": "route", "model": model.model, "stages": stages}
         if time.monotonic() > end:
-            why = model.waiting or "not every stage has a backup yet"
+            why = model.waiting or "not every stage asked for has a backup yet"
             raise FusionAIError(f"{args.model} was not served within {args.wait:g} s: {why}")
         await asyncio.sleep(0.5)
 
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="per-step deadline, seconds")
     p.add_argument("--wait", type=float, default=0.0, help="wait for the model, seconds")
     p.add_argument("--backups", action="store_true", help="and for a backup of every stage")
+    p.add_argument("--backup-stage", type=int, action="append", default=[], metavar="N",
+                   help="and for a backup of stage N (1: the first; repeatable)")  # fmt: skip
     p.add_argument("--go-on-stdin", action="store_true", help="start on a line on stdin")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's steps")
     args = p.parse_args(argv)
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-new-tokens is 1 to 4096, --rounds 1 to 10000")
     if args.wait and not args.model:
         p.error("--wait needs --model")
+    if any(n < 1 for n in args.backup_stage):
+        p.error("--backup-stage counts from 1")
     try:
         return asyncio.run(_run(args))
     except (FusionAIError, ValueError, OSError) as exc:

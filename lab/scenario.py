@@ -218,8 +218,8 @@ def run_once(
                 "--timeout", str(w.step_timeout_s), "--wait", "240", "--warmup", "--go-on-stdin",
                 "--verbose",
             ]  # fmt: skip
-            if spec.event:
-                load.append("--backups")
+            for e in spec.event:  # (a backup for what the events hit; by name: every stage)
+                load += ["--backups"] if e.stage is None else ["--backup-stage", str(e.stage)]
             clients = []
             for i in range(w.sessions):
                 proc = lab.spawn(
