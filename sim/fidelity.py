@@ -70,15 +70,22 @@ class Placed:
 
 
 def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
-    """What the broker sees of `p`: the calibrated executor at `p`'s CPU share."""
-    share = p.share
+    """What the broker sees of `p`: the calibrated executor at `p`'s CPU share, and the
+    round trip `p` measures to the broker (a ping: the link's delay both ways, the broker's
+    two message ends, and `p`'s two at its quota's pace)."""
+    share, cpu = p.share, min(p.cpu, 1.0)
+    costs = cal.provider_costs()
+    end = cal.call_s if costs is None else costs[1] * quota_factor(costs[2], cpu)
+    own = 2 * end
+    if own > QUOTA_SLICE_S and cpu < 1:
+        own = QUOTA_SLICE_S + (own - QUOTA_SLICE_S) / cpu
     return HardwareProfile(
         name=p.name,
         flops={k: v * share for k, v in cal.profile.flops.items()},
         memory_bytes=float(MEMORY_BYTES),
         mem_bandwidth=cal.profile.mem_bandwidth * share,
         net_bandwidth=p.link.bytes_s,
-        rtt=2 * p.delay_ms / 1e3,  # to the broker, on the Internet with no delay of its own
+        rtt=2 * p.delay_ms / 1e3 + 2 * cal.call_s + own,  # (the broker's link: no delay)
     )
 
 
