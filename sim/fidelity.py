@@ -3,8 +3,8 @@ scenario` will measure, from the calibration's micro-measurements and nothing el
 
 Placement: the broker's decision core (`broker.core.Core`, as the broker runs it) is told of
 each provider joining, with the profile the broker would see (the calibrated machine's FLOP/s
-times the provider's CPU share, its memory limit, its access link) and then of the model; its
-`AssignStage` actions are the placement.
+times the provider's CPU share, its memory limit, its access link, the round trip it would
+measure) and then of the model; its `AssignStage` actions are the placement.
 
 A token (decode step) goes as the client library sends it when a session runs alone on its
 client: chained, client -> stage 1 -> ... -> stage n -> client (`client.chained`). Its
@@ -12,23 +12,22 @@ messages are the calibrated encodings of the real ones (the step with its signed
 hop's answer back, the outputs pushed to the client); on a link each costs the transport's
 measured framing and TCP/IP's headers per segment, and an acknowledgement comes back. A
 network hop costs both access links' one-way delays, the bytes over the slower link, and the
-software's time at both ends (`call_s` + bytes x `wire_s_per_byte`); each stage its
-calibrated one-token step. A lone request runs at the calibrated machine's speed even on a
-provider with a CPU quota (the kernel lets a thread overrun its quota by up to a tick and
-pays the debt later: measured, a quota of 0.3 core added 4.5 ms to a token through four such
-providers where a machine 3.3 times slower would add 23 ms); the quota caps what a provider
-serves over time. Sessions at once: exact mean-value analysis of the closed network they form
-(each client one session; each provider's CPU and each access link's way up and down a queue;
-the rest pure delay), and no more tokens a second than each provider's quota allows.
+software's time at both ends (at a provider, a message end as provider daemons were measured
+to spend it, `Calibration.provider_costs`; at the client `call_s`; both plus bytes x
+`wire_s_per_byte`); each stage a daemon's measured one-token step. A provider's CPU under a
+quota costs the factor measured for it, and its part of a token runs at the quota's pace: the
+first slice (`QUOTA_SLICE_S`) at full speed, the rest at its share (measured with busy loops:
+8 ms of work took 23.3 ms at 0.3 of a core and 43.4 ms at 0.15). Sessions at once: exact
+mean-value analysis of the closed network they form (each client one session; each provider's
+CPU, at its quota's pace, and each access link's way up and down a queue; the rest pure delay).
 
 The first token: the library's first step opens each stage in turn (ask the broker which
 provider, open a session there, send the prompt's hidden states and wait for them back), then
-the head; behind the queues the other sessions keep. A failover stall (a provider killed
-mid-generation): the client sees the connection drop and reports it, the broker pings the
-victim and promotes the backup, the client asks the broker again, connects to the backup
-(the calibrated set-up), opens a session and replays the history there (a prefill of the
-prompt and the tokens so far), for each of the victim's stages; the step then finishes the
-star way.
+the head; behind the queues the other sessions keep, or, in the first round, where the
+sessions start together, behind the first steps of those before it. A failover stall (a
+provider killed mid-generation): see `Model.stall`; the tokens after it take the route with
+the victim's stages on their backups, and the first chained step connects the providers new
+to each other.
 """
 
 from __future__ import annotations
