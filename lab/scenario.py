@@ -2,13 +2,15 @@
 
 Each run builds a fresh lab: one home per provider (its router kind, its access link shaped
 and delayed), a home for the clients, the broker on the Internet. Providers run as processes
-in their homes, each in a cgroup (v1 `cpu.cfs_quota_us`, v2 `cpu.max`) that caps it at its
-`cpu` cores, with `threads` executor threads. The package is added, and once it is served
-(with backups when the scenario kills or freezes anyone) `sessions` clients (`python -m
-client.load`, one process each, warmed up) start together and run `rounds` greedy
-generations each; the scenario's events happen at their times after the start. The run's
-figures come from the clients' timings (`sim.labscenario.figures`); the placement from the
-route the clients were given, named by the scenario's provider names.
+in their homes, each in a cgroup (`sim.cgroup.Quota`) that caps it at its `cpu` cores, with
+`threads` executor threads, the machine's profile at its share (`_profiles`) and the package
+already in its artifact cache (`fusionai provider prefetch`); they start together. Once all
+have joined the package is added, and once it is served (with a backup for what the events
+hit) `sessions` clients (`python -m client.load`, one process each, warmed up) start together
+and run `rounds` greedy generations each; the scenario's events happen at their times after
+the start. The run's figures come from the clients' timings (`sim.labscenario.figures`); the
+placement from the route the clients were given, named by the scenario's provider names;
+beside them what the broker measured of each provider and where the CPU went.
 """
 
 from __future__ import annotations
