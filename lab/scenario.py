@@ -186,7 +186,10 @@ def run_once(
                 (work / p.name).mkdir(mode=0o700)
                 (work / p.name / "profile.json").write_bytes(profiles[p.name])
                 shutil.copytree(seed, work / p.name / "artifacts")
-                quota = Quota(f"fusionai-lab-{lab.run_id}-{p.name}", p.cpu)
+                try:
+                    quota = Quota(f"fusionai-lab-{lab.run_id}-{p.name}", p.cpu)
+                except OSError as exc:
+                    raise LabError(f"cannot cap provider {p.name}'s CPU: {exc}") from None
                 quotas.append(quota)
                 cmd = _fusionai(
                     "provider", "start", "--broker", addr, "--data-dir", str(work / p.name),
