@@ -18,13 +18,6 @@ PROVIDER_READINGS = 5  # readings (the median is kept); with a quota, alternatel
 SHORT, LONG = 2, 24  # the generations' lengths (tokens)
 
 
-def _cpu_s(pid: int) -> float:
-    import psutil
-
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
-
-
 async def _provider_generations(
     http: str, package: Path, pids: list[int], stages_each: int, quotas: dict[float, list[Any]]
 ) -> dict[float, list[tuple[float, float]]]:
@@ -37,7 +30,14 @@ async def _provider_generations(
     cycle through the providers free (key 0.0) and under each quota (its key)."""
     from client.api import AsyncClient
     from ir.manifest import ModelManifest
+    from sim.cgroup import cpu_s
     from sim.labscenario import prompt
+
+    def used_s(pid: int) -> float:
+        out = cpu_s(pid)
+        if out is None:
+            raise RuntimeError(f"the calibration's provider {pid} exited")
+        return out
 
     name = ModelManifest.from_json((package / "manifest.json").read_bytes()).name
     text = prompt(8)  # (the lab scenarios' prompt length)
@@ -63,10 +63,10 @@ async def _provider_generations(
                     next(iter(quotas.values()))[k].release(pid)
             used, made = {}, {}
             for n in (SHORT, LONG):
-                before, tokens = [_cpu_s(pid) for pid in pids], 0
+                before, tokens = [used_s(pid) for pid in pids], 0
                 for _ in range(PROVIDER_ROUNDS):
                     tokens += len((await fa.generate(text, n, model=name, stream=False)).tokens)
-                used[n] = [_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True)]
+                used[n] = [used_s(pid) - b for pid, b in zip(pids, before, strict=True)]
                 made[n] = tokens
             if made[LONG] <= made[SHORT]:
                 raise RuntimeError(f"{name}'s generations ended at once: no CPU per token")

@@ -15,6 +15,7 @@ beside them what the broker measured of each provider and where the CPU went.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from typing import IO, Any
 from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
 from sim.calibration import load as load_calibration
-from sim.cgroup import Quota
+from sim.cgroup import Quota, cpu_s
 from sim.labscenario import LabScenario, LabSpec, figures, prompt, summarize
 
 
@@ -73,21 +74,25 @@ class Events:
             return [e for e in self.lines if e.get("event") == name]
 
 
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds process `pid` has used (all its threads), or None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
 def _machine() -> tuple[float, float]:
     """(busy, all) CPU seconds of this machine so far, over every core (`/proc/stat`)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = ticks[3] + ticks[4]  # idle, iowait
     hz = os.sysconf("SC_CLK_TCK")
     return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+@functools.cache
+def _machine_profile() -> str:
+    """This machine's `profile.json`, measured once per process (`fusionai provider
+    profile`): the scenarios of one benchmark share it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            _fusionai("provider", "profile", "--executor", "ort", "--data-dir", tmp),
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+            check=True, timeout=180,
+        )  # fmt: skip
+        return (Path(tmp) / "profile.json").read_text()
 
 
 def _profiles(spec: LabSpec, calibration: Path | None = None) -> dict[str, bytes]:
@@ -97,13 +102,7 @@ def _profiles(spec: LabSpec, calibration: Path | None = None) -> dict[str, bytes
     share (`LabProvider.share`), as the simulator scales the calibration's. (Providers
     measuring under their quotas in 1 ms slices measured noisily: the same scenario was
     placed a, a, b, b in one run and a, a, a, a in the next.)"""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            _fusionai("provider", "profile", "--executor", "ort", "--data-dir", tmp),
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-            check=True, timeout=180,
-        )  # fmt: skip
-        machine = json.loads((Path(tmp) / "profile.json").read_text())
+    machine = json.loads(_machine_profile())
     if calibration is not None:
         cal = load_calibration(calibration)
         if cal.profile.executor != "ort":
@@ -245,7 +244,7 @@ def run_once(
                 }
                 for p in swarm["providers"]
             }
-            cpu0 = {name: _cpu_s(proc.pid) for name, proc in procs.items()}
+            cpu0 = {name: cpu_s(proc.pid) for name, proc in procs.items()}
             throttled0 = [q.throttled() for q in quotas]
             machine0 = _machine()
             start = time.time()
@@ -267,7 +266,7 @@ def run_once(
             busy, total = (b - a for a, b in zip(machine0, _machine(), strict=True))
             cpu = {}  # what each provider used while the clients ran (a killed one: until then)
             for name, proc in procs.items():
-                now, then = _cpu_s(proc.pid), cpu0[name]
+                now, then = cpu_s(proc.pid), cpu0[name]
                 cpu[name] = None if now is None or then is None else round(now - then, 2)
             throttled = {
                 p.name: [b[0] - a[0], round(b[1] - a[1], 3)]

@@ -1,6 +1,6 @@
 """A CPU quota for a group of processes (Linux cgroups, as root): what the home-internet lab
 caps its providers with (`lab.scenario`), and what `fusionai sim calibrate` measures a
-provider under, so that the simulator knows what a quota costs.
+provider under, so that the simulator knows what a quota costs; and a process's CPU seconds.
 
     quota = Quota("name", 0.3)                     # 0.3 of a core, in slices of QUOTA_SLICE_S
     subprocess.Popen(["sh", "-c", f"echo $$ > {quota.procs} && exec ..."])
@@ -77,3 +77,12 @@ def available() -> str | None:
     if not (v1.exists() or v2.exists()):
         return "no cgroup cpu controller"
     return None
+
+
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds process `pid` has used (all its threads), or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime

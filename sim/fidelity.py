@@ -68,6 +68,14 @@ class Placed:
     backup: str | None
 
 
+def paced(work: float, share: float) -> float:
+    """The wall time of `work` CPU seconds run at once under a quota of `share` cores: the
+    first slice at full speed, the rest at the share."""
+    if share >= 1 or work <= QUOTA_SLICE_S:
+        return work
+    return QUOTA_SLICE_S + (work - QUOTA_SLICE_S) / share
+
+
 def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
     """What the broker sees of `p`: the calibrated executor at `p`'s CPU share, and the
     round trip `p` measures to the broker (a ping: the link's delay both ways, the broker's
@@ -75,9 +83,7 @@ def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
     share, cpu = p.share, min(p.cpu, 1.0)
     costs = cal.provider_costs()
     end = cal.call_s if costs is None else costs[1] * quota_factor(costs[2], cpu)
-    own = 2 * end
-    if own > QUOTA_SLICE_S and cpu < 1:
-        own = QUOTA_SLICE_S + (own - QUOTA_SLICE_S) / cpu
+    own = paced(2 * end, cpu)
     return HardwareProfile(
         name=p.name,
         flops={k: v * share for k, v in cal.profile.flops.items()},
@@ -141,9 +147,7 @@ class Model:
     def stretch(self, x: str, work: float) -> float:
         """The wall time of `work` seconds of CPU run at once on `x`: a provider's quota
         lets the first slice run at full speed, the rest at its share."""
-        if x == CLIENT or work <= QUOTA_SLICE_S:
-            return work
-        return QUOTA_SLICE_S + (work - QUOTA_SLICE_S) / self.share(x)
+        return work if x == CLIENT else paced(work, self.share(x))
 
     def on_link(self, nbytes: float) -> float:
         """The bytes a message of `nbytes` puts on a link: the transport's framing, then
@@ -315,7 +319,7 @@ class Model:
         with `ahead` others before it waits at each stage's busiest queue for their steps."""
         together = ahead is not None
         _, queue = self.mva(0 if together else max(0, sessions - 1))
-        demand = self.demands()
+        demand = {} if together else self.demands()
         out = self.t.client_step_s
         for p in self.placed:
             x = p.provider
