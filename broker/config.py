@@ -78,6 +78,7 @@ class BrokerConfig:
     max_work_tokens: int = 2_000_000  # tokens of interactive work at once (then 429)
     max_reading_bytes: int = 256 * 1024**2  # bytes of JSON bodies read at once (then 429)
     rebalance_every_s: float = 600.0  # how often idle models are checked for a better placement
+    metrics_every_s: float = 5.0  # the dashboard's charts: a sample this often, an hour kept
     trace: Path | None = None  # record the decision core's inputs and actions here (JSON lines)
 
     @property

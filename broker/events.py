@@ -37,9 +37,13 @@ class EventLog:
         log.info("%s %s", kind, json.dumps(row.to_json(), default=str, sort_keys=True))
         for sink in self.sinks:
             sink(row)
+        self.wake()
+        return row
+
+    def wake(self) -> None:
+        """Wake the streams waiting (an event, or something else they send, is new)."""
         self._next.set()
         self._next = asyncio.Event()
-        return row
 
     async def wait(self, timeout: float) -> None:
         """Until the next event is emitted, or `timeout` seconds."""

@@ -22,8 +22,9 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import msgspec
 import numpy as np
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse
@@ -190,9 +191,9 @@ class Gateway:
             for index, prompt in enumerate(prompts):
                 text, reason, n = "", "length", 0
                 async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
-                    async for piece, finish, count in pieces:
-                        text += piece
-                        reason, n = finish or reason, count
+                    async for got in pieces:
+                        text += got.text
+                        reason, n = got.finish or reason, got.tokens
                 choices.append(oa.Choice(text, index, reason))  # type: ignore[arg-type]
                 generated += n
             usage = _usage(sum(len(p) for p in prompts), generated)
@@ -232,9 +233,9 @@ class Gateway:
                 return await self._stream(request, req, client, [prompt], cid, created, chat=True)
             content, reason, n = "", "length", 0
             async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
-                async for piece, finish, n in pieces:  # noqa: B007 (n: after)
-                    content += piece
-                    reason = finish or reason
+                async for got in pieces:
+                    content += got.text
+                    reason, n = got.finish or reason, got.tokens
             choice = oa.ChatChoice(0, oa.AssistantMessage(content), reason)  # type: ignore[arg-type]
             usage = _usage(len(prompt), n)
             return answer(oa.ChatCompletion(cid, created, req.model, [choice], usage))
@@ -253,8 +254,8 @@ class Gateway:
 
     async def _run(
         self, req: Completion, client: ClientStages, prompt: list[int]
-    ) -> AsyncGenerator[tuple[str, str | None, int]]:
-        """(text piece, finish reason once finished, tokens so far) as the answer grows."""
+    ) -> AsyncGenerator[Piece]:
+        """The answer as it grows, a piece a token."""
         backend = self.backend
         keys = await backend.stage_keys(req.model)
         sid = uuid.uuid4().hex[:12]
@@ -276,17 +277,22 @@ class Gateway:
         sampler = Sampler(req.temperature, req.top_p, req.seed)
         count = 0
         tokens = generate(session, prompt, req.max_tokens, sampler, stops=client.stops)
+        last = time.perf_counter()
         try:
             async for token in tokens:  # (the lease holds the model: no rebalancing)
                 if backend.stopping():
                     raise Unavailable("the gateway is shutting down")
                 count += 1
+                now = time.perf_counter()
+                peers = [s.peer or "" for s in session.stages]
+                route = oa.TokenRoute(peers, round(1e3 * (now - last), 2))
+                last = now
                 piece = text.push(token)
                 if token in client.stops or text.stopped:
-                    yield piece + text.finish(), "stop", count
+                    yield Piece(piece + text.finish(), "stop", count, route)
                     return
-                yield piece, None, count
-            yield text.finish(), "length", count
+                yield Piece(piece, None, count, route)
+            yield Piece(text.finish(), "length", count, None)
         except GenerationError as exc:
             raise Unavailable(str(exc)) from None
         finally:
@@ -308,13 +314,17 @@ class Gateway:
         """Completion chunks (or chat completion chunks: the role first, then text deltas,
         then the finish reason) as server-sent events."""
 
-        def chunk(index: int, piece: str | None, finish: Any, role: Any = None) -> Any:
+        def chunk(
+            index: int, piece: str | None, finish: Any, role: Any = None, route: Any = None
+        ) -> Any:
+            made = route if req.include_route and route is not None else msgspec.UNSET
             if chat:
                 delta = oa.Delta(role=role, content=piece)
                 return oa.ChatCompletionChunk(
-                    cid, created, req.model, [oa.ChunkChoice(index, delta, finish)]
+                    cid, created, req.model, [oa.ChunkChoice(index, delta, finish)], fusionai=made
                 )
-            return oa.Completion(cid, created, req.model, [oa.Choice(piece or "", index, finish)])
+            choices = [oa.Choice(piece or "", index, finish)]
+            return oa.Completion(cid, created, req.model, choices, fusionai=made)
 
         async def body(resp: EventSourceResponse) -> None:
             generated = 0
@@ -324,12 +334,14 @@ class Gateway:
                     if chat:
                         await sse(resp, None, chunk(index, "", None, "assistant"))
                     async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
-                        async for piece, finish, count in pieces:  # noqa: B007 (count: after)
-                            if not chat and (piece or finish):
-                                await sse(resp, None, chunk(index, piece, finish))
+                        async for got in pieces:
+                            piece, finish, count = got.text, got.finish, got.tokens
+                            routed = got.route is not None and req.include_route
+                            if not chat and (piece or finish or routed):
+                                await sse(resp, None, chunk(index, piece, finish, None, got.route))
                                 continue
-                            if piece:
-                                await sse(resp, None, chunk(index, piece, None))
+                            if piece or routed:
+                                await sse(resp, None, chunk(index, piece, None, None, got.route))
                             if finish:  # chat: the finish reason in a chunk of its own
                                 await sse(resp, None, chunk(index, None, finish))
                     generated += count
@@ -348,6 +360,16 @@ class Gateway:
             await sse(resp, None, "[DONE]")
 
         return await event_stream(request, body)
+
+
+class Piece(NamedTuple):
+    """A token's part of an answer: its text (may be empty until a character completes), the
+    finish reason once finished, tokens so far, and who made it (None: no token)."""
+
+    text: str
+    finish: str | None
+    tokens: int
+    route: oa.TokenRoute | None
 
 
 def _context(client: ClientStages) -> int:

@@ -39,10 +39,12 @@ class Gateways(Collector):
         self.leases = leases
         self.clock = clock
         self.seen: dict[str, Seen] = {}
+        self.on_report: Callable[[GatewayReport], None] = lambda report: None  # (the charts)
 
     def report(self, report: GatewayReport) -> list[str]:
         """Keep a gateway's report and renew its leases; the leases it no longer holds."""
         self.seen[report.gateway] = Seen(report, self.clock())
+        self.on_report(report)
         return self.leases.renew(report.gateway, list(report.leases))
 
     def up(self) -> list[str]:

@@ -23,13 +23,15 @@
     GET  /v1/jobs/{id}/story              the events that tell what happened to it
     GET  /v1/jobs/{id}/events             its progress, then its results, as server-sent events
     GET  /v1/events                       the event log (?since=ID&limit=N)
-    GET  /v1/stream                       the dashboard's feed: snapshots and events (SSE)
+    GET  /v1/stream                       the dashboard's feed: snapshots, events, samples (SSE)
     POST /v1/embeddings                   OpenAI-style embeddings (`broker.gateway`)
     POST /v1/completions                  OpenAI-style completions, `stream` as SSE
     POST /v1/chat/completions             OpenAI-style chat, through the model's chat template
     GET|POST /v1/keys, DELETE /v1/keys/{id}   managed API keys (admin key; `broker.keys_api`)
     POST /v1/gateway/keys|admit|release|report   what gateway processes ask (a gateway's key)
     GET  /metrics                         Prometheus metrics (`broker.metrics`)
+    GET  /v1/metrics/history              the dashboard's charts: a sample every 5 s, an hour
+                                          of them (`broker.history`; ?since=UNIX_TIME)
     GET  /openapi.json                    this API as an OpenAPI 3.1 document
     GET  /                                the dashboard (static files in broker/dashboard/)
 
@@ -64,10 +66,12 @@ from broker.errors import NotFound
 from broker.events import EventLog
 from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
+from broker.history import History
 from broker.httpkit import (
     ADMISSION,
     DASHBOARD,
     KEY_NEEDED,
+    PAGE_HEADERS,
     Handler,
     answer,
     body_as,
@@ -138,6 +142,7 @@ class ApiParts:
     key_routes: KeyRoutes
     tokens: ArtifactTokens
     metrics: Metrics
+    history: History
     inflight: dict[str, int]  # stage requests outstanding per provider (shared with jobs)
     add_model: Callable[[bytes], Awaitable[StoredModel]]
     stopping: Callable[[], bool]
@@ -285,6 +290,7 @@ def make_app(parts: ApiParts) -> web.Application:
     async def _stream(response: EventSourceResponse, interval: float) -> None:
         last: bytes | None = None
         since = max(0, store.last_event_id() - 50)  # the page starts with recent history
+        sampled = parts.history.samples[-1].at if parts.history.samples else 0.0
         while not parts.stopping() and response.is_connected():  # (pings notice a leaver)
             for row in store.events(since=since, limit=200):
                 since = row.id
@@ -293,6 +299,9 @@ def make_app(parts: ApiParts) -> web.Application:
             if current != last:
                 await sse(response, "snapshot", current.decode())
                 last = current
+            for sample in parts.history.since(sampled).samples:  # (the page read the rest)
+                sampled = sample.at
+                await sse(response, "sample", encode(sample).decode())
             await asyncio.sleep(interval)
             await parts.events.wait(max(0.0, 2.0 - interval))  # load changes without events
 
@@ -306,6 +315,9 @@ def make_app(parts: ApiParts) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         return await gateway.chat(request, await body_as(request, oa.ChatCompletionRequest))
 
+    async def history(request: web.Request) -> web.Response:
+        return answer(parts.history.since(query_as(request, api.HistoryQuery).since))
+
     async def prometheus(request: web.Request) -> web.Response:
         body = metrics.render()  # on the loop: it reads the registry and the store
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -314,7 +326,7 @@ def make_app(parts: ApiParts) -> web.Application:
         return web.Response(body=document_bytes(), content_type="application/json")
 
     async def dashboard(request: web.Request) -> web.FileResponse:
-        return web.FileResponse(DASHBOARD / "index.html")
+        return web.FileResponse(DASHBOARD / "index.html", headers=PAGE_HEADERS)
 
     files = {p.name for p in DASHBOARD.iterdir() if p.is_file()}  # nothing else is served
 
@@ -322,13 +334,14 @@ def make_app(parts: ApiParts) -> web.Application:
         name = request.match_info["path"]
         if name not in files:
             raise NotFound(f"no dashboard file {name!r}")
-        return web.FileResponse(DASHBOARD / name)
+        return web.FileResponse(DASHBOARD / name, headers=PAGE_HEADERS)
 
     handlers: dict[tuple[str, str], Handler] = {
         ("GET", "/"): dashboard,
         ("GET", "/dashboard/{path}"): dashboard_file,
         ("GET", "/openapi.json"): openapi,
         ("GET", "/metrics"): prometheus,
+        ("GET", "/v1/metrics/history"): history,
         ("GET", "/healthz"): healthz,
         ("GET", "/v1/swarm"): swarm,
         ("GET", "/v1/providers"): providers,

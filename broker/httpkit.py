@@ -66,6 +66,13 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 DASHBOARD = Path(__file__).parent / "dashboard"
+# the dashboard's files: nothing but this origin's scripts, styles, images and API (no inline
+# script or style, so text from providers or users can never run), not framed elsewhere
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 # no key needed: the operations marked public (and what is below /dashboard/)
 PUBLIC = frozenset(op.path for op in OPS if op.public and "{" not in op.path)
 BIG_BODY = 64 * 1024  # bodies larger than this are decoded off the event loop

@@ -46,6 +46,7 @@ class Completion:
     top_p: float
     stream: bool
     include_usage: bool
+    include_route: bool  # chunks say who ran each token's stages (`oa.TokenRoute`)
     stop: list[str]
     seed: int | None
 
@@ -83,6 +84,7 @@ def parse_completion(body: CompletionRequest) -> Completion:
         top_p=body.top_p if body.top_p is not None else 1.0,
         stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        include_route=bool(body.stream_options and body.stream_options.include_route),
         stop=stop,
         seed=body.seed,
     )
@@ -128,6 +130,7 @@ def parse_chat(body: ChatCompletionRequest) -> tuple[Completion, list[dict[str, 
         top_p=body.top_p if body.top_p is not None else 1.0,
         stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        include_route=bool(body.stream_options and body.stream_options.include_route),
         stop=stop,
         seed=body.seed,
     )

@@ -62,8 +62,12 @@ OPS: tuple[Op, ...] = (
        "failed (the broker pings it and declares it lost if it does not answer), or, with "
        "wrong_output, its answer disagreed with a shadow step (the broker probes it and "
        "quarantines it if its answer is wrong)", swarm.Report, body=swarm.ReportRequest),
-    Op("GET", "/v1/stream", "swarm", "The dashboard feed: `snapshot` and `event` server-sent "
-       "events", bytes, media=SSE, query=common.StreamQuery),
+    Op("GET", "/v1/stream", "swarm", "The dashboard feed: `snapshot`, `event` and `sample` "
+       "server-sent events", bytes, media=SSE, query=common.StreamQuery),
+    Op("GET", "/v1/metrics/history", "swarm", "The dashboard's charts: the swarm sampled every "
+       "few seconds (tokens/s, requests/s and queues per model, providers' utilisation and "
+       "stage latency, gateways' traffic, failovers, verification results), the last hour",
+       swarm.History, query=swarm.HistoryQuery, errors=(401,)),
     Op("GET", "/v1/events", "swarm", "The event log", common.EventList, query=common.EventsQuery),
     Op("GET", "/v1/models", "models", "The models, in OpenAI's list shape, with whether the "
        "swarm serves each", swarm.ModelList, errors=(401,)),

@@ -44,7 +44,7 @@ from dag.cost import HardwareProfile, Workload
 from p2p import Identity, verify
 from p2p.addresses import address_problem
 from proto.api.swarm import Provider, Reputation
-from proto.heartbeat import Heartbeat, HeartbeatAck
+from proto.heartbeat import Heartbeat, HeartbeatAck, StageWork
 from proto.join import (
     JOIN_DOMAIN,
     MAX_CLOCK_SKEW_S,
@@ -119,6 +119,8 @@ class Registry:
         self.load: dict[str, tuple[int, int]] = {}  # peer -> (queued, kv bytes), last heartbeat
         self.lost: dict[str, asyncio.Event] = {}  # set when the provider is declared lost
         self.quarantined: dict[str, str] = {}  # peer -> why its answers are not trusted
+        # told each live provider's work counters as its heartbeats bring them (the charts)
+        self.on_work: Callable[[str, list[StageWork]], None] = lambda peer, work: None
         driver.carry(ProviderLost, self._on_lost)
         # relays providers offer (signed tickets need our identity); and our own relay's cap
         self.relays = None
@@ -307,6 +309,7 @@ class Registry:
         if not known:
             return HeartbeatAck(known=False)  # the core says: join again
         self.load[peer] = (msg.queued, msg.kv_bytes)
+        self.on_work(peer, msg.work)
         member = self.core.pool.providers.get(peer)
         return HeartbeatAck(
             known=True,

@@ -266,6 +266,8 @@ class Serving:
                     name=info.name,
                     providers=[self.peer_info(p) for p in route[pos]],
                     backups=list(backups.get(pos, [])),
+                    layers=list(info.layers or []),
+                    size_bytes=info.size_bytes,
                 )
             )
         placement = plan.placement

@@ -72,6 +72,12 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
     )
     start.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat interval")
     start.add_argument("--missed-heartbeats", type=int, default=3, help="missed before dead")
+    start.add_argument(
+        "--metrics-every-s",
+        type=float,
+        default=5.0,
+        help="the dashboard's charts: sample the swarm this often (an hour is kept)",
+    )
     start.add_argument("--queue", choices=["fifo", "sjf-bsbf"], default="fifo")
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
     start.add_argument(
@@ -224,6 +230,7 @@ def start(args: argparse.Namespace) -> int:
         return 2
     if (
         args.heartbeat_s <= 0
+        or not 0.1 <= args.metrics_every_s <= 3600
         or args.missed_heartbeats < 1
         or (args.microbatch is not None and args.microbatch < 1)
         or (args.in_flight is not None and args.in_flight < 1)
@@ -232,7 +239,8 @@ def start(args: argparse.Namespace) -> int:
     ):
         print(
             "error: --heartbeat-s, --missed-heartbeats, --microbatch, --in-flight, "
-            "--max-body-mb, --sessions-per-slot must be positive",
+            "--max-body-mb, --sessions-per-slot must be positive, --metrics-every-s "
+            "0.1 to 3600",
             file=sys.stderr,
         )
         return 2
@@ -288,6 +296,7 @@ def start(args: argparse.Namespace) -> int:
         allow_link_local=args.allow_link_local,
         heartbeat_s=args.heartbeat_s,
         missed_heartbeats=args.missed_heartbeats,
+        metrics_every_s=args.metrics_every_s,
         queue_policy=args.queue,
         replicas=args.replicas or None,
         microbatch=args.microbatch,

@@ -17,6 +17,21 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**50)]
 Keys = Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=4096)]
 
 
+Total = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
+class StageWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a provider has done with one stage since it started (counters: they only grow, and
+    start again from 0 when the provider restarts)."""
+
+    key: Annotated[str, msgspec.Meta(max_length=512)]
+    requests: Total = 0  # forward requests and generation sessions opened
+    tokens: Total = 0  # tokens generated through it: session steps, one per row
+    positions: Total = 0  # token positions it computed (rows x sequence), every kind of run
+    runs: Total = 0  # executor runs
+    busy_s: Annotated[float, msgspec.Meta(ge=0, le=1e12)] = 0.0  # seconds those runs took
+
+
 class Heartbeat(Message, frozen=True, tag="Heartbeat/1"):
     """Every figure is bounded and not negative (a negative queue would draw all requests)."""
 
@@ -25,6 +40,10 @@ class Heartbeat(Message, frozen=True, tag="Heartbeat/1"):
     queued: Count = 0  # requests waiting or running
     kv_bytes: Bytes = 0  # KV-cache memory held by generation sessions
     draining: bool = False  # leaving: finishing what it has, taking nothing new
+    # its work per stage (the dashboard's charts: tokens/s, utilisation, stage latency)
+    work: Annotated[list[StageWork], msgspec.Meta(max_length=4096)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class HeartbeatAck(Message, frozen=True, tag="HeartbeatAck/1"):

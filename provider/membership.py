@@ -303,6 +303,7 @@ class Membership:
                 queued=self.server.in_flight,
                 kv_bytes=self.server.kv_bytes(),
                 draining=draining,
+                work=self.server.work_done(),
             ),
             timeout=max(2.0, 2 * self.heartbeat_s),
         )

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import msgspec
 import numpy as np
 
 from ir.pipeline import batchable
@@ -36,6 +37,7 @@ from proto.forward import (
     Hop,
     HopDone,
 )
+from proto.heartbeat import StageWork
 from proto.session import StepHop
 from provider.batching import Batcher
 from provider.chain import check_route, finisher
@@ -96,6 +98,7 @@ class Server(SessionServing, StepChains):
         self._served = 0
         self.tokens_served = 0  # token positions run through stages here (batch x sequence)
         self.runs = 0  # stage runs done (forward passes and generation steps)
+        self.work: dict[str, StageWork] = {}  # per stage: what the heartbeats report
         self._last_sweep = 0.0  # when idle sessions were last expired
         self._absent: set[str] = set()  # peers with sessions, disconnected at the last sweep
         self._kv_used = 0  # bytes of the sessions' caches (kept up to date under the lock)
@@ -266,10 +269,21 @@ class Server(SessionServing, StepChains):
             with self.gate.slot(Priority.TRAINING if training else Priority.FORWARD):
                 start = time.perf_counter()
                 outputs = run(stage.executor, feeds)
-                self._count(feeds)
-                return outputs, (time.perf_counter() - start) * 1e3
+                seconds = time.perf_counter() - start
+                self._count(stage.key, feeds, seconds, requests=1)
+                return outputs, seconds * 1e3
 
-    def _count(self, feeds: dict[str, Array]) -> None:
+    def _count(
+        self,
+        key: str,
+        feeds: dict[str, Array],
+        seconds: float,
+        *,
+        requests: int = 0,
+        generated: int = 0,
+    ) -> None:
+        """Count one executor run of stage `key` that took `seconds`: the `requests` it
+        answered and the tokens it `generated` (session steps, one per row)."""
         hidden = feeds.get("hidden_states")
         tokens = (
             int(hidden.shape[0] * hidden.shape[1]) if hidden is not None and hidden.ndim > 1 else 0
@@ -277,6 +291,26 @@ class Server(SessionServing, StepChains):
         with self._lock:
             self.tokens_served += tokens
             self.runs += 1
+            was = self.work.get(key) or StageWork(key)
+            self.work[key] = StageWork(
+                key,
+                requests=was.requests + requests,
+                tokens=was.tokens + generated,
+                positions=was.positions + tokens,
+                runs=was.runs + 1,
+                busy_s=was.busy_s + seconds,
+            )
+
+    def opened(self, key: str) -> None:
+        """A generation session was opened on stage `key` (a request, for the charts)."""
+        with self._lock:
+            was = self.work.get(key) or StageWork(key)
+            self.work[key] = msgspec.structs.replace(was, requests=was.requests + 1)
+
+    def work_done(self) -> list[StageWork]:
+        """Each stage's counters, for the heartbeat."""
+        with self._lock:
+            return sorted(self.work.values(), key=lambda w: w.key)
 
     def _chained(self, peer: str, request: Forward) -> Relay:
         """Run this hop of a chain (and the next ones if they are ours too), then relay the

@@ -71,7 +71,16 @@ class SessionServing:
             self, peer: str, training: bool = False, stepping: Session | None = None
         ) -> AbstractContextManager[int]: ...
         def _apply_fault(self, number: int, stage: str) -> None: ...
-        def _count(self, feeds: dict[str, Array]) -> None: ...
+        def _count(
+            self,
+            key: str,
+            feeds: dict[str, Array],
+            seconds: float,
+            *,
+            requests: int = 0,
+            generated: int = 0,
+        ) -> None: ...
+        def opened(self, key: str) -> None: ...
         def _outputs(self, outputs: dict[str, Array], wire: str) -> dict[str, Tensor]: ...
 
     def session(
@@ -157,6 +166,8 @@ class SessionServing:
             if request.batch == 1 and not request.check and self.sign is not None:  # (a check's
                 # session, a shadow step's or the broker's probe, is a check already)
                 self.sessions[key].ledger = Ledger(request.session, request.stage, self.sign)
+        if not request.check:
+            self.opened(request.stage)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
@@ -270,15 +281,19 @@ class SessionServing:
         feeds.update(key_mask(stage.info, session.batch, session.past_len + new))
         stage.with_adapters(feeds, session.adapters)
         with self.gate.slot(Priority.SESSION):
+            start = time.perf_counter()
             outputs = run(stage.executor, feeds)
-        self._count(feeds)
+        self._count(stage.key, feeds, time.perf_counter() - start, generated=session.batch)
         return outputs
 
     def _run_batch(self, stage: LoadedStage, feeds: dict[str, Array]) -> dict[str, Array]:
         """One batched run (the batcher's executor call): the base model's adapters."""
         stage.with_adapters(feeds, {})
+        start = time.perf_counter()
         outputs = run(stage.executor, feeds)
-        self._count(feeds)
+        hidden = feeds.get("hidden_states")
+        rows = int(hidden.shape[0]) if hidden is not None and hidden.ndim > 1 else 0
+        self._count(stage.key, feeds, time.perf_counter() - start, generated=rows)
         return outputs
 
     def _keep(self, session: Session, outputs: dict[str, Array], trail: list[Tensor]) -> None:

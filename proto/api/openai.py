@@ -82,6 +82,21 @@ class EmbeddingList(msgspec.Struct, frozen=True):
 
 class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_route: Annotated[
+        bool,
+        msgspec.Meta(
+            description="not OpenAI's: each chunk with text also says which providers ran the "
+            "token's stages and how long the token took (`fusionai`)"
+        ),
+    ] = False
+
+
+class TokenRoute(msgspec.Struct, frozen=True):
+    """Who made a token: the provider of each stage, in order, and the milliseconds from the
+    token before (the dashboard's playground shows them)."""
+
+    providers: list[str]
+    ms: float
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -127,6 +142,7 @@ class Completion(msgspec.Struct, frozen=True):
     choices: list[Choice]
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: Literal["text_completion"] = "text_completion"
+    fusionai: TokenRoute | msgspec.UnsetType = msgspec.UNSET  # `include_route` asked for it
 
 
 # ---- chat completions ----------------------------------------------------------------------
@@ -234,3 +250,4 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True):
     choices: list[ChunkChoice]
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    fusionai: TokenRoute | msgspec.UnsetType = msgspec.UNSET  # `include_route` asked for it

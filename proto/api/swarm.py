@@ -77,6 +77,8 @@ class StageRoute(msgspec.Struct, frozen=True):
     name: str
     providers: list[Peer]  # serving it now
     backups: list[str]  # peer ids standing by
+    layers: list[int] = []  # [first, last + 1] of the model's blocks it holds ([]: none)
+    size_bytes: int = 0  # its weights' file
 
 
 class Model(msgspec.Struct, frozen=True):
@@ -220,3 +222,49 @@ class Verdict(msgspec.Struct, frozen=True):
     ok: bool
     sessions: list[SessionVerdict]
     quarantined: list[str]  # providers quarantined for this generation
+
+
+class ModelSample(msgspec.Struct, frozen=True):
+    """A model in one sample of the charts."""
+
+    tokens_s: float  # tokens generated per second (providers' reports: SDK sessions too)
+    requests_s: float  # generation sessions and forward requests per second at its first stage
+    queued: int  # jobs waiting for it
+
+
+class ProviderSample(msgspec.Struct, frozen=True):
+    pool: str
+    util: float  # seconds its executor ran per second (over 1 with several compute slots)
+    stage_ms: float | None  # mean time of a stage run (None: no runs lately)
+    tokens_s: float  # token positions it computed per second, every stage
+    queued: int  # requests waiting or running
+
+
+class GatewaySample(msgspec.Struct, frozen=True):
+    tokens_s: float
+    requests_s: float
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """The swarm at one moment (rates over the last `History.window_s` seconds; counts of
+    events since the sample before)."""
+
+    at: Annotated[float, msgspec.Meta(description="Unix time")]
+    tokens_s: float  # the whole network: the models' tokens/s added up
+    models: dict[str, ModelSample]
+    providers: dict[str, ProviderSample]
+    gateways: dict[str, GatewaySample]
+    failovers: dict[str, int]  # provider_lost, microbatch_retry, session_failover
+    checks: dict[str, int]  # verification results: agreed, disagreed
+
+
+class History(msgspec.Struct, frozen=True):
+    every_s: float  # a sample this often
+    window_s: float  # rates are over about this long
+    samples: list[Sample]  # oldest first, an hour at most
+
+
+class HistoryQuery(msgspec.Struct, frozen=True):
+    since: Annotated[
+        float, msgspec.Meta(ge=0, le=1e11, description="samples taken after this Unix time")
+    ] = 0.0

@@ -136,6 +136,7 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
         ("/healthz", "/healthz"),
         ("/v1/jobs", "/v1/jobs"),
         ("/v1/events?limit=5", "/v1/events"),
+        ("/v1/metrics/history", "/v1/metrics/history"),
     ]:
         documented(b.http, "GET", path, template)
     one = {"model": "minilm", "input": "x"}
@@ -170,6 +171,22 @@ def test_openai_embeddings_completions_streams_metrics_and_bad_input(
     assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
     assert all(c.object == "text_completion" for c in chunks) and done.object == chunks[0].object
+    # Asked for, each token's chunk says who ran its stages and how long it took.
+    routed = list(
+        client.completions.create(
+            model="tiny-llama",
+            prompt="Hello swarm",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_route": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    assert "".join(c.choices[0].text for c in routed) == text
+    made = [x for c in routed if (x := (c.model_extra or {}).get("fusionai"))]
+    assert len(made) == len(tokens), made
+    assert all(len(m["providers"]) == 2 and m["ms"] > 0 for m in made)
+    assert not any((c.model_extra or {}).get("fusionai") for c in chunks)  # (not asked for)
     # Token-id prompts, seeded sampling (repeatable), and a stop string.
     ids = [5, 17, 3, 9]
     by_ids = client.completions.create(
