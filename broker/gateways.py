@@ -35,11 +35,16 @@ class Seen:
 
 
 class Gateways(Collector):
-    def __init__(self, leases: Leases, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        leases: Leases,
+        clock: Callable[[], float] = time.monotonic,
+        on_report: Callable[[GatewayReport], None] = lambda report: None,  # (the charts)
+    ) -> None:
         self.leases = leases
         self.clock = clock
         self.seen: dict[str, Seen] = {}
-        self.on_report: Callable[[GatewayReport], None] = lambda report: None  # (the charts)
+        self.on_report = on_report
 
     def report(self, report: GatewayReport) -> list[str]:
         """Keep a gateway's report and renew its leases; the leases it no longer holds."""

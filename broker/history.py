@@ -15,16 +15,27 @@ the log's events, counted as they are emitted.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from broker.schema import EventRow
 from proto import api
 from proto.api.keys import GatewayReport
 from proto.heartbeat import StageWork
 
+if TYPE_CHECKING:
+    from broker.config import BrokerConfig
+    from broker.events import EventLog
+    from broker.registry import Registry
+    from broker.serving import Serving
+    from broker.store import Store
+
+log = logging.getLogger("fusionai.broker")
 KEEP_S = 3600.0  # an hour of samples
 FAILOVERS = ("provider_lost", "microbatch_retry", "session_failover")
 Key = tuple[str, str]  # (stage key or "", counter name)
@@ -74,6 +85,40 @@ class Swarm:
     models: dict[str, list[str]]  # model -> its provider stages' keys, in order
     queued: dict[str, int]  # model -> jobs waiting
     providers: dict[str, tuple[str, int]]  # peer -> (pool, requests waiting or running)
+
+
+def watch(
+    config: BrokerConfig, serving: Serving, store: Store, registry: Registry, events: EventLog
+) -> History:
+    """The broker's history: fed by providers' heartbeats (through `registry`) and the log's
+    events; a sample reads `serving`, `store` and `registry` (gateways' reports are handed to
+    `History.gateway` by `broker.gateways`)."""
+    history = History(
+        config.metrics_every_s,
+        config.heartbeat_s,
+        swarm_reader(serving, store, registry),
+        clock=registry.clock,
+    )
+    registry.on_work = history.heartbeat
+    events.sinks.append(history.event)
+    return history
+
+
+def swarm_reader(serving: Serving, store: Store, registry: Registry) -> Callable[[], Swarm]:
+    """What a sample reads of the broker: models' stage keys, queued jobs, live providers."""
+
+    def read() -> Swarm:
+        return Swarm(
+            models={name: list(plan.keys) for name, plan in serving.plans.items()},
+            queued=store.count_queued(),
+            providers={
+                peer: (p.status.value, registry.load.get(peer, (0, 0))[0])
+                for peer, p in registry.core.pool.providers.items()
+                if p.status.value != "dead"
+            },
+        )
+
+    return read
 
 
 def _work_totals(work: Iterable[StageWork]) -> dict[Key, float]:
@@ -183,6 +228,20 @@ class History:
         )
         self.samples.append(sample)
         return sample
+
+    async def run(self, stop: asyncio.Event, wake: Callable[[], None]) -> None:
+        """A sample every `every_s` until `stop`; `wake` tells the streams of each."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.every_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                self.sample()
+                wake()
+            except Exception:  # a bug here must not stop the charts for good
+                log.exception("a metrics sample failed; trying again")
 
     def since(self, at: float) -> api.History:
         return api.History(

@@ -37,7 +37,7 @@ from broker.events import EventLog
 from broker.finetune.kind import FinetuneJobs
 from broker.gateway import Gateway
 from broker.gateways import Gateways
-from broker.history import History, Swarm
+from broker.history import watch
 from broker.http import ApiParts, make_app
 from broker.httpkit import site_url
 from broker.jobs import JobRunner
@@ -134,7 +134,6 @@ class Broker:
         self.verifier: Verifier
         self.embeds: EmbedJobs
         self.finetunes: FinetuneJobs
-        self.history: History
 
     @property
     def peer_id(self) -> str:
@@ -222,18 +221,10 @@ class Broker:
                 },
             )
         )
-        self.history = History(
-            self.config.metrics_every_s,
-            self.config.heartbeat_s,
-            self._swarm_now,
-            clock=self.clock,
-        )
-        self.registry.on_work = self.history.heartbeat
-        self.events.sinks.append(self.history.event)
+        self.history = watch(self.config, self.serving, self.store, self.registry, self.events)
         context = self._tls()
         leases = Leases(self._batch_slots, self.jobs.using)
-        gateways = Gateways(leases)
-        gateways.on_report = self.history.gateway
+        gateways = Gateways(leases, on_report=self.history.gateway)
         self.metrics.registry.register(gateways)
         gateway = Gateway(
             BrokerBackend(GatewayParts(
@@ -302,37 +293,9 @@ class Broker:
         self._tasks = [
             asyncio.create_task(self.registry.tick(self._stop)),
             asyncio.create_task(self.jobs.schedule(self._stop)),
-            asyncio.create_task(self._sample(self._stop)),
+            asyncio.create_task(self.history.run(self._stop, self.events.wake)),
         ]
         self.events.emit("broker_started", peer=self.peer_id, addrs=self.addrs, http=self.http_url)
-
-    def _swarm_now(self) -> Swarm:
-        """What a chart sample reads: models' stage keys, queued jobs, providers' pools."""
-        load = self.registry.load
-        return Swarm(
-            models={name: list(plan.keys) for name, plan in self.serving.plans.items()},
-            queued=self.store.count_queued(),
-            providers={
-                peer: (p.status.value, load.get(peer, (0, 0))[0])
-                for peer, p in self.driver.core.pool.providers.items()
-                if p.status.value != "dead"
-            },
-        )
-
-    async def _sample(self, stop: asyncio.Event) -> None:
-        """The charts' samples, every `metrics_every_s` (`broker.history`)."""
-        every = self.config.metrics_every_s
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), every)
-                return
-            except TimeoutError:
-                pass
-            try:
-                self.history.sample()
-                self.events.wake()
-            except Exception:  # a bug here must not stop the charts for good
-                log.exception("a metrics sample failed; trying again")
 
     def _batch_slots(self, model: str) -> int:
         """Sessions `model` takes: its serving providers' batch slots (0: none said)."""
