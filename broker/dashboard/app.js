@@ -254,7 +254,10 @@ async function showJob(id) {
     const steps = Object.values(loss).flat().map(([s]) => s);
     const lo = Math.min(...steps), hi = Math.max(...steps), now = Date.now() / 1000;
     const series = mapOf(loss, (pts) => pts.map(([s, v]) => [now - (hi - s), v]));
-    lineChart(curve, { title: `Loss, steps ${lo} to ${hi}`, unit: "", series, span: Math.max(1, hi - lo) });
+    lineChart(curve, {
+      title: `Loss, steps ${lo} to ${hi}`, unit: "", series, span: Math.max(1, hi - lo),
+      zero: false, ends: [`step ${lo}`, `step ${hi}`], end: now,
+    });
   }
   if (!["succeeded", "failed", "cancelled"].includes(job.state) && location.hash === "#job/" + encodeURIComponent(id)) {
     state.jobTimer = setTimeout(() => showJob(id), 2000);

@@ -27,7 +27,9 @@ function fmt(v) {
 
 // Draw `series` ({name: [[unix_s, value|null], ...]}) into `box` (replacing what was there).
 // The chart keeps its newest values in data attributes, so tests and scripts can read them.
-function lineChart(box, { title, unit, series, span, label = (n) => n }) {
+// `zero`: the y axis starts at 0 (else at the lowest value); `ends`: the x axis' two labels.
+// `end`: the x axis' right end (default: now, in Unix seconds).
+function lineChart(box, { title, unit, series, span, label = (n) => n, zero = true, ends = null, end = null }) {
   box.replaceChildren();
   box.classList.add("chart");
   const head = document.createElement("h3");
@@ -35,29 +37,40 @@ function lineChart(box, { title, unit, series, span, label = (n) => n }) {
   box.append(head);
   const names = Object.keys(series).sort();
   const W = 320, H = 120, L = 34, B = 14;
-  const now = Date.now() / 1000;
+  const now = end == null ? Date.now() / 1000 : end;
   const t0 = now - span;
-  let top = 0;
-  for (const n of names) for (const [, v] of series[n]) if (v != null && v > top) top = v;
-  top = top > 0 ? top * 1.1 : 1;
+  let top = zero ? 0 : -Infinity;
+  let low = zero ? 0 : Infinity;
+  for (const n of names) {
+    for (const [, v] of series[n]) {
+      if (v == null) continue;
+      top = Math.max(top, v);
+      low = Math.min(low, v);
+    }
+  }
+  if (!isFinite(top)) { top = 1; low = 0; }
+  const pad = (top - low) * 0.1 || Math.abs(top) * 0.1 || 1;
+  top += pad;
+  if (!zero) low -= pad;
   const x = (t) => L + ((t - t0) / span) * (W - L - 2);
-  const y = (v) => H - B - (v / top) * (H - B - 4);
-  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", preserveAspectRatio: "none" });
+  const y = (v) => H - B - ((v - low) / (top - low)) * (H - B - 4);
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
   const titleEl = svg("title");
   titleEl.textContent = `${title} (${unit})`;
   root.append(titleEl);
   root.append(svg("line", { class: "axis", x1: L, y1: H - B, x2: W, y2: H - B }));
   root.append(svg("line", { class: "axis", x1: L, y1: 4, x2: L, y2: H - B }));
-  for (const [v, yy] of [[top, 12], [top / 2, y(top / 2) + 3], [0, H - B]]) {
+  const mid = (top + low) / 2;
+  for (const [v, yy] of [[top, 12], [mid, y(mid) + 3], [low, H - B]]) {
     const t = svg("text", { class: "tick", x: 2, y: yy });
     t.textContent = fmt(v);
     root.append(t);
   }
   const ago = svg("text", { class: "tick", x: L, y: H - 2 });
-  ago.textContent = `${Math.round(span / 60) || 1} min ago`;
+  ago.textContent = ends ? ends[0] : `${Math.round(span / 60) || 1} min ago`;
   root.append(ago);
-  const nowLabel = svg("text", { class: "tick", x: W - 24, y: H - 2 });
-  nowLabel.textContent = "now";
+  const nowLabel = svg("text", { class: "tick", x: W - 2, y: H - 2, "text-anchor": "end" });
+  nowLabel.textContent = ends ? ends[1] : "now";
   root.append(nowLabel);
   const legend = document.createElement("div");
   legend.className = "legend";
@@ -66,16 +79,19 @@ function lineChart(box, { title, unit, series, span, label = (n) => n }) {
     const points = series[n].filter(([t]) => t >= t0);
     let d = "";
     let pen = "M";
+    let drawn = 0;
     for (const [t, v] of points) {
       if (v == null) { pen = "M"; continue; }
       d += `${pen}${x(t).toFixed(1)},${y(v).toFixed(1)}`;
       pen = "L";
+      drawn += 1;
     }
     const latest = points.length ? points[points.length - 1][1] : null;
     const path = svg("path", { class: "series", d: d || "M0,0" });
     path.style.setProperty("--hue", hueOf(n));
     path.dataset.series = n;
     path.dataset.latest = latest == null ? "" : String(latest);
+    path.dataset.points = String(drawn);
     root.append(path);
     const item = document.createElement("span");
     item.style.setProperty("--hue", hueOf(n));

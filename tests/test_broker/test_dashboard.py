@@ -353,3 +353,46 @@ async def test_dashboard_map_charts_playground_phone_dark_and_keys(
             "the live feed", "document.querySelector('#conn')?.dataset.state === 'live'"
         )
         await page.wait("an empty swarm", "document.body.innerText.includes('no providers')")
+
+
+async def test_a_training_job_s_page_shows_progress_story_and_loss_curve(
+    tmp_path: Path, pretrain_package: Path
+) -> None:
+    """A pre-training run on an in-process swarm (a real broker, its HTTP API and SQLite):
+    its page in the dashboard has its state, progress, story and a point a step on the loss
+    curve."""
+    from ir.scratch import SHIPPED_DATA, read_texts
+    from tests.test_broker.inproc import swarm
+
+    chromium()
+    steps = 6
+    s = await swarm(tmp_path / "swarm")
+    try:
+        for _ in range(2):
+            await s.provider()
+        model = await s.add_model(pretrain_package)
+        await s.until("a route", lambda: all(s.broker.serving.route(model) or [[]]), 60)
+        body = {"kind": "train", "model": model, "texts": read_texts(SHIPPED_DATA)[:20],
+                "batch": 12, "seq_len": 32, "steps": steps}  # fmt: skip
+        job = await s.broker.jobs.submit(body)
+        row = await s.until(
+            "the run's end",
+            lambda: (r := s.broker.store.job(job.id, full=False)) and r.state == "succeeded" and r,
+            180,
+        )
+        assert row.state == "succeeded"
+        async for page in open_page(tmp_path):
+            await page.call("Page.enable")
+            await page.call("Page.navigate", url=f"{s.broker.http_url}/#jobs")
+            link = f'#jobs a[href="#job/{job.id}"]'
+            await page.wait("the job's row", f"!!document.querySelector('{link}')")
+            await page.eval(f"document.querySelector('{link}').click(); true")
+            curve = 'document.querySelector(\'#job [data-chart="loss"] path[data-series="loss"]\')'
+            points = await page.wait("the loss curve", f"{curve}?.dataset.points")
+            assert int(points) == steps
+            text = await page.eval("document.querySelector('#job').innerText")
+            assert "succeeded" in text and "train_step" in text and f"{model}" in text
+            folder = Path(os.environ.get("FUSIONAI_SCREENSHOTS", tmp_path))
+            await screenshot(page, folder, "job")
+    finally:
+        await s.close()
