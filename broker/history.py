@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fusionai.broker")
 KEEP_S = 3600.0  # an hour of samples
+SILENT_GATEWAY_S = 60.0  # a gateway silent this long (beyond its rates' window) is dropped
+MAX_SAMPLES = 7200  # (at most: an hour at the shortest interval, half a second)
 FAILOVERS = ("provider_lost", "microbatch_retry", "session_failover")
 Key = tuple[str, str]  # (stage key or "", counter name)
 
@@ -149,7 +151,10 @@ class History:
         self.read = read
         self.clock = clock
         self.wall = wall
-        self.samples: deque[api.Sample] = deque(maxlen=max(1, round(keep_s / every_s)))
+        self.samples: deque[api.Sample] = deque(
+            maxlen=max(1, min(MAX_SAMPLES, round(keep_s / every_s)))
+        )
+        self.taken = 0  # samples taken
         self.providers: dict[str, Rates] = {}
         self.gateways: dict[str, Rates] = {}
         self.counted: Counter[str] = Counter()  # events since the last sample
@@ -174,8 +179,10 @@ class History:
             self.counted[kind] += 1
         elif kind == "result_checked" or (kind == "generation_verified" and data.get("ok")):
             self.counted["agreed"] += 1
-        elif kind == "provider_quarantined" or kind == "generation_verified":
+        elif kind == "generation_verified":
             self.counted["disagreed"] += 1
+        elif kind == "provider_quarantined":  # (a forward check that disagreed ends in one)
+            self.counted["quarantined"] += 1
 
     # ---- samples ----------------------------------------------------------------------------
 
@@ -211,6 +218,9 @@ class History:
             )
         gateways: dict[str, api.GatewaySample] = {}
         for gateway, rates in sorted(self.gateways.items()):
+            if now - rates.readings[-1][0] > 3 * self.window_s + SILENT_GATEWAY_S:
+                del self.gateways[gateway]  # (gone: no longer charted)
+                continue
             got = rates.rates(now)
             gateways[gateway] = api.GatewaySample(
                 tokens_s=round(sum(v for (_, n), v in got.items() if n == "tokens"), 3),
@@ -218,14 +228,16 @@ class History:
             )
         counted, self.counted = self.counted, Counter()
         sample = api.Sample(
+            seq=self.taken,
             at=round(self.wall(), 3),
             tokens_s=round(sum(m.tokens_s for m in models.values()), 3),
             models=models,
             providers=providers,
             gateways=gateways,
             failovers={k: counted[k] for k in FAILOVERS},
-            checks={"agreed": counted["agreed"], "disagreed": counted["disagreed"]},
+            checks={k: counted[k] for k in ("agreed", "disagreed", "quarantined")},
         )
+        self.taken += 1
         self.samples.append(sample)
         return sample
 
@@ -243,9 +255,10 @@ class History:
             except Exception:  # a bug here must not stop the charts for good
                 log.exception("a metrics sample failed; trying again")
 
-    def since(self, at: float) -> api.History:
+    def since(self, at: float = 0.0, after: int = -1) -> api.History:
+        """The samples taken after Unix time `at` and after the one numbered `after`."""
         return api.History(
             every_s=self.every_s,
             window_s=self.window_s,
-            samples=[s for s in self.samples if s.at > at],
+            samples=[s for s in self.samples if s.at > at and s.seq > after],
         )

@@ -290,7 +290,7 @@ def make_app(parts: ApiParts) -> web.Application:
     async def _stream(response: EventSourceResponse, interval: float) -> None:
         last: bytes | None = None
         since = max(0, store.last_event_id() - 50)  # the page starts with recent history
-        sampled = parts.history.samples[-1].at if parts.history.samples else 0.0
+        sampled = parts.history.taken - 1  # (the page reads the history so far itself)
         while not parts.stopping() and response.is_connected():  # (pings notice a leaver)
             for row in store.events(since=since, limit=200):
                 since = row.id
@@ -299,8 +299,8 @@ def make_app(parts: ApiParts) -> web.Application:
             if current != last:
                 await sse(response, "snapshot", current.decode())
                 last = current
-            for sample in parts.history.since(sampled).samples:  # (the page read the rest)
-                sampled = sample.at
+            for sample in parts.history.since(after=sampled).samples:
+                sampled = sample.seq
                 await sse(response, "sample", encode(sample).decode())
             await asyncio.sleep(interval)
             await parts.events.wait(max(0.0, 2.0 - interval))  # load changes without events
@@ -316,7 +316,8 @@ def make_app(parts: ApiParts) -> web.Application:
         return await gateway.chat(request, await body_as(request, oa.ChatCompletionRequest))
 
     async def history(request: web.Request) -> web.Response:
-        return answer(parts.history.since(query_as(request, api.HistoryQuery).since))
+        query = query_as(request, api.HistoryQuery)
+        return answer(parts.history.since(query.since, query.after))
 
     async def prometheus(request: web.Request) -> web.Response:
         body = metrics.render()  # on the loop: it reads the registry and the store

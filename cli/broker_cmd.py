@@ -230,7 +230,7 @@ def start(args: argparse.Namespace) -> int:
         return 2
     if (
         args.heartbeat_s <= 0
-        or not 0.1 <= args.metrics_every_s <= 3600
+        or not 0.5 <= args.metrics_every_s <= 3600
         or args.missed_heartbeats < 1
         or (args.microbatch is not None and args.microbatch < 1)
         or (args.in_flight is not None and args.in_flight < 1)
@@ -240,7 +240,7 @@ def start(args: argparse.Namespace) -> int:
         print(
             "error: --heartbeat-s, --missed-heartbeats, --microbatch, --in-flight, "
             "--max-body-mb, --sessions-per-slot must be positive, --metrics-every-s "
-            "0.1 to 3600",
+            "0.5 to 3600",
             file=sys.stderr,
         )
         return 2

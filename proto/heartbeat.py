@@ -20,7 +20,7 @@ Keys = Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Met
 Total = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
 
-class StageWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class StageWork(msgspec.Struct, frozen=True):  # (unknown fields: a later provider's, ignored)
     """What a provider has done with one stage since it started (counters: they only grow, and
     start again from 0 when the provider restarts)."""
 

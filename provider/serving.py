@@ -248,7 +248,9 @@ class Server(SessionServing, StepChains):
         if request.route:
             return self._chained(peer, request)
         stage = self._forward_stage(request.stage, request.check)
-        outputs, ms = self._run_forward(peer, stage, arrays(request.inputs), request.training)
+        outputs, ms = self._run_forward(
+            peer, stage, arrays(request.inputs), request.training, check=request.check
+        )
         return ForwardResult(outputs=self._outputs(outputs, wire_of(request.inputs)), compute_ms=ms)
 
     def _forward_stage(self, key: str, check: bool = False) -> LoadedStage:
@@ -260,9 +262,16 @@ class Server(SessionServing, StepChains):
         return stage
 
     def _run_forward(
-        self, peer: str, stage: LoadedStage, feeds: dict[str, Array], training: bool
+        self,
+        peer: str,
+        stage: LoadedStage,
+        feeds: dict[str, Array],
+        training: bool,
+        *,
+        check: bool = False,
     ) -> tuple[dict[str, Array], float]:
-        """Admit, wait for a compute slot, run: (outputs, milliseconds the run took)."""
+        """Admit, wait for a compute slot, run: (outputs, milliseconds the run took). A
+        `check` (the broker's second opinion) is not a user's request in the counts."""
         with self._admit(peer, training) as number:
             self._apply_fault(number, stage.key)
             stage.with_adapters(feeds, {})
@@ -270,20 +279,14 @@ class Server(SessionServing, StepChains):
                 start = time.perf_counter()
                 outputs = run(stage.executor, feeds)
                 seconds = time.perf_counter() - start
-                self._count(stage.key, feeds, seconds, requests=1)
+                self._count(stage.key, feeds, seconds, requests=0 if check else 1)
                 return outputs, seconds * 1e3
 
     def _count(
-        self,
-        key: str,
-        feeds: dict[str, Array],
-        seconds: float,
-        *,
-        requests: int = 0,
-        generated: int = 0,
+        self, key: str, feeds: dict[str, Array], seconds: float, *, requests: int = 0
     ) -> None:
-        """Count one executor run of stage `key` that took `seconds`: the `requests` it
-        answered and the tokens it `generated` (session steps, one per row)."""
+        """Count one executor run of stage `key` that took `seconds` (and the `requests` it
+        answered)."""
         hidden = feeds.get("hidden_states")
         tokens = (
             int(hidden.shape[0] * hidden.shape[1]) if hidden is not None and hidden.ndim > 1 else 0
@@ -295,17 +298,20 @@ class Server(SessionServing, StepChains):
             self.work[key] = StageWork(
                 key,
                 requests=was.requests + requests,
-                tokens=was.tokens + generated,
+                tokens=was.tokens,
                 positions=was.positions + tokens,
                 runs=was.runs + 1,
                 busy_s=was.busy_s + seconds,
             )
 
-    def opened(self, key: str) -> None:
-        """A generation session was opened on stage `key` (a request, for the charts)."""
+    def served(self, key: str, *, requests: int = 0, tokens: int = 0) -> None:
+        """Count a generation session opened on stage `key` (a request) or the `tokens` a
+        step of one generated (a row each), for the charts."""
         with self._lock:
             was = self.work.get(key) or StageWork(key)
-            self.work[key] = msgspec.structs.replace(was, requests=was.requests + 1)
+            self.work[key] = msgspec.structs.replace(
+                was, requests=was.requests + requests, tokens=was.tokens + tokens
+            )
 
     def work_done(self) -> list[StageWork]:
         """Each stage's counters, for the heartbeat."""

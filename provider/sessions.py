@@ -72,15 +72,9 @@ class SessionServing:
         ) -> AbstractContextManager[int]: ...
         def _apply_fault(self, number: int, stage: str) -> None: ...
         def _count(
-            self,
-            key: str,
-            feeds: dict[str, Array],
-            seconds: float,
-            *,
-            requests: int = 0,
-            generated: int = 0,
+            self, key: str, feeds: dict[str, Array], seconds: float, *, requests: int = 0
         ) -> None: ...
-        def opened(self, key: str) -> None: ...
+        def served(self, key: str, *, requests: int = 0, tokens: int = 0) -> None: ...
         def _outputs(self, outputs: dict[str, Array], wire: str) -> dict[str, Tensor]: ...
 
     def session(
@@ -166,8 +160,8 @@ class SessionServing:
             if request.batch == 1 and not request.check and self.sign is not None:  # (a check's
                 # session, a shadow step's or the broker's probe, is a check already)
                 self.sessions[key].ledger = Ledger(request.session, request.stage, self.sign)
-        if not request.check:
-            self.opened(request.stage)
+        if not request.check:  # (a check's session is the broker's or a shadow: not a user's)
+            self.served(request.stage, requests=1)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
 
     def _step(self, peer: str, request: SessionStep) -> SessionOutput:
@@ -270,6 +264,8 @@ class SessionServing:
             session=request.session, outputs=outputs, past_len=session.past_len, commitments=made
         )
         session.last = (before, answer)
+        if not session.check:
+            self.served(session.stage, tokens=session.batch)  # a token a row
         return answer
 
     def _alone(
@@ -283,7 +279,7 @@ class SessionServing:
         with self.gate.slot(Priority.SESSION):
             start = time.perf_counter()
             outputs = run(stage.executor, feeds)
-        self._count(stage.key, feeds, time.perf_counter() - start, generated=session.batch)
+        self._count(stage.key, feeds, time.perf_counter() - start)
         return outputs
 
     def _run_batch(self, stage: LoadedStage, feeds: dict[str, Array]) -> dict[str, Array]:
@@ -291,9 +287,7 @@ class SessionServing:
         stage.with_adapters(feeds, {})
         start = time.perf_counter()
         outputs = run(stage.executor, feeds)
-        hidden = feeds.get("hidden_states")
-        rows = int(hidden.shape[0]) if hidden is not None and hidden.ndim > 1 else 0
-        self._count(stage.key, feeds, time.perf_counter() - start, generated=rows)
+        self._count(stage.key, feeds, time.perf_counter() - start)
         return outputs
 
     def _keep(self, session: Session, outputs: dict[str, Array], trail: list[Tensor]) -> None:

@@ -18,7 +18,7 @@ const FAILOVER_KINDS = {
 };
 const state = {
   snapshot: null, samples: [], every: 5, flash: new Map(), failovers: [], play: null,
-  job: null, jobTimer: null, chartsDirty: true,
+  job: null, jobTimer: null, chartsDirty: true, lastEvent: 0,
 };
 
 // h("div", {class: "x", "data-y": 1}, "text", child...): an element; strings become text nodes.
@@ -72,7 +72,7 @@ function renderMap(s) {
       h("span", { class: "muted" }, `${m.ready ? "ready" : m.waiting || "placing"} · ${m.stages.length} provider stages · ${m.throughput_tokens_s} tokens/s planned`)),
     h("div", { class: "segments" }, m.stages.map((st) => {
       const seg = h("div", {
-        class: "segment", "data-stage": st.key, "data-served": st.providers.length > 0,
+        class: "segment", "data-stage": st.key, "data-served": String(st.providers.length > 0),
         "data-layers": st.layers && st.layers.length === 2 ? `${st.layers[0]}-${st.layers[1] - 1}` : "",
       },
       h("div", {}, h("strong", {}, layerText(st)), " ", h("span", { class: "muted" }, st.key)),
@@ -104,7 +104,7 @@ function renderMap(s) {
     bar.style.width = `${Math.min(100, (100 * used) / Math.max(1, p.memory_bytes)).toFixed(1)}%`;
     const card = h("article", {
       class: "card", "data-peer": p.peer_id, "data-pool": p.pool,
-      "data-flash": (state.flash.get(p.peer_id) || 0) > now,
+      "data-flash": String((state.flash.get(p.peer_id) || 0) > now),
     },
     h("div", { class: "card-title" },
       h("span", {}, chip(p.peer_id, false)),
@@ -153,6 +153,7 @@ const CHARTS = [
   ["failovers", "Failovers and verification, per sample", "events", (s) => ({
     failovers: Object.values(s.failovers).reduce((a, b) => a + b, 0),
     agreed: s.checks.agreed || 0, disagreed: s.checks.disagreed || 0,
+    quarantined: s.checks.quarantined || 0,
   })],
   ["gateways", "Gateways' tokens/s", "tokens/s", (s) => mapOf(s.gateways, (g) => g.tokens_s)],
   ["network", "Network tokens/s", "tokens/s", (s) => ({ all: s.tokens_s })],
@@ -189,7 +190,7 @@ function renderCharts() {
 
 function addSample(sample) {
   const last = state.samples[state.samples.length - 1];
-  if (last && sample.at <= last.at) return;  // (the history read at connect has it)
+  if (last && sample.seq <= last.seq) return;  // (the history read at connect has it)
   state.samples.push(sample);
   const keep = Math.ceil(3600 / state.every);
   if (state.samples.length > keep) state.samples.splice(0, state.samples.length - keep);
@@ -222,18 +223,21 @@ function renderJobs(jobs) {
 
 async function showJob(id) {
   clearTimeout(state.jobTimer);
+  const token = (state.job = {});  // a later call (another job, a refresh) wins
   const box = $("#job");
   box.hidden = false;
   const [jr, sr] = await Promise.all([
     fetch("/v1/jobs/" + encodeURIComponent(id), { headers: headers() }),
     fetch("/v1/jobs/" + encodeURIComponent(id) + "/story", { headers: headers() }),
   ]);
+  if (state.job !== token) return;
   if (!jr.ok) {
     box.replaceChildren(h("p", {}, `job ${id}: ${jr.status === 404 ? "not found" : "error " + jr.status}`));
     return;
   }
   const job = await jr.json();
   const story = sr.ok ? (await sr.json()).events || [] : [];
+  if (state.job !== token) return;
   const bar = h("span", {});
   bar.style.width = `${(100 * job.progress).toFixed(1)}%`;
   const loss = {};
@@ -272,6 +276,8 @@ function storyText(e) {
 // ---- events -------------------------------------------------------------------------------
 
 function renderEvent(e) {
+  if (e.id <= state.lastEvent) return;  // (a stream opened again replays recent events)
+  state.lastEvent = e.id;
   const who = [e.job && "job " + e.job, e.peer && short(e.peer)].filter(Boolean).join(" ");
   const li = h("li", { "data-kind": e.kind }, `${new Date(e.at * 1000).toLocaleTimeString()} ${e.kind} ${who}`);
   $("#events").prepend(li);
@@ -426,8 +432,10 @@ function route() {
     if (a.dataset.view === shown) a.setAttribute("aria-current", "page");
     else a.removeAttribute("aria-current");
   }
-  if (name === "job" && arg) showJob(decodeURIComponent(arg));
-  else { $("#job").hidden = true; clearTimeout(state.jobTimer); }
+  let job = null;
+  try { job = arg ? decodeURIComponent(arg) : null; } catch (_) { /* a malformed link */ }
+  if (name === "job" && job) showJob(job).catch(() => {});
+  else { $("#job").hidden = true; state.job = null; clearTimeout(state.jobTimer); }
   if (shown === "charts" && state.chartsDirty) renderCharts();
 }
 

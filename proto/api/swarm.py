@@ -249,13 +249,16 @@ class Sample(msgspec.Struct, frozen=True):
     """The swarm at one moment (rates over the last `History.window_s` seconds; counts of
     events since the sample before)."""
 
+    seq: int  # samples taken by this broker before this one (the stream's cursor)
     at: Annotated[float, msgspec.Meta(description="Unix time")]
     tokens_s: float  # the whole network: the models' tokens/s added up
     models: dict[str, ModelSample]
     providers: dict[str, ProviderSample]
     gateways: dict[str, GatewaySample]
     failovers: dict[str, int]  # provider_lost, microbatch_retry, session_failover
-    checks: dict[str, int]  # verification results: agreed, disagreed
+    # verification: answers a second run agreed with, generations whose commitments a rerun
+    # did not reproduce (disagreed), providers quarantined
+    checks: dict[str, int]
 
 
 class History(msgspec.Struct, frozen=True):
@@ -268,3 +271,6 @@ class HistoryQuery(msgspec.Struct, frozen=True):
     since: Annotated[
         float, msgspec.Meta(ge=0, le=1e11, description="samples taken after this Unix time")
     ] = 0.0
+    after: Annotated[
+        int, msgspec.Meta(ge=-1, le=2**62, description="samples after this one (its seq)")
+    ] = -1

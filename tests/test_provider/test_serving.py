@@ -387,6 +387,14 @@ def test_session_caches_stay_within_budget_and_expire(llama_package: Path) -> No
     # kept for a replay of the next stage: 8 tokens x 128 x 4 bytes
     used = server.kv_bytes()
     assert used == 2 * 2 * 2 * 8 * 32 * 4 + 8 * 128 * 4 and out.past_len == 8  # type: ignore[union-attr]
+    # the work the heartbeats report: a session opened, a token generated, two runs of 8
+    # positions; a check's session (a shadow, the broker's probe) is no user's
+    server.session("peer", SessionOpen(session="x", stage="l/1", check=True))
+    server.session("peer", SessionStep(session="x", stage="l/1", inputs=step.inputs))
+    server.session("peer", SessionClose(session="x", stage="l/1"))
+    (work,) = server.work_done()
+    assert (work.key, work.requests, work.tokens) == ("l/1", 1, 1)
+    assert work.positions == 2 * 8 and work.runs == 2 and work.busy_s > 0
     server.session("peer", SessionOpen(session="b", stage="l/1"))
     server.session("peer", SessionStep(session="b", stage="l/1", inputs=step.inputs))
     with pytest.raises(Refused) as full:  # a third 12 KiB session would pass 30 KB
