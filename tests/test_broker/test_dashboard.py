@@ -252,6 +252,7 @@ async def test_dashboard_map_charts_playground_phone_dark_and_keys(
             await task
             rate = len(times) / (times[-1] - start)
             shown = sum(readings) / len(readings)
+            print(f"tokens/s: the chart {shown:.1f} (mean of {len(readings)}), the SDK {rate:.1f}")
             assert len(readings) >= 10 and abs(shown - rate) <= 0.2 * rate, (shown, rate, readings)
             await screenshot(page, folder, "charts")
             idle = await page.wait(
