@@ -38,7 +38,7 @@ browser:
 
 # (one process: these are mostly busy, and one compares its pace under load with its own)
 test-slow: $(STAMP)
-	$(PY) -m pytest -m slow --durations=12
+	$(PY) -m pytest $(XDIST) -m slow --durations=12
 
 # The home-internet lab (network namespaces, NAT routers, shaped links): needs root,
 # iproute2, iptables, nftables and miniupnpd (`.ci/run` installs them on Debian).
