@@ -1,6 +1,7 @@
 """The whole HTTP API fuzzed with hostile values, against a live broker serving real models
 (an encoder and a decoder, each on a provider): every operation's requests generated from its
-OpenAPI schema (schemathesis), half of them naming a model that exists, and each sent again
+OpenAPI schema (schemathesis), ones it allows and ones it forbids, half of those with a model
+naming one that exists, and each sent again
 `VARIANTS` times with one of its values replaced by something hostile: an unpaired surrogate,
 a 5,000-digit or out-of-range integer, a non-finite or negative number, a 2-million-character
 string, a name with a trailing newline, a control character, deep nesting; operations without
