@@ -283,10 +283,12 @@ class Gateway:
                 if backend.stopping():
                     raise Unavailable("the gateway is shutting down")
                 count += 1
-                now = time.perf_counter()
-                peers = [s.peer or "" for s in session.stages]
-                route = oa.TokenRoute(peers, round(1e3 * (now - last), 2))
-                last = now
+                route = None
+                if req.include_route:  # (who ran it: only when asked, not a cost a token)
+                    now = time.perf_counter()
+                    peers = [s.peer or "" for s in session.stages]
+                    route = oa.TokenRoute(peers, round(1e3 * (now - last), 2))
+                    last = now
                 piece = text.push(token)
                 if token in client.stops or text.stopped:
                     yield Piece(piece + text.finish(), "stop", count, route)
@@ -317,7 +319,7 @@ class Gateway:
         def chunk(
             index: int, piece: str | None, finish: Any, role: Any = None, route: Any = None
         ) -> Any:
-            made = route if req.include_route and route is not None else msgspec.UNSET
+            made = route if route is not None else msgspec.UNSET
             if chat:
                 delta = oa.Delta(role=role, content=piece)
                 return oa.ChatCompletionChunk(
@@ -336,7 +338,7 @@ class Gateway:
                     async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
                         async for got in pieces:
                             piece, finish, count = got.text, got.finish, got.tokens
-                            routed = got.route is not None and req.include_route
+                            routed = got.route is not None
                             if not chat and (piece or finish or routed):
                                 await sse(resp, None, chunk(index, piece, finish, None, got.route))
                                 continue
@@ -364,7 +366,8 @@ class Gateway:
 
 class Piece(NamedTuple):
     """A token's part of an answer: its text (may be empty until a character completes), the
-    finish reason once finished, tokens so far, and who made it (None: no token)."""
+    finish reason once finished, tokens so far, and who made it (None: not asked, or no
+    token)."""
 
     text: str
     finish: str | None

@@ -69,9 +69,6 @@ class Rates:
             return {}
         return {k: (v - first.get(k, 0.0)) / (t1 - t0) for k, v in last.items()}
 
-    def latest(self) -> dict[Key, float]:
-        return self.readings[-1][1] if self.readings else {}
-
     def delta(self) -> dict[Key, float]:
         """How much each counter grew over the readings kept."""
         if not self.readings:
