@@ -14,6 +14,7 @@ that provider is a live member of the swarm and until it expires (`TOKEN_RATE`: 
 for a slow download of the artifact; a download that outlives it fails and the stage is
 placed again). HTTP cannot prove who asks: a leaked URL is good for that artifact, for that
 time, while its provider is alive. The URLs are never logged (`files.private.redact`).
+`HttpArtifacts` makes them once the broker's HTTP server listens.
 
 `self_signed(dir, hosts)` makes (or reuses) an ECDSA certificate and key with `cryptography`;
 its SHA-256 fingerprint goes to providers with each assignment, so they can pin it.
@@ -196,3 +197,27 @@ def fingerprint(cert_path: Path) -> str:
 
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     return cert.fingerprint(hashes.SHA256()).hex()
+
+
+class HttpArtifacts:
+    """Where providers download artifacts (`serving.ArtifactLinks`): this broker's HTTP
+    server, known once it listens (`serve`); assignments are sent only after that."""
+
+    def __init__(self) -> None:
+        self._base = ""
+        self._tls = ""
+        self._token: Callable[[str, str, int], str] | None = None
+
+    def serve(
+        self, base: str, tls_sha256: str, token: Callable[[str, str, int], str] | None
+    ) -> None:
+        self._base, self._tls, self._token = base, tls_sha256, token
+
+    def url(self, sha: str, peer: str, size: int) -> str:
+        url = f"{self._base}/v1/artifacts/{sha}"
+        if self._token is None:
+            return url
+        return f"{url}?peer={peer}&token={self._token(sha, peer, size)}"
+
+    def tls_sha256(self) -> str:
+        return self._tls

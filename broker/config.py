@@ -70,6 +70,9 @@ class BrokerConfig:
     # again for a second opinion (another provider holding the stage, else the broker)
     verify_rtol: float = 1e-2  # answers agree when they differ by at most
     verify_atol: float = 1e-3  # atol + rtol * (largest magnitude of the reference)
+    verify_share: float = 0.21  # of the OpenAI endpoints' answers whose providers' signed
+    # commitments the broker checks by a rerun (0.21: a provider wrong on every answer is
+    # caught within 20 of them with probability 0.99)
     verify_redo_s: float = 3600.0  # a quarantined provider's results this recent are redone
     max_interactive: int = 64  # embedding and completion requests served at once (then 429)
     # generation sessions admitted per batch slot of a model's providers, across all gateways

@@ -18,6 +18,7 @@ import base64
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -40,9 +41,11 @@ from client.session import GenerationSession, Router, generate
 from client.stages import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, ClientStageError, ClientStages
 from client.stepmux import StepMux
 from client.text import TextStream
+from client.verifying import failed_check, verify_request
 from ir.chat import ChatError, render
 from p2p import Host
 from proto.api import openai as oa
+from proto.api.swarm import Verdict, VerifyRequest
 
 log = logging.getLogger("fusionai.broker")
 CHAT_MAX_TOKENS = 4096  # a chat answer without max_tokens: the rest of the context, at most this
@@ -57,6 +60,7 @@ class Backend(Protocol):
     limits: Limits  # this process's own bound on work in progress
     timeout_s: float  # a stage request's
     max_attempts: int  # providers tried for a stage before a session fails
+    verify_share: float  # of answers whose providers' commitments the broker checks
 
     async def decoder(self, model: str) -> ClientStages:
         """The model's client stages (`NotFound` for an unknown model)."""
@@ -79,6 +83,10 @@ class Backend(Protocol):
 
     def stopping(self) -> bool: ...
 
+    async def verify(self, model: str, body: VerifyRequest) -> Verdict:
+        """The broker's check of a finished session's commitments (`broker.commitcheck`)."""
+        ...
+
     def served(self, endpoint: str, model: str, seconds: float) -> None:
         """One request answered: its endpoint, model and latency."""
         ...
@@ -99,6 +107,7 @@ class Gateway:
         # and heads run in batches (client.stepmux)
         self.mux = StepMux(backend.host)
         self.admission = Admission(backend.limits)
+        self.sampling = random.SystemRandom()  # which answers are checked: unpredictable
 
     # ---- embeddings ------------------------------------------------------------------------
 
@@ -187,17 +196,15 @@ class Gateway:
             created = int(time.time())
             if req.stream:
                 return await self._stream(request, req, client, prompts, cid, created)
-            choices, generated = [], 0
+            choices, generated, checked = [], 0, []
             for index, prompt in enumerate(prompts):
-                text, reason, n = "", "length", 0
-                async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
-                    async for got in pieces:
-                        text += got.text
-                        reason, n = got.finish or reason, got.tokens
+                text, reason, n, verdict = await self._whole(req, client, prompt)
                 choices.append(oa.Choice(text, index, reason))  # type: ignore[arg-type]
                 generated += n
+                checked += [oa.Verification(index, verdict)] if verdict else []
             usage = _usage(sum(len(p) for p in prompts), generated)
-            return answer(oa.Completion(cid, created, req.model, choices, usage))
+            made = checked or msgspec.UNSET
+            return answer(oa.Completion(cid, created, req.model, choices, usage, verification=made))
 
     async def chat(
         self, request: web.Request, body: oa.ChatCompletionRequest
@@ -231,14 +238,13 @@ class Gateway:
             cid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
             if req.stream:
                 return await self._stream(request, req, client, [prompt], cid, created, chat=True)
-            content, reason, n = "", "length", 0
-            async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
-                async for got in pieces:
-                    content += got.text
-                    reason, n = got.finish or reason, got.tokens
+            content, reason, n, verdict = await self._whole(req, client, prompt)
             choice = oa.ChatChoice(0, oa.AssistantMessage(content), reason)  # type: ignore[arg-type]
             usage = _usage(len(prompt), n)
-            return answer(oa.ChatCompletion(cid, created, req.model, [choice], usage))
+            made = [oa.Verification(0, verdict)] if verdict else msgspec.UNSET
+            return answer(
+                oa.ChatCompletion(cid, created, req.model, [choice], usage, verification=made)
+            )
 
     def _prompt_ids(self, client: ClientStages, req: Completion) -> list[list[int]]:
         if req.prompt_ids is not None:
@@ -251,6 +257,18 @@ class Gateway:
         if any(not ids for ids in out):
             raise JobError("prompt", "a prompt encodes to no tokens")
         return out
+
+    async def _whole(
+        self, req: Completion, client: ClientStages, prompt: list[int]
+    ) -> tuple[str, str, int, Verdict | None]:
+        """An answer not streamed: its text, finish reason, tokens and check (if sampled)."""
+        text, reason, n, verdict = "", "length", 0, None
+        async with contextlib.aclosing(self._run(req, client, prompt)) as pieces:
+            async for got in pieces:
+                text += got.text
+                reason, n = got.finish or reason, got.tokens
+                verdict = got.verdict or verdict
+        return text, reason, n, verdict
 
     async def _run(
         self, req: Completion, client: ClientStages, prompt: list[int]
@@ -275,7 +293,10 @@ class Gateway:
         )
         text = TextStream(client.tokenizer, req.stop, prefix=prompt)
         sampler = Sampler(req.temperature, req.top_p, req.seed)
-        count = 0
+        # a checked answer's finish waits for the check (its last commitments come with the
+        # session's close), so that the finish chunk can carry the verdict
+        checked = self.sampling.random() < backend.verify_share
+        count, finish = 0, None
         tokens = generate(session, prompt, req.max_tokens, sampler, stops=client.stops)
         last = time.perf_counter()
         try:
@@ -291,16 +312,38 @@ class Gateway:
                     last = now
                 piece = text.push(token)
                 if token in client.stops or text.stopped:
-                    yield Piece(piece + text.finish(), "stop", count, route)
-                    return
+                    finish = "stop"
+                    piece += text.finish()
+                    yield Piece(piece, None if checked else finish, count, route)
+                    break
                 yield Piece(piece, None, count, route)
-            yield Piece(text.finish(), "length", count, None)
+            else:
+                finish, rest = "length", text.finish()
+                if rest or not checked:
+                    yield Piece(rest, None if checked else finish, count, None)
         except GenerationError as exc:
             raise Unavailable(str(exc)) from None
         finally:
             await tokens.aclose()
             await session.close()
             backend.generated(req.model, count)
+        if checked and finish is not None:
+            yield Piece("", finish, count, None, await self._verify(req.model, session))
+
+    async def _verify(self, model: str, session: GenerationSession) -> Verdict | None:
+        """The broker's check of a finished answer's commitments (None: nothing to check, or
+        the broker could not; the answer stands either way)."""
+        body = verify_request(session)
+        if body is None:
+            return None
+        try:
+            verdict = await self.backend.verify(model, body)
+        except Exception as exc:  # (a check that cannot run fails no answer)
+            log.warning("the broker could not check an answer of %s: %s", model, exc)
+            return None
+        if not verdict.ok:
+            log.warning("%s", failed_check(model, verdict))
+        return verdict
 
     async def _stream(
         self,
@@ -317,16 +360,25 @@ class Gateway:
         then the finish reason) as server-sent events."""
 
         def chunk(
-            index: int, piece: str | None, finish: Any, role: Any = None, route: Any = None
+            index: int,
+            piece: str | None,
+            finish: Any,
+            role: Any = None,
+            route: Any = None,
+            verdict: Verdict | None = None,
         ) -> Any:
             made = route if route is not None else msgspec.UNSET
+            checked = [oa.Verification(index, verdict)] if verdict else msgspec.UNSET
             if chat:
                 delta = oa.Delta(role=role, content=piece)
+                choice = oa.ChunkChoice(index, delta, finish)
                 return oa.ChatCompletionChunk(
-                    cid, created, req.model, [oa.ChunkChoice(index, delta, finish)], fusionai=made
+                    cid, created, req.model, [choice], fusionai=made, verification=checked
                 )
             choices = [oa.Choice(piece or "", index, finish)]
-            return oa.Completion(cid, created, req.model, choices, fusionai=made)
+            return oa.Completion(
+                cid, created, req.model, choices, fusionai=made, verification=checked
+            )
 
         async def body(resp: EventSourceResponse) -> None:
             generated = 0
@@ -339,13 +391,17 @@ class Gateway:
                         async for got in pieces:
                             piece, finish, count = got.text, got.finish, got.tokens
                             routed = got.route is not None
+                            checked = got.verdict
                             if not chat and (piece or finish or routed):
-                                await sse(resp, None, chunk(index, piece, finish, None, got.route))
+                                made = chunk(index, piece, finish, None, got.route, checked)
+                                await sse(resp, None, made)
                                 continue
                             if piece or routed:
                                 await sse(resp, None, chunk(index, piece, None, None, got.route))
                             if finish:  # chat: the finish reason in a chunk of its own
-                                await sse(resp, None, chunk(index, None, finish))
+                                await sse(
+                                    resp, None, chunk(index, None, finish, None, None, checked)
+                                )
                     generated += count
             except Exception as exc:  # headers are sent: report the error in the stream
                 if isinstance(exc, ConnectionResetError) or request.transport is None:
@@ -367,12 +423,13 @@ class Gateway:
 class Piece(NamedTuple):
     """A token's part of an answer: its text (may be empty until a character completes), the
     finish reason once finished, tokens so far, and who made it (None: not asked, or no
-    token)."""
+    token); the finish of a checked answer carries the broker's verdict."""
 
     text: str
     finish: str | None
     tokens: int
     route: oa.TokenRoute | None
+    verdict: Verdict | None = None  # the broker's check (sampled), with the finish
 
 
 def _context(client: ClientStages) -> int:

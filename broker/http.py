@@ -137,6 +137,7 @@ class ApiParts:
     jobs: JobRunner
     finetunes: FinetuneJobs
     verifier: Verifier
+    checks: CommitmentChecks  # generations' commitments, checked by a rerun
     gateway: Gateway
     keys: KeyStore
     key_routes: KeyRoutes
@@ -210,7 +211,7 @@ def make_app(parts: ApiParts) -> web.Application:
         parts.config.request_timeout_s,
     )
     job_routes = JobRoutes(store, parts.events, parts.jobs, parts.finetunes, parts.stopping)
-    checks = CommitmentChecks(parts.models, parts.verifier, parts.events)
+    checks = parts.checks
     gateway = parts.gateway
     broker_info = api.BrokerInfo(parts.peer_id, parts.addrs)
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from broker.admission import Limits
+from broker.commitcheck import CommitmentChecks
 from broker.config import BrokerConfig
 from broker.embedjobs import EmbedJobs
 from broker.errors import NotFound
@@ -28,6 +29,7 @@ from client.errors import GenerationError
 from client.session import Router
 from client.stages import ClientStages
 from p2p import Host
+from proto.api.swarm import Verdict, VerifyRequest
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Parts:
     leases: Leases
     stopping: Callable[[], bool]
     rng: random.Random  # who checks a generation step: unpredictable
+    checks: CommitmentChecks  # finished answers' commitments, checked by a rerun
 
 
 class BrokerRouter:
@@ -96,6 +99,7 @@ class BrokerBackend:
         )
         self.timeout_s = config.request_timeout_s
         self.max_attempts = config.max_attempts
+        self.verify_share = config.verify_share
 
     async def decoder(self, model: str) -> ClientStages:
         if self.parts.models.models.get(model) is None:
@@ -127,6 +131,9 @@ class BrokerBackend:
 
     def stopping(self) -> bool:
         return self.parts.stopping()
+
+    async def verify(self, model: str, body: VerifyRequest) -> Verdict:
+        return await self.parts.checks.verify(model, body)
 
     def served(self, endpoint: str, model: str, seconds: float) -> None:
         self.parts.metrics.interactive(endpoint, seconds)

@@ -24,9 +24,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from broker.auth import ArtifactTokens, Keys, fingerprint
+from broker.auth import ArtifactTokens, HttpArtifacts, Keys, fingerprint
 from broker.calls import StageCalls
 from broker.challenge import HardwareChecks
+from broker.commitcheck import CommitmentChecks
 from broker.config import BrokerConfig
 from broker.core import Core
 from broker.core.actions import Notice
@@ -64,30 +65,6 @@ from proto.join import JOIN
 from proto.ping import PING, Ping, Pong
 
 log = logging.getLogger("fusionai.broker")
-
-
-class HttpArtifacts:
-    """Where providers download artifacts (`serving.ArtifactLinks`): this broker's HTTP
-    server, known once it listens (`serve`); assignments are sent only after that."""
-
-    def __init__(self) -> None:
-        self._base = ""
-        self._tls = ""
-        self._token: Callable[[str, str, int], str] | None = None
-
-    def serve(
-        self, base: str, tls_sha256: str, token: Callable[[str, str, int], str] | None
-    ) -> None:
-        self._base, self._tls, self._token = base, tls_sha256, token
-
-    def url(self, sha: str, peer: str, size: int) -> str:
-        url = f"{self._base}/v1/artifacts/{sha}"
-        if self._token is None:
-            return url
-        return f"{url}?peer={peer}&token={self._token(sha, peer, size)}"
-
-    def tls_sha256(self) -> str:
-        return self._tls
 
 
 class Broker:
@@ -224,6 +201,7 @@ class Broker:
         self.history = watch(self.config, self.serving, self.store, self.registry, self.events)
         context = self._tls()
         leases = Leases(self._batch_slots, self.jobs.using)
+        self.checks = CommitmentChecks(self.models, self.verifier, self.events)
         gateways = Gateways(leases, on_report=self.history.gateway)
         self.metrics.registry.register(gateways)
         gateway = Gateway(
@@ -242,6 +220,7 @@ class Broker:
                 leases,
                 lambda: self.stopping,
                 self.rng,
+                self.checks,
             ))
         )  # fmt: skip
         api = ApiParts(
@@ -254,6 +233,7 @@ class Broker:
             self.jobs,
             self.finetunes,
             self.verifier,
+            self.checks,
             gateway,
             self.keys,
             KeyRoutes(self.keys, leases, gateways),

@@ -105,6 +105,14 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
         help="share of stage tasks checked on a second provider (0: none, 1: all)",
     )
     start.add_argument(
+        "--verify-share",
+        type=float,
+        default=0.21,
+        help="share of the OpenAI endpoints' answers checked against their providers' signed "
+        "commitments by a rerun here (default 0.21: a provider wrong on every answer is caught "
+        "within 20 with probability 0.99; 0: none)",
+    )
+    start.add_argument(
         "--verify-tolerance",
         type=float,
         default=1e-2,
@@ -263,6 +271,9 @@ def start(args: argparse.Namespace) -> int:
     if not 0 <= args.verify_fraction <= 1 or not args.verify_tolerance >= 0:
         print("error: --verify-fraction is 0 to 1, --verify-tolerance at least 0", file=sys.stderr)
         return 2
+    if not 0 <= args.verify_share <= 1:
+        print("error: --verify-share is from 0 to 1", file=sys.stderr)
+        return 2
     cert = Path(args.tls_cert) if args.tls_cert else None
     key_file = Path(args.tls_key) if args.tls_key else None
     if args.tls_self_signed:
@@ -303,6 +314,7 @@ def start(args: argparse.Namespace) -> int:
         in_flight=args.in_flight,
         relay=args.relay,
         verify_fraction=args.verify_fraction,
+        verify_share=args.verify_share,
         verify_rtol=args.verify_tolerance,
         max_body_bytes=int(args.max_body_mb * 1024**2),
         sessions_per_slot=args.sessions_per_slot,

@@ -35,6 +35,14 @@ def add_parsers(sub: Any) -> None:
     gw.add_argument(
         "--max-requests", type=int, default=256, help="requests in progress at once (default 256)"
     )
+    gw.add_argument(
+        "--verify-share",
+        type=float,
+        default=0.21,
+        help="share of answers the broker checks against their providers' signed commitments "
+        "(default 0.21: a provider wrong on every answer is caught within 20 with probability "
+        "0.99; the broker sees the tokens of the answers checked; 0: none)",
+    )
     gw.add_argument("--json", action="store_true", help="print its URL as a JSON line")
 
     keys = sub.add_parser("keys", help="managed API keys: add, revoke, list (admin key)")
@@ -68,6 +76,9 @@ def gateway(args: argparse.Namespace) -> int:
     if args.max_requests < 1 or args.timeout <= 0:
         print("error: --max-requests and --timeout must be positive", file=sys.stderr)
         return 2
+    if not 0 <= args.verify_share <= 1:
+        print("error: --verify-share is from 0 to 1", file=sys.stderr)
+        return 2
     name = args.name or f"gw-{secrets.token_hex(3)}"
 
     def ready(url: str) -> None:
@@ -83,7 +94,7 @@ def gateway(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         limits = Limits(requests=args.max_requests)
         try:
-            await serve(sdk, name, host, int(port), limits, stop, ready)
+            await serve(sdk, name, host, int(port), limits, stop, ready, args.verify_share)
         except KeyRefused as exc:
             print(f"error: the broker refused this gateway's key ({exc}): give it a key "
                   "made with `fusionai keys add NAME --role gateway`", file=sys.stderr)  # fmt: skip

@@ -30,17 +30,35 @@ class GenerationWarning(UserWarning):
     """A generation's text came from a provider whose work the broker did not reproduce."""
 
 
-async def verify_generation(
-    core: ClientCore, model: str, session: GenerationSession, result: Generation
-) -> None:
-    """Have the broker check `session`'s commitments; the verdict goes into `result`."""
+def verify_request(session: GenerationSession) -> VerifyRequest | None:
+    """What the broker needs to check a closed `session`: the tokens it fed and each provider
+    session's commitments (None: nothing was committed, by older providers)."""
     sessions = [
         CommittedSession(o.peer, [o.chunks[i] for i in sorted(o.chunks)])
         for _, o in session.commitments.by_session()
     ]
     if not sessions or not session.fed:
-        return  # (nothing was committed: older providers, or too short to commit to)
-    body = VerifyRequest(tokens=list(session.fed), sessions=sessions)
+        return None
+    return VerifyRequest(tokens=list(session.fed), sessions=sessions)
+
+
+def failed_check(model: str, verdict: Verdict) -> str:
+    """What a failed check found, in a sentence."""
+    wrong = "; ".join(f"{v.peer_id}: {v.reason}" for v in verdict.sessions if v.ok is False)
+    caught = f" (quarantined now: {', '.join(verdict.quarantined)})" if verdict.quarantined else ""
+    return (
+        f"the broker did not reproduce the providers' work on this generation of {model}"
+        f"{caught}: {wrong}"
+    )
+
+
+async def verify_generation(
+    core: ClientCore, model: str, session: GenerationSession, result: Generation
+) -> None:
+    """Have the broker check `session`'s commitments; the verdict goes into `result`."""
+    body = verify_request(session)
+    if body is None:
+        return  # (nothing was committed: older providers)
     try:
         verdict = await core._call("POST", f"/v1/models/{quote_part(model)}/verify", Verdict, body)
     except FusionAIError as exc:
@@ -48,13 +66,4 @@ async def verify_generation(
         return
     result.verified, result.verdict = verdict.ok, verdict
     if not verdict.ok:
-        wrong = "; ".join(f"{v.peer_id}: {v.reason}" for v in verdict.sessions if v.ok is False)
-        caught = (
-            f" (quarantined now: {', '.join(verdict.quarantined)})" if verdict.quarantined else ""
-        )
-        warnings.warn(
-            f"the broker did not reproduce the providers' work on this generation of {model}"
-            f"{caught}: {wrong}",
-            GenerationWarning,
-            stacklevel=2,
-        )
+        warnings.warn(failed_check(model, verdict), GenerationWarning, stacklevel=2)

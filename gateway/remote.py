@@ -29,7 +29,7 @@ from client.errors import (
     NotFoundError,
     RateLimitError,
 )
-from client.routing import HttpRouter
+from client.routing import HttpRouter, quote_part
 from client.session import Router
 from client.stages import ClientStages
 from proto.api.keys import (
@@ -42,6 +42,7 @@ from proto.api.keys import (
     Released,
 )
 from proto.api.openai import EmbeddingList, EmbeddingRequest
+from proto.api.swarm import Verdict, VerifyRequest
 
 KEYS_TTL_S = 10.0  # a model's stage keys are asked again after this
 T = TypeVar("T")
@@ -84,8 +85,16 @@ async def broker_call(call: Awaitable[T]) -> T:
 
 
 class RemoteBackend:
-    def __init__(self, sdk: AsyncClient, name: str, limits: Limits, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        sdk: AsyncClient,
+        name: str,
+        limits: Limits,
+        max_attempts: int = 3,
+        verify_share: float = 0.21,
+    ) -> None:
         self.sdk = sdk
+        self.verify_share = verify_share
         self.name = name
         self.limits = limits
         self.timeout_s = sdk.timeout
@@ -173,6 +182,10 @@ class RemoteBackend:
 
     def stopping(self) -> bool:
         return self._closing
+
+    async def verify(self, model: str, body: VerifyRequest) -> Verdict:
+        path = f"/v1/models/{quote_part(model)}/verify"
+        return await broker_call(self.sdk._call("POST", path, Verdict, body, retry="never"))
 
     def served(self, endpoint: str, model: str, seconds: float) -> None:
         counts = self.traffic.models[model]

@@ -162,9 +162,11 @@ async def serve(
     limits: Limits,
     stop: asyncio.Event,
     ready: Callable[[str], None] = lambda url: None,
+    verify_share: float = 0.21,
 ) -> None:
-    """Run a gateway until `stop` is set; `ready` gets its URL once it listens."""
-    backend = RemoteBackend(sdk, name, limits)
+    """Run a gateway until `stop` is set; `ready` gets its URL once it listens; the broker
+    checks `verify_share` of its answers against their providers' commitments."""
+    backend = RemoteBackend(sdk, name, limits, verify_share=verify_share)
     await broker_call(backend.decision(None))  # the broker is there, and takes our key
     await backend.start()
     gateway = Gateway(backend)

@@ -333,7 +333,7 @@ async function play(ev) {
   $("#play-stop").disabled = false;
   $("#play-state").textContent = "generating…";
   const started = performance.now();
-  let tokens = 0, ms = 0, error = "";
+  let tokens = 0, ms = 0, error = "", checked = "";
   try {
     const resp = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
       method: "POST", headers: headers({ "Content-Type": "application/json" }),
@@ -347,6 +347,10 @@ async function play(ev) {
         if (data === "[DONE]") return;
         const chunk = JSON.parse(data);
         if (chunk.error) { error = chunk.error.message; return; }
+        for (const v of chunk.verification || []) {  // the broker's check of a sampled answer
+          checked = v.verdict.ok ? " · checked: the broker reproduced it" :
+            ` · check failed: not reproduced (quarantined: ${v.verdict.quarantined.join(", ") || "nobody"})`;
+        }
         const choice = (chunk.choices || [])[0];
         const piece = choice ? (chat ? (choice.delta && choice.delta.content) || "" : choice.text || "") : "";
         out.append(piece);
@@ -368,7 +372,7 @@ async function play(ev) {
     const seconds = (performance.now() - started) / 1000;
     $("#play-state").textContent = (error ? error + " · " : "") +
       `${tokens} tokens in ${seconds.toFixed(2)} s (${(tokens / Math.max(seconds, 1e-3)).toFixed(1)} tokens/s)` +
-      (tokens ? `, ${(ms / tokens).toFixed(1)} ms per token` : "");
+      (tokens ? `, ${(ms / tokens).toFixed(1)} ms per token` : "") + checked;
     out.dataset.done = "true";
   }
 }

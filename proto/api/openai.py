@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from proto.api.common import ModelName
+from proto.api.swarm import Verdict
 
 MAX_INPUTS = 2048  # texts in one embeddings request, as OpenAI allows
 MAX_PROMPTS = 16  # prompts in one completions request
@@ -99,6 +100,16 @@ class TokenRoute(msgspec.Struct, frozen=True):
     ms: float
 
 
+class Verification(msgspec.Struct, frozen=True):
+    """The broker's check of one answer (choice `index`): its run of the model over the
+    answer's tokens against what each provider signed it computed (`verdict.ok` false: a
+    provider's work was not reproduced, and it is quarantined; the text was delivered already).
+    Sent for a sampled share of answers (the gateway's `--verify-share`)."""
+
+    index: int
+    verdict: Verdict
+
+
 class CompletionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelName
     prompt: Input
@@ -143,6 +154,8 @@ class Completion(msgspec.Struct, frozen=True):
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: Literal["text_completion"] = "text_completion"
     fusionai: TokenRoute | msgspec.UnsetType = msgspec.UNSET  # `include_route` asked for it
+    # checked answers (a stream: on the answer's chunk with its finish reason)
+    verification: list[Verification] | msgspec.UnsetType = msgspec.UNSET
 
 
 # ---- chat completions ----------------------------------------------------------------------
@@ -225,6 +238,7 @@ class ChatCompletion(msgspec.Struct, frozen=True):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    verification: list[Verification] | msgspec.UnsetType = msgspec.UNSET  # checked answers
 
 
 class Delta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -251,3 +265,4 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True):
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     fusionai: TokenRoute | msgspec.UnsetType = msgspec.UNSET  # `include_route` asked for it
+    verification: list[Verification] | msgspec.UnsetType = msgspec.UNSET  # (as `Completion`)
