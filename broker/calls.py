@@ -40,6 +40,7 @@ from proto.forward import (
     Forward,
     ForwardResult,
     Hop,
+    HopDone,
     route_bytes,
 )
 
@@ -93,10 +94,19 @@ class StageCalls:
         return until is not None
 
     async def chain(
-        self, job: Ref, hops: list[tuple[int, str]], hidden: Array, mask: Array, used: list[str]
+        self,
+        job: Ref,
+        hops: list[tuple[int, str]],
+        hidden: Array,
+        mask: Array,
+        used: list[str],
+        *,
+        chain: str = "",
+        done: list[HopDone] | None = None,
     ) -> Array:
         """Stages as one chained request along `hops` (stage, provider): the activations go
-        from provider to provider, and the last pushes the result here (`on_chain_result`)."""
+        from provider to provider, and the last pushes the result here (`on_chain_result`).
+        `chain`: its id (default: a new one); `done` gets the hops' accounts of their work."""
         model = self.models.models[job.model]
         stages = [pos for pos, _ in hops]
         keys = [model.unit_key(model.units[pos]) for pos in stages]
@@ -107,7 +117,7 @@ class StageCalls:
             Hop(peer, key, list(profiles[peer].addrs) if peer in profiles else [])
             for peer, key in zip(peers, keys, strict=True)
         ]
-        chain = uuid.uuid4().hex
+        chain = chain or uuid.uuid4().hex
         timeout = self.config.request_timeout_s * len(route)
         expires = time.time() + timeout + 5.0
         signature = self.host.identity.sign(route_bytes(chain, route, expires), domain=ROUTE_DOMAIN)
@@ -166,6 +176,8 @@ class StageCalls:
         work = _workload(hidden)
         for hop in answer.hops:
             self.serving.observe(hop.peer, job.model, work, hop.compute_ms / 1e3)
+        if done is not None:
+            done.extend(answer.hops)
         for _ in route:
             self.on_stage(job.model, elapsed / len(route), "chain")
         return self._hidden(arrived.result(), peers[-1], keys[-1])

@@ -25,6 +25,7 @@ import networkx as nx
 import numpy as np
 
 from broker.calls import Array, CallFailed, StageCalls
+from broker.chaincheck import ChainChecks
 from broker.config import BrokerConfig
 from broker.core.events import JobProgressed
 from broker.core.microbatch import Cut, cut
@@ -45,6 +46,7 @@ from dag.tasks import TaskKind, task
 from dag.validate import DagError
 from dag.wire import from_json, to_json
 from proto.api.jobs import EmbedJobRequest, EmbedResults
+from proto.forward import HopDone
 
 log = logging.getLogger("fusionai.broker")
 
@@ -75,6 +77,7 @@ class EmbedJobs:
         self.models = models
         self.calls = calls
         self.verifier = verifier
+        self.chain_checks = ChainChecks(verifier, models, events)
         self.using = using  # an interactive request holds the model while it runs
         self.clock = serving.clock
 
@@ -334,37 +337,49 @@ class EmbedJobs:
         avoid: set[str],
         used: list[str],
     ) -> Array:
-        """Run consecutive stages: chained provider to provider, but for stages due a spot
-        check, whose input and output the broker must see (they run on their own). A check
-        runs beside the stages after it, not before them: the hidden states are returned once
-        every check is made, and a provider a check quarantined is among `used`, so the
-        microbatch is redone (`_microbatch`)."""
+        """Run consecutive stages, chained provider to provider where they can be. A stage
+        due a spot check is checked against its hop's signed commitments when it runs in a
+        chain (`broker/chaincheck.py`), else by a second opinion on its answer
+        (`Verifier.check`). A check runs beside the stages after it, not before them: the
+        hidden states are returned once every check is made, and a provider a check
+        quarantined is among `used`, so the microbatch is redone (`_microbatch`)."""
         model = self.models.models[job.model]
         peers = [await self.calls.pick(job, pos, avoid) for pos in stages]
-        tasks = []
+        tasks, keys = [], {pos: model.unit_key(model.units[pos]) for pos in stages}
         for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
-            key = model.unit_key(model.units[pos])
-            due, nth = self.verifier.due(key, peer), self.verifier.count(peer, key)
+            due, nth = self.verifier.due(keys[pos], peer), self.verifier.count(peer, keys[pos])
             tasks.append((pos, peer, nth if due else 0))
 
         made: set[int] = set()  # the stages whose drawn check was made
-        checks: list[asyncio.Task[tuple[Array, str]]] = []
+        checks: list[asyncio.Task[Any]] = []
+        alone = self.chain_checks.alone  # (their last chained account was missing)
+        solo = {pos for pos, peer, nth in tasks if nth and (keys[pos], peer) in alone}
 
         async def one(pos: int, peer: str, hidden: Array, nth: int) -> Array:
             out, msg = await self.calls.forward(job, pos, peer, hidden, mask, used)
             if nth:  # check the answer: the `nth` task the broker gave that provider
                 made.add(pos)
-                key = model.unit_key(model.units[pos])
-                check = self.verifier.check(job.model, pos, key, peer, msg, out, nth)
+                alone.discard((keys[pos], peer))
+                check = self.verifier.check(job.model, pos, keys[pos], peer, msg, out, nth)
+                checks.append(asyncio.create_task(check))
+            return out
+
+        async def chained(run: list[tuple[int, str, int]], hidden: Array) -> Array:
+            chain, hops = uuid.uuid4().hex, list[HopDone]()
+            hops_run = [(pos, peer) for pos, peer, _ in run]
+            out = await self.calls.chain(job, hops_run, hidden, mask, used, chain=chain, done=hops)
+            if any(nth for _, _, nth in run):
+                made.update(pos for pos, _, nth in run if nth)
+                check = self.chain_checks.check(job.model, chain, run, hidden, mask, hops, out)
                 checks.append(asyncio.create_task(check))
             return out
 
         try:
-            return await self._run(tasks, one, job, hidden, mask, used)
+            return await self._run(tasks, one, chained, hidden, solo)
         except BaseException:  # a failed task (or one before it) left checks unmade: owed,
             for pos, peer, nth in tasks:  # so a failure never costs a check
                 if nth and pos not in made:
-                    self.verifier.owe(model.unit_key(model.units[pos]), peer)
+                    self.verifier.owe(keys[pos], peer)
             raise
         finally:  # (made or not, every check started ends here: a wrong answer is caught)
             for failed in await asyncio.gather(*checks, return_exceptions=True):
@@ -375,29 +390,28 @@ class EmbedJobs:
         self,
         tasks: list[tuple[int, str, int]],
         one: Callable[[int, str, Array, int], Awaitable[Array]],
-        job: Ref,
+        chained: Callable[[list[tuple[int, str, int]], Array], Awaitable[Array]],
         hidden: Array,
-        mask: Array,
-        used: list[str],
+        solo: set[int],
     ) -> Array:
         """Run `tasks` (stage, provider, its task number if due a check, else 0) in order:
-        chained where they can be, alone (`one`) where due a check."""
+        chained where they can be (`chained`), else, and the stages `solo`, alone (`one`)."""
 
-        async def flush(run: list[tuple[int, str]], hidden: Array) -> Array:
+        async def flush(run: list[tuple[int, str, int]], hidden: Array) -> Array:
             if len(run) == 1:
-                return await one(run[0][0], run[0][1], hidden, 0)
-            return await self.calls.chain(job, run, hidden, mask, used) if run else hidden
+                return await one(*run[0][:2], hidden, run[0][2])
+            return await chained(run, hidden) if run else hidden
 
-        run: list[tuple[int, str]] = []
+        run: list[tuple[int, str, int]] = []
         for pos, peer, nth in tasks:
-            alone = bool(nth) or self.config.relay == "star"
+            alone = self.config.relay == "star" or pos in solo
             if alone or (run and self.calls.unreachable_to(run[-1][1], peer)):
                 hidden = await flush(run, hidden)
                 run = []
             if alone:
                 hidden = await one(pos, peer, hidden, nth)
             else:
-                run.append((pos, peer))
+                run.append((pos, peer, nth))
         return await flush(run, hidden)
 
     def results(self, job: JobRow, offset: int, limit: int) -> EmbedResults:

@@ -155,7 +155,7 @@ class Verifier:
         started = time.perf_counter()
         nth = {peer: nth_task}  # which of its tasks each one checked is
         try:
-            second, who = await self._second_opinion(model, pos, key, peer, msg)
+            second, who = await self.second_opinion(model, pos, key, peer, msg)
         except Exception as exc:  # e.g. the broker cannot load the stage: the task goes on
             log.warning("cannot check %s on %s: %s", key, peer, exc)
             self.events.emit("check_skipped", peer=peer, stage=key, reason=str(exc))
@@ -163,9 +163,9 @@ class Verifier:
         nth[who] = self.answered_stage.get((who, key), 0)
         ok, diff = agree(out, second, self.config.verify_rtol, self.config.verify_atol)
         if ok:
-            self._count(peer, True)
+            self.record(peer, True)
             if who != BROKER:
-                self._count(who, True)
+                self.record(who, True)
             self.events.emit(
                 "result_checked",
                 peer=peer,
@@ -175,11 +175,11 @@ class Verifier:
                 seconds=round(time.perf_counter() - started, 4),
             )
             return out, peer
-        referee = second if who == BROKER else await self._run_local(model, pos, _arrays(msg))
+        referee = second if who == BROKER else await self.run_local(model, pos, _arrays(msg))
         verdicts = [(peer, out)] + ([(who, second)] if who != BROKER else [])
         for p, answer in verdicts:
             good, d = agree(answer, referee, self.config.verify_rtol, self.config.verify_atol)
-            self._count(p, good)
+            self.record(p, good)
             if not good:
                 self.quarantine(
                     p,
@@ -191,7 +191,7 @@ class Verifier:
             return referee, BROKER
         return out, peer
 
-    async def _second_opinion(
+    async def second_opinion(
         self, model: str, pos: int, key: str, peer: str, msg: Forward
     ) -> tuple[Array, str]:
         """Another provider's answer (backups standing by with the stage first), else the
@@ -217,10 +217,10 @@ class Verifier:
                 else:  # its speed is seen (a backup's, too), as timed here
                     self.registry.timed(other, model, hidden.shape, time.perf_counter() - started)
                     return hidden, other
-            self._count(other, False)  # an answer that is no answer counts against it
-        return await self._run_local(model, pos, _arrays(msg)), BROKER
+            self.record(other, False)  # an answer that is no answer counts against it
+        return await self.run_local(model, pos, _arrays(msg)), BROKER
 
-    async def _run_local(self, model: str, pos: int, feeds: dict[str, Array]) -> Array:
+    async def run_local(self, model: str, pos: int, feeds: dict[str, Array]) -> Array:
         """Run provider stage `pos` of `model` here (no adapter, no tokens cached)."""
         stored = self.models.models[model]
         info = stored.manifest.stages[stored.units[pos]]
@@ -282,13 +282,13 @@ class Verifier:
             theirs: Array | None = tensor.to_numpy() if tensor is not None else None
         except ValueError:
             theirs = None
-        ours = await self._run_local(model, pos, feeds)
+        ours = await self.run_local(model, pos, feeds)
         good, diff = (
             agree(theirs, ours, self.config.verify_rtol, self.config.verify_atol)
             if theirs is not None
             else (False, float("inf"))
         )
-        self._count(peer, good)
+        self.record(peer, good)
         self._probed[peer] = (self.clock(), good)
         self.events.emit("provider_probed", peer=peer, stage=key, agreed=good, diff=diff)
         if not good:
@@ -317,7 +317,8 @@ class Verifier:
             raise P2PError(f"{peer} was declared lost")
         return call.result()
 
-    def _count(self, peer: str, agreed: bool) -> None:
+    def record(self, peer: str, agreed: bool) -> None:
+        """One more check of `peer`'s answers, agreed or not (its reputation)."""
         r = self.reputation.setdefault(peer, Reputation())
         r.checks += 1
         if agreed:

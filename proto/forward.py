@@ -18,6 +18,7 @@ from p2p.tensor import Tensor
 
 MAX_ACTIVATION_BYTES = 256 * 1024 * 1024
 MAX_HOPS = 64
+BATCH_CHUNK = 128  # tokens of a sequence per commitment of a batch microbatch's hop
 ROUTE_DOMAIN = "fusionai-route/1"  # signature domain of a chain's route
 # `ChainBroken.code` besides the ErrorCode values: the next hop did not answer in time, could
 # not be reached, or answered something else than the protocol's messages
@@ -30,10 +31,24 @@ class Hop(msgspec.Struct, frozen=True, array_like=True):
     addrs: list[str] = msgspec.field(default_factory=list)  # where to dial it
 
 
+class HopCommitment(msgspec.Struct, frozen=True, array_like=True):
+    """A chained hop's signed account of its work (batch microbatches): the SHA-256 of the
+    hidden states it was given and of those it sent on (float32, as the receiver holds them),
+    and TOPLOC commitments (`ir.toploc.commit`) of the latter, one per `BATCH_CHUNK` tokens of
+    each sequence, row after row. The broker checks a sampled share by recomputing the route
+    from its start (`broker/chaincheck.py`); the hashes link each hop to the one before."""
+
+    input_sha256: bytes
+    output_sha256: bytes
+    chunks: list[bytes]
+    signature: bytes  # the provider's, domain COMMITMENT_DOMAIN, over `hop_commitment_bytes`
+
+
 class HopDone(msgspec.Struct, frozen=True, array_like=True):
     peer: str
     stage: str
     compute_ms: float
+    committed: HopCommitment | None = None  # (None: a provider that commits to nothing)
 
 
 class Forward(Message, frozen=True, tag="Forward/1"):
@@ -77,6 +92,12 @@ class ChainResult(Message, frozen=True, tag="ChainResult/1"):
 
 class ChainAccepted(Message, frozen=True, tag="ChainAccepted/1"):
     chain: str
+
+
+def hop_commitment_bytes(chain: str, hop: int, peer: str, stage: str, c: HopCommitment) -> bytes:
+    """What a hop's provider signs: the chain, its place and stage on it, and its account."""
+    fields = [c.input_sha256, c.output_sha256, c.chunks]
+    return msgspec.msgpack.encode(["hop-commitment", chain, hop, peer, stage, *fields])
 
 
 def route_bytes(chain: str, route: list[Hop], expires: float) -> bytes:

@@ -9,6 +9,10 @@ in one pass then tells whether this provider ran the stage it was given on what 
 given, and whether what it was given is what the previous stage committed to sending; the
 signature makes the commitment its own.
 The last, partial chunk is committed when the session is closed.
+
+A chained hop of a batch microbatch commits too (`hop_commitment`): to the SHA-256 of what it
+was given and of what it sent on, and to what it sent on, `proto.forward.BATCH_CHUNK` tokens
+of each sequence a commitment.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ir.toploc import CHUNK, CommitmentError, Committer
+from ir.toploc import CHUNK, CommitmentError, Committer, commit_many, sequence_chunks
+from proto.forward import BATCH_CHUNK, HopCommitment, hop_commitment_bytes
 from proto.session import Commitment, commitment_bytes
 
 Array = np.ndarray[Any, Any]
@@ -79,3 +84,22 @@ class Ledger:
         )
         self.chunk, self.rows, self.inputs = self.chunk + 1, 0, hashlib.sha256()
         return msgspec.structs.replace(unsigned, signature=self.sign(commitment_bytes(unsigned)))
+
+
+def hop_commitment(
+    chain: str, hop: int, peer: str, stage: str, given: Array, sent: Array, sign: Sign
+) -> HopCommitment | None:
+    """A chained hop's signed commitment: `given` the hidden states it ran, `sent` those it
+    passes on as the next hop (or the broker) receives them (None: outputs that cannot be
+    committed to, NaN)."""
+    given = np.ascontiguousarray(given, dtype=np.float32)
+    sent = np.ascontiguousarray(sent, dtype=np.float32)
+    try:
+        data = commit_many(sequence_chunks(sent, BATCH_CHUNK))
+    except CommitmentError:
+        return None
+    unsigned = HopCommitment(
+        hashlib.sha256(given.tobytes()).digest(), hashlib.sha256(sent.tobytes()).digest(), data, b""
+    )
+    signed = sign(hop_commitment_bytes(chain, hop, peer, stage, unsigned))
+    return msgspec.structs.replace(unsigned, signature=signed)

@@ -41,7 +41,7 @@ from proto.heartbeat import StageWork
 from proto.session import StepHop
 from provider.batching import Batcher
 from provider.chain import check_route, finisher
-from provider.commitments import Sign
+from provider.commitments import Sign, hop_commitment
 from provider.events import event
 from provider.faults import Fault
 from provider.gate import ComputeGate, Priority
@@ -333,7 +333,13 @@ class Server(SessionServing, StepChains):
             hidden = self._faulty(outputs).get("hidden_states_out")
             if hidden is None:
                 raise Refused(ErrorCode.REFUSED, f"stage {stage.key!r} has no hidden_states_out")
-            done.append(HopDone(self.peer_id, stage.key, ms))
+            committed = None
+            if self.sign is not None and "hidden_states" in mine:  # (what the next one gets)
+                passed, given = through_wire(hidden, wire), mine["hidden_states"]
+                committed = hop_commitment(
+                    request.chain, i, self.peer_id, stage.key, given, passed, self.sign
+                )
+            done.append(HopDone(self.peer_id, stage.key, ms, committed))
             if i + 1 == len(route) or route[i + 1].peer != self.peer_id:
                 feeds = {**feeds, "hidden_states": hidden}
                 break
