@@ -31,7 +31,9 @@ from ir.toploc import (
     _interpolate,
     check_rows,
     commit,
+    commit_many,
     parse,
+    sequence_chunks,
 )
 from tests.toploc_runs import (
     accused,
@@ -155,3 +157,19 @@ def test_the_polynomial_passes_through_every_committed_value() -> None:
         for xi, yi in zip(x.tolist(), y.tolist(), strict=True):
             assert sum(c * pow(xi, e, PRIME) for e, c in enumerate(coeffs)) % PRIME == yi % PRIME
         assert _evaluate(np.array(coeffs), x).tolist() == (y % PRIME).tolist()
+
+
+def test_commitments_made_together_are_each_chunks_own() -> None:
+    """A microbatch's rows committed in one batched pass give each chunk's `commit` bytes:
+    sequences cut into chunks of 128 tokens (a short last one), and a sequence of features."""
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((3, 300, 24)).astype(np.float32)
+    parts = sequence_chunks(hidden, 128)
+    assert [len(p) for p in parts] == [128, 128, 44] * 3
+    assert commit_many(parts) == [commit(p) for p in parts]
+    features = rng.standard_normal((4, 900)).astype(np.float32)
+    assert commit_many(sequence_chunks(features, 128)) == [commit(f) for f in features]
+    bad = hidden.copy()
+    bad[1, 5, 3] = np.nan
+    with pytest.raises(CommitmentError):
+        commit_many(sequence_chunks(bad, 128))
