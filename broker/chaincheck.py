@@ -31,6 +31,7 @@ runs alone, checked by a second opinion, so that committing nothing escapes no c
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -72,6 +73,7 @@ class ChainChecks:
         # (stage key, provider): whose account of a chained hop was missing or unsigned: its
         # next due task runs alone, checked by a second opinion (`broker/embedjobs.py`)
         self.alone: set[tuple[str, str]] = set()
+        self._lock = asyncio.Lock()  # one check at a time, in the order the chains ended
 
     async def check(
         self,
@@ -82,10 +84,26 @@ class ChainChecks:
         mask: Array,
         hops: list[HopDone],
         result: Array,
+        numbers: list[tuple[int, str, int]],
     ) -> None:
         """Check the chain `chain` that ran `run` ((stage position, provider, its task number
         if due a check else 0), in order) on the hidden states `sent`, with answers `hops`,
-        and whose result here is `result`."""
+        and whose result here is `result`; `numbers`: `run` with every task's number (a hop
+        found wrong was caught at that one of its tasks of the stage)."""
+        async with self._lock:
+            await self._check(model, chain, run, sent, mask, hops, result, numbers)
+
+    async def _check(
+        self,
+        model: str,
+        chain: str,
+        run: list[tuple[int, str, int]],
+        sent: Array,
+        mask: Array,
+        hops: list[HopDone],
+        result: Array,
+        numbers: list[tuple[int, str, int]],
+    ) -> None:
         stored = self.models.models[model]
         wire = stored.manifest.wire
         keys = [stored.unit_key(stored.units[pos]) for pos, _, _ in run]
@@ -113,7 +131,7 @@ class ChainChecks:
         if links[-2] != links[-1]:
             return self._handover(run, keys, len(run), "the last hop sent other than arrived")
         last = max(i for i, (_, _, nth) in enumerate(run) if nth)
-        for i, (pos, peer, nth) in enumerate(run[: last + 1]):
+        for i, (pos, peer, _) in enumerate(run[: last + 1]):
             info = stored.manifest.stages[stored.units[pos]]
             dtype = next(o.dtype for o in info.outputs if o.name == "hidden_states_out")
             tolerance = TOLERANCES.get(dtype, TOLERANCES["float16"])
@@ -138,7 +156,7 @@ class ChainChecks:
                     f"({found.mismatches} values of a chunk off in sign or exponent, mantissas "
                     f"{found.mantissa_mean:.3g} apart; tolerance {tolerance.mismatches} and "
                     f"{tolerance.mantissa_mean})",
-                    nth or self.verifier.answered_stage.get((peer, keys[i]), 0),
+                    numbers[i][2],
                 )
                 return
             self.events.emit(

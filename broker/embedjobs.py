@@ -346,9 +346,11 @@ class EmbedJobs:
         model = self.models.models[job.model]
         peers = [await self.calls.pick(job, pos, avoid) for pos in stages]
         tasks, keys = [], {pos: model.unit_key(model.units[pos]) for pos in stages}
+        numbers = {}  # each task's number among its provider's tasks of the stage
         for pos, peer in zip(stages, peers, strict=True):  # numbered in the order drawn
             due, nth = self.verifier.due(keys[pos], peer), self.verifier.count(peer, keys[pos])
             tasks.append((pos, peer, nth if due else 0))
+            numbers[pos] = nth
 
         made: set[int] = set()  # the stages whose drawn check was made
         checks: list[asyncio.Task[Any]] = []
@@ -370,7 +372,10 @@ class EmbedJobs:
             out = await self.calls.chain(job, hops_run, hidden, mask, used, chain=chain, done=hops)
             if any(nth for _, _, nth in run):
                 made.update(pos for pos, _, nth in run if nth)
-                check = self.chain_checks.check(job.model, chain, run, hidden, mask, hops, out)
+                numbered = [(pos, peer, numbers[pos]) for pos, peer, _ in run]
+                check = self.chain_checks.check(
+                    job.model, chain, run, hidden, mask, hops, out, numbered
+                )
                 checks.append(asyncio.create_task(check))
             return out
 
