@@ -31,6 +31,10 @@ Prints one JSON object: `routes`, an object per route kind with
     texts_ceiling_s  the lesser of the stages' texts/s in this process with the serving
                      providers' total threads, and over the access links, bandwidth over the
                      bytes per text the job's legs put on that link
+    spot_checks      the broker's checks during the embedding jobs (the warm-up's too), by
+                     event: `result_checked`, `check_skipped`, `provider_quarantined`
+                     (`--verify-fraction`, default 0.05: chained hops are checked against
+                     their signed accounts, in the chain)
     token_ratio, texts_ratio   the measure over its bound (targets: token_ratio <= 1.3,
                      texts_ratio >= 0.75)
     placement        which provider (p0..p2, by home) serves each stage of each model
@@ -66,7 +70,7 @@ from tests.procs import Proc, fusionai  # noqa: E402
 
 STAGES = 3
 CLIENT = """
-import json, sys, time
+import json, sys, time, urllib.request
 import numpy as np
 from client import Client
 url, package, mode, tokens, ids, size = sys.argv[1:7]
@@ -101,6 +105,10 @@ with Client(url, timeout=120) as fa:
         assert done.state == "succeeded"
         out["texts_s"] = len(ids) / (time.perf_counter() - start)
         out["job_microbatches"] = done.microbatches
+        with urllib.request.urlopen(url + "/v1/events?limit=10000", timeout=30) as resp:
+            kinds = [e["kind"] for e in json.load(resp)["events"]]
+        out["spot_checks"] = {k: kinds.count(k) for k in ("result_checked", "check_skipped",
+                              "provider_quarantined")}  # fmt: skip
 print(json.dumps(out))
 """
 
@@ -334,6 +342,7 @@ def main() -> int:
                     "texts_ceiling_s": round(bound["texts_ceiling_s"], 2),
                     "texts_ratio": round(got["texts_s"] / bound["texts_ceiling_s"], 3),
                     "job_microbatches": embed.get("job_microbatches"),
+                    "spot_checks": embed.get("spot_checks"),
                     "placement": got["placement"],
                     "punches": punches,
                 }

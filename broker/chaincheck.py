@@ -90,85 +90,75 @@ class ChainChecks:
         if due a check else 0), in order) on the hidden states `sent`, with answers `hops`,
         and whose result here is `result`; `numbers`: `run` with every task's number (a hop
         found wrong was caught at that one of its tasks of the stage)."""
-        async with self._lock:
-            await self._check(model, chain, run, sent, mask, hops, result, numbers)
-
-    async def _check(
-        self,
-        model: str,
-        chain: str,
-        run: list[tuple[int, str, int]],
-        sent: Array,
-        mask: Array,
-        hops: list[HopDone],
-        result: Array,
-        numbers: list[tuple[int, str, int]],
-    ) -> None:
-        stored = self.models.models[model]
-        wire = stored.manifest.wire
-        keys = [stored.unit_key(stored.units[pos]) for pos, _, _ in run]
-        started = time.perf_counter()
-        if [(h.peer, h.stage) for h in hops] != [
-            (p, k) for (_, p, _), k in zip(run, keys, strict=False)
-        ]:
-            return self._skipped(run, keys, "the hops' answers are not the route's")
-        accounts = []
-        for i, h in enumerate(hops):
-            c = h.committed
-            if c is None:
-                return self._skipped(run, keys, f"hop {i} ({h.peer}) committed to nothing", i)
-            signed = hop_commitment_bytes(chain, i, h.peer, h.stage, c)
-            if not verify(h.peer, signed, c.signature, domain=COMMITMENT_DOMAIN):
-                why = f"hop {i}'s account is not signed by {h.peer}"
-                return self._skipped(run, keys, why, i)
-            accounts.append(c)
-        x = np.asarray(through_wire(sent, wire), dtype=np.float32)
-        links = [_sha(x), *(c.output_sha256 for c in accounts), _sha(result)]
-        for i, c in enumerate(accounts):
-            if c.input_sha256 != links[i]:
-                source = "the broker" if i == 0 else f"hop {i - 1}"
-                return self._handover(run, keys, i, f"hop {i} was given other than {source} sent")
-        if links[-2] != links[-1]:
-            return self._handover(run, keys, len(run), "the last hop sent other than arrived")
-        last = max(i for i, (_, _, nth) in enumerate(run) if nth)
-        for i, (pos, peer, _) in enumerate(run[: last + 1]):
-            info = stored.manifest.stages[stored.units[pos]]
-            dtype = next(o.dtype for o in info.outputs if o.name == "hidden_states_out")
-            tolerance = TOLERANCES.get(dtype, TOLERANCES["float16"])
-            names = {t.name for t in info.inputs}
-            feeds = {
-                k: v for k, v in (("hidden_states", x), ("attention_mask", mask)) if k in names
-            }
-            ours, who = await self._recompute(model, pos, keys[i], peer, feeds, wire)
-            found = compare(ours, accounts[i].chunks)
-            if not found.within(tolerance) and who != BROKER:  # confirmed by the broker
-                second, theirs, who = who, ours, BROKER
-                made = await self.verifier.run_local(model, pos, feeds)
-                ours = np.asarray(through_wire(made, wire), dtype=np.float32)
+        async with self._lock:  # (one at a time)
+            stored = self.models.models[model]
+            wire = stored.manifest.wire
+            keys = [stored.unit_key(stored.units[pos]) for pos, _, _ in run]
+            started = time.perf_counter()
+            route = [(peer, key) for (_, peer, _), key in zip(run, keys, strict=True)]
+            if [(h.peer, h.stage) for h in hops] != route:
+                return self._skipped(run, keys, "the hops' answers are not the route's")
+            accounts = []
+            for i, h in enumerate(hops):
+                c = h.committed
+                if c is None:
+                    return self._skipped(run, keys, f"hop {i} ({h.peer}) committed to nothing", i)
+                signed = hop_commitment_bytes(chain, i, h.peer, h.stage, c)
+                if not verify(h.peer, signed, c.signature, domain=COMMITMENT_DOMAIN):
+                    why = f"hop {i}'s account is not signed by {h.peer}"
+                    return self._skipped(run, keys, why, i)
+                accounts.append(c)
+            x = np.asarray(through_wire(sent, wire), dtype=np.float32)
+            links = [_sha(x), *(c.output_sha256 for c in accounts), _sha(result)]
+            for i, c in enumerate(accounts):
+                if c.input_sha256 != links[i]:
+                    source = "the broker" if i == 0 else f"hop {i - 1}"
+                    return self._handover(
+                        run, keys, i, f"hop {i} was given other than {source} sent"
+                    )
+            if links[-2] != links[-1]:
+                return self._handover(run, keys, len(run), "the last hop sent other than arrived")
+            last = max(i for i, (_, _, nth) in enumerate(run) if nth)
+            for i, (pos, peer, _) in enumerate(run[: last + 1]):
+                info = stored.manifest.stages[stored.units[pos]]
+                dtype = next(o.dtype for o in info.outputs if o.name == "hidden_states_out")
+                tolerance = TOLERANCES.get(dtype, TOLERANCES["float16"])
+                names = {t.name for t in info.inputs}
+                feeds = {
+                    k: v for k, v in (("hidden_states", x), ("attention_mask", mask)) if k in names
+                }
+                ours, who = await self._recompute(model, pos, keys[i], peer, feeds, wire)
                 found = compare(ours, accounts[i].chunks)
-                self._judge_second(second, theirs, ours, keys[i])
-            ok = found.within(tolerance)
-            self.verifier.record(peer, ok)
-            if not ok:
-                self.verifier.quarantine(
-                    peer,
-                    f"its commitments to {keys[i]} differ from the broker's run "
-                    f"({found.mismatches} values of a chunk off in sign or exponent, mantissas "
-                    f"{found.mantissa_mean:.3g} apart; tolerance {tolerance.mismatches} and "
-                    f"{tolerance.mantissa_mean})",
-                    numbers[i][2],
+                if not found.within(tolerance) and who != BROKER:  # confirmed by the broker
+                    second, theirs, who = who, ours, BROKER
+                    made = await self.verifier.run_local(model, pos, feeds)
+                    ours = np.asarray(through_wire(made, wire), dtype=np.float32)
+                    found = compare(ours, accounts[i].chunks)
+                    self._judge_second(second, theirs, ours, keys[i])
+                ok = found.within(tolerance)
+                self.verifier.record(peer, ok)
+                if who != BROKER:  # (another provider's run reproduced the hop's commitments)
+                    self.verifier.record(who, True)
+                if not ok:
+                    self.verifier.quarantine(
+                        peer,
+                        f"its commitments to {keys[i]} differ from the broker's run "
+                        f"({found.mismatches} values of a chunk off in sign or exponent, mantissas "
+                        f"{found.mantissa_mean:.3g} apart; tolerance {tolerance.mismatches} and "
+                        f"{tolerance.mantissa_mean})",
+                        numbers[i][2],
+                    )
+                    return
+                self.events.emit(
+                    "result_checked",
+                    peer=peer,
+                    stage=keys[i],
+                    against=who,
+                    by="commitments",
+                    mantissa=round(found.mantissa_mean, 4),
+                    seconds=round(time.perf_counter() - started, 4),
                 )
-                return
-            self.events.emit(
-                "result_checked",
-                peer=peer,
-                stage=keys[i],
-                against=who,
-                by="commitments",
-                mantissa=round(found.mantissa_mean, 4),
-                seconds=round(time.perf_counter() - started, 4),
-            )
-            x = ours
+                x = ours
 
     async def _recompute(
         self, model: str, pos: int, key: str, peer: str, feeds: dict[str, Array], wire: str

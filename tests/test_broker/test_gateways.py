@@ -99,10 +99,12 @@ class Stream:
         self.conn.close()
 
 
-def start_gateway(spawn: Callable[..., Proc], http: str, key: str, name: str) -> tuple[Proc, str]:
+def start_gateway(
+    spawn: Callable[..., Proc], http: str, key: str, name: str, *extra: str
+) -> tuple[Proc, str]:
     proc = spawn(
         fusionai("gateway", "--broker", http, "--api-key", key, "--name", name, "--http",
-                 "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0", "--json")
+                 "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0", "--json", *extra)
     )  # fmt: skip
     url: str = proc.wait_for("gateway_ready", timeout=60)["http"]
     return proc, url
@@ -154,12 +156,14 @@ def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert refused.returncode == 1 and "--role gateway" in refused.stderr, refused.stderr
-    procs = {g: start_gateway(spawn, b.http, gw_key, g) for g in ("gw-a", "gw-b")}
+    # (gw-b has the broker check every answer against its providers' commitments)
+    shares = {"gw-a": ("--verify-share", "0"), "gw-b": ("--verify-share", "1")}
+    procs = {g: start_gateway(spawn, b.http, gw_key, g, *shares[g]) for g in shares}
     gateways = {g: url for g, (_, url) in procs.items()}
 
     # Both give the tokens one process gives (greedy): the SDK's session logic behind them.
     _, expected = local_greedy(llama_package, PROMPT, 12)
-    for url in gateways.values():
+    for g, url in gateways.items():
         body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
         status, _, out = call(url, "POST", "/v1/completions", user, body)
         assert status == 200, out
@@ -167,6 +171,10 @@ def test_two_gateways_keys_limits_metrics_and_a_gateway_killed(
         stream = Stream(url, user, 12)
         assert stream.rest() == expected
         stream.close()
+        assert stream.checked == (g == "gw-b") and ("verification" in out) == (g == "gw-b")
+        if g == "gw-b":  # checked through the broker's API with the gateway's key
+            (found,) = out["verification"]
+            assert found["verdict"]["ok"] is True and found["verdict"]["quarantined"] == [], out
     # No key, or a made-up one: 401 at a gateway, as at the broker.
     assert call(gateways["gw-a"], "GET", "/v1/models", None)[0] == 401
     assert call(gateways["gw-b"], "GET", "/v1/models", "fai-made-up-key-000000000")[0] == 401
