@@ -341,9 +341,11 @@ class Gateway:
         body = verify_request(session)
         if body is None:
             return None
-        try:
-            verdict = await self.backend.verify(model, body)
-        except Exception as exc:  # (a check that cannot run fails no answer)
+        try:  # (bounded: the answer's finish and its lease wait for it)
+            verdict = await asyncio.wait_for(
+                self.backend.verify(model, body), self.backend.timeout_s
+            )
+        except Exception as exc:  # (a check that cannot run, or in time, fails no answer)
             log.warning("the broker could not check an answer of %s: %s", model, exc)
             return None
         if not verdict.ok:

@@ -28,9 +28,14 @@ async def _finished(s: Swarm, job: str) -> str:
     return str(row.state)
 
 
+@pytest.mark.parametrize("wire", ["native", "int8"])
 async def test_every_hop_of_a_chain_is_checked_by_its_commitments_without_breaking_it(
-    tmp_path: Path, minilm_package: Path
+    tmp_path: Path, wire: str, request: pytest.FixtureRequest
 ) -> None:
+    """Also over the int8 wire: each hop commits to what the next one receives, and the
+    broker's run goes through the same wire."""
+    name = "minilm_package" if wire == "native" else "minilm_int8_wire_package"
+    minilm_package: Path = request.getfixturevalue(name)
     s = await swarm(tmp_path, microbatch=4, verify_fraction=1.0)
     try:
         for _ in range(2):
