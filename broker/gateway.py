@@ -7,10 +7,8 @@ generation session along the model's route (`client.session`): the broker runs t
 the embedding stage, the head and the sampling, providers run the blocks with their KV caches,
 and a provider lost mid-answer is replaced without changing the text.
 
-A sampled share of answers (`verify_share`, on by default) is sent to the broker to be
-checked against the providers' signed commitments (`broker/commitcheck.py`): such an answer's
-last chunk, the one with its finish reason, waits for the verdict and carries it
-(`verification`), as does an answer not streamed.
+A sampled share of answers (`verify_share`) is checked against the providers' commitments
+(`broker/commitcheck.py`): its finish chunk (or whole answer) carries the `verification`.
 
 Fields the swarm does not implement (`logprobs`, `echo`, penalties, `n` > 1, ...) are refused
 with 400 naming the field, rather than silently ignored.
