@@ -81,8 +81,9 @@ def compare(ours: Array, chunks: list[bytes]) -> Check:
 class ChainChecks:
     def __init__(self, verifier: Verifier, models: ModelStore, events: EventLog) -> None:
         self.verifier, self.models, self.events = verifier, models, events
-        # (stage key, provider): whose account of a chained hop was missing or unsigned: its
-        # next due task runs alone, checked by a second opinion (`broker/embedjobs.py`)
+        # (stage key, provider): hops of a chain that could not be judged (due, without a
+        # valid account, or beside a broken hash link): their next due task runs alone,
+        # checked by a second opinion (`broker/embedjobs.py`)
         self.alone: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()  # one check at a time, in the order the chains ended
 
