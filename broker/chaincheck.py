@@ -96,12 +96,12 @@ class ChainChecks:
         mask: Array,
         hops: list[HopDone],
         result: Array,
-        numbers: list[tuple[int, str, int]],
+        numbers: list[int],
     ) -> None:
         """Check the chain `chain` that ran `run` ((stage position, provider, its task number
         if due a check else 0), in order) on the hidden states `sent`, with answers `hops`,
-        and whose result here is `result`; `numbers`: `run` with every task's number (a hop
-        found wrong was caught at that one of its tasks of the stage). A check that cannot be
+        and whose result here is `result`; `numbers`: every hop's task number (a hop found
+        wrong was caught at that one of its tasks of the stage). A check that cannot be
         finished (the broker cannot run a stage, the model went away, it took longer than
         the route's deadline, the job was cancelled) is owed: the due tasks' next ones are."""
         stored = self.models.models.get(model)
@@ -111,10 +111,8 @@ class ChainChecks:
                 if stored is None:
                     raise KeyError(f"no model {model!r}")
                 deadline = self.verifier.config.request_timeout_s * (len(run) + 1)
-                await asyncio.wait_for(
-                    self._check(stored, model, chain, run, sent, mask, hops, result, numbers),
-                    deadline,
-                )
+                judged = self._check(stored, keys, chain, run, (sent, mask, result), hops, numbers)
+                await asyncio.wait_for(judged, deadline)
         except BaseException as exc:
             for (_, peer, nth), key in zip(run, keys, strict=False):
                 if nth:
@@ -127,17 +125,17 @@ class ChainChecks:
     async def _check(
         self,
         stored: StoredModel,
-        model: str,
+        keys: list[str],
         chain: str,
         run: list[tuple[int, str, int]],
-        sent: Array,
-        mask: Array,
+        arrays: tuple[Array, Array, Array],
         hops: list[HopDone],
-        result: Array,
-        numbers: list[tuple[int, str, int]],
+        numbers: list[int],
     ) -> None:
+        """`check`'s work: `arrays` are the hidden states sent, the mask and the result."""
+        sent, mask, result = arrays
+        model = stored.name
         wire = stored.manifest.wire
-        keys = [stored.unit_key(stored.units[pos]) for pos, _, _ in run]
         started = time.perf_counter()
         route = [(peer, key) for (_, peer, _), key in zip(run, keys, strict=True)]
         if [(h.peer, h.stage) for h in hops] != route:
@@ -188,7 +186,7 @@ class ChainChecks:
                     f"({found.mismatches} values of a chunk off in sign or exponent, mantissas "
                     f"{found.mantissa_mean:.3g} apart; tolerance {tolerance.mismatches} and "
                     f"{tolerance.mantissa_mean})",
-                    numbers[i][2],
+                    numbers[i],
                 )
                 return
             self.events.emit(

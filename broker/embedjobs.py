@@ -372,7 +372,7 @@ class EmbedJobs:
             out = await self.calls.chain(job, hops_run, hidden, mask, used, chain=chain, done=hops)
             if any(nth for _, _, nth in run):
                 made.update(pos for pos, _, nth in run if nth)
-                numbered = [(pos, peer, numbers[pos]) for pos, peer, _ in run]
+                numbered = [numbers[pos] for pos, _, _ in run]
                 check = self.chain_checks.check(
                     job.model, chain, run, hidden, mask, hops, out, numbered
                 )
