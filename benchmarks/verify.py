@@ -9,8 +9,12 @@ fp16, onnxruntime on one thread. Prints one JSON object:
     verify_cost_ratio   seconds to recompute a session's stage outputs in one prefill pass and
                         check its commitments, over seconds to generate it one token at a time
                         with them (median over --sessions sessions of --tokens new tokens)
-    latency_ratio       seconds per generated token with commitments built as rows come, over
-                        without (the same sessions, alternated)
+    latency_ratio       seconds per generated token with commitments made as a provider makes
+                        them (`provider.commitments.Ledger`: to each stage's inputs and
+                        outputs, signed, each chunk's worked out in the provider's commitment
+                        thread while the next tokens run), over without (the same sessions,
+                        alternated)
+    latency_ratio_inline  the same with each chunk's commitments worked out on the step's path
     token_ms            milliseconds per generated token without them (the commitments' cost
                         per 32 tokens is fixed: a larger model's ratio is smaller)
     commitment_bytes_per_1k_tokens   for both provider stages (258 bytes per 32 tokens each)
@@ -41,6 +45,9 @@ sys.path.insert(0, str(ROOT))  # tests.toploc_runs: the sessions and cheats the 
 import numpy as np  # noqa: E402
 
 from ir.toploc import CHUNK  # noqa: E402
+from p2p import Identity  # noqa: E402
+from proto.session import COMMITMENT_DOMAIN  # noqa: E402
+from provider.commitments import Ledger, worker  # noqa: E402
 from tests.toploc_runs import (  # noqa: E402
     accused,
     build_packages,
@@ -73,17 +80,28 @@ def main() -> None:
         def prompt() -> list[int]:
             return [int(t) for t in rng.integers(1, vocab, size=12)]
 
+        identity = Identity.ephemeral()
+
+        def ledgers(defer: bool) -> list[Ledger]:
+            def sign(data: bytes) -> bytes:
+                return identity.sign(data, domain=COMMITMENT_DOMAIN)
+
+            return [Ledger("s", f"m/{i}", sign, worker() if defer else None) for i in (1, 2)]
+
         serve(fp32, "ort", prompt(), 8, commits=False)  # warm
-        costs, plain_s, committed_s = [], [], []
+        serve(fp32, "ort", prompt(), 40, ledgers=ledgers(True))
+        costs, plain_s, committed_s, inline_s = [], [], [], []
         for _ in range(args.sessions):
             p = prompt()
             t0 = time.perf_counter()
             serve(fp32, "ort", p, args.tokens, commits=False)
             t1 = time.perf_counter()
-            tokens, sent = serve(fp32, "ort", p, args.tokens)
+            tokens, sent = serve(fp32, "ort", p, args.tokens, ledgers=ledgers(True))
             t2 = time.perf_counter()
             assert not accused(fp32, verdicts(fp32, "ort", tokens, sent))
             t3 = time.perf_counter()
+            serve(fp32, "ort", p, args.tokens, ledgers=ledgers(False))
+            inline_s.append(time.perf_counter() - t3)
             plain_s.append(t1 - t0)
             committed_s.append(t2 - t1)
             costs.append((t3 - t2) / (t2 - t1))
@@ -131,6 +149,9 @@ def main() -> None:
                 "sessions": args.sessions,
                 "verify_cost_ratio": round(cost, 4),
                 "latency_ratio": round(latency, 4),
+                "latency_ratio_inline": round(
+                    statistics.median(inline_s) / statistics.median(plain_s), 4
+                ),
                 "token_ms": round(statistics.median(plain_s) / args.tokens * 1e3, 3),
                 "commitment_bytes_per_1k_tokens": round(stages * 258 * 1000 / CHUNK, 1),
                 "sampling_rate": rate,

@@ -22,6 +22,7 @@ allows: one per dtype the package's stages send (`TOLERANCES`), measured on hone
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ K = 128  # values committed per chunk
 CHUNK = 32  # tokens per chunk
 SPARSITY = 32  # at most one value in this many is committed
 _SMALLEST_MODULUS = 2**15
+_P = np.uint32(PRIME)
 
 
 class CommitmentError(IRError):
@@ -94,15 +96,20 @@ def bf16_bits(values: Array) -> Array:
 
 
 def _inverse(a: Array) -> Array:
-    """Modular inverses in GF(PRIME) (a != 0), by Fermat: a^(PRIME-2)."""
-    out = np.ones_like(a)
-    base, e = a % PRIME, PRIME - 2
-    while e:
+    """Modular inverses in GF(PRIME) (a != 0), from a table made once by Fermat: a^(PRIME-2)."""
+    return _inverses()[np.asarray(a, dtype=np.int64) % PRIME]
+
+
+@functools.cache
+def _inverses() -> Array:
+    out = np.ones(PRIME, dtype=np.uint32)
+    base, e = np.arange(PRIME, dtype=np.uint32), PRIME - 2
+    while e:  # (products of two values below PRIME < 2^16 fit in 32 bits)
         if e & 1:
-            out = out * base % PRIME
-        base = base * base % PRIME
+            out = out * base % _P
+        base = base * base % _P
         e >>= 1
-    return out
+    return out.astype(np.int64)
 
 
 def _modulus(indices: Array) -> int:
@@ -119,47 +126,21 @@ def _mulmod(a: Array, b: Array) -> Array:
 
 
 def _powers(x: Array, n: int) -> Array:
-    """(len(x), n): x_i^e mod PRIME for e < n, by doubling the columns."""
-    v = np.ones((len(x), n), dtype=np.int64)
-    width, power = 1, x % PRIME  # columns filled; x^width
+    """(len(x), n): x_i^e mod PRIME for e < n, by doubling the columns (in 32 bits: a
+    product of two values below PRIME fits)."""
+    v = np.ones((len(x), n), dtype=np.uint32)
+    width, power = 1, (np.asarray(x, dtype=np.int64) % PRIME).astype(np.uint32)  # x^width
     while width < n:
         take = min(width, n - width)
-        v[:, width : width + take] = v[:, :take] * power[:, None] % PRIME
-        width, power = width + take, power * power % PRIME
-    return v
-
-
-def _vanishing(x: Array) -> Array:
-    """Coefficients (lowest degree first, len(x) + 1) of prod (t - x_i) mod PRIME, by a
-    product tree multiplied out one level at a time: each level's pairs' outer products, their
-    anti-diagonals summed by shifting row r by r places."""
-    n = len(x)
-    polys = np.zeros((1 << max(0, (n - 1).bit_length()), 2), dtype=np.int64)
-    polys[:, 0] = 1  # padding: the constant 1
-    polys[:n, 0], polys[:n, 1] = (-x) % PRIME, 1
-    while len(polys) > 1:
-        pairs, length = len(polys) // 2, polys.shape[1]
-        shifted = np.zeros((pairs, length, 2 * length), dtype=np.int64)
-        shifted[:, :, :length] = polys[0::2, :, None] * polys[1::2, None, :] % PRIME
-        shifted = shifted.reshape(pairs, -1)[:, : length * (2 * length - 1)]
-        polys = shifted.reshape(pairs, length, 2 * length - 1).sum(axis=1) % PRIME
-    return polys[0, : n + 1]
+        v[:, width : width + take] = v[:, :take] * power[:, None] % _P
+        width, power = width + take, power * power % _P
+    return v.astype(np.int64)
 
 
 def _interpolate(x: Array, y: Array) -> Array:
     """Coefficients (lowest degree first) of the polynomial over GF(PRIME) through (x, y), the
-    x distinct: Lagrange's, sum_i y_i / M'(x_i) * M(t) / (t - x_i) with M = prod (t - x_i),
-    as two matrix products (M(t) / (t - x_i) has coefficients sum_k a_k x_i^(k-1-j): the
-    powers of x_i times a Hankel matrix of M's coefficients a)."""
-    n = len(x)
-    a = _vanishing(x)
-    powers = _powers(x, n)
-    slopes = _mulmod(powers, a[1:] * np.arange(1, n + 1) % PRIME)  # M'(x_i), never 0
-    weights = y % PRIME * _inverse(slopes) % PRIME
-    hankel = np.lib.stride_tricks.sliding_window_view(
-        np.concatenate([a[1:], np.zeros(n, dtype=np.int64)]), n
-    )[:n]
-    return _mulmod(_mulmod(weights, powers), hankel)
+    x distinct."""
+    return _interpolate_many(np.asarray(x)[None, :], np.asarray(y)[None, :])[0]
 
 
 def _evaluate(coeffs: Array, x: Array) -> Array:
@@ -209,35 +190,71 @@ def commit_many(chunks: list[Array], k: int = K) -> list[bytes]:
 
 
 def _interpolate_many(x: Array, y: Array) -> Array:
-    """`_interpolate` of each row of x and y (chunks, n), as batched matrix products."""
-    chunks, n = x.shape
-    a = _vanishing_many(x)  # (chunks, n + 1)
-    powers = np.ones((chunks, n, n), dtype=np.int64)  # x_i^e, by doubling the columns
-    width, power = 1, x % PRIME
-    while width < n:
-        take = min(width, n - width)
-        powers[:, :, width : width + take] = powers[:, :, :take] * power[:, :, None] % PRIME
-        width, power = width + take, power * power % PRIME
-    slopes = _mulmod(powers, (a[:, 1:] * np.arange(1, n + 1) % PRIME)[:, :, None])[:, :, 0]
-    weights = y % PRIME * _inverse(slopes) % PRIME
-    padded = np.concatenate([a[:, 1:], np.zeros((chunks, n), dtype=np.int64)], axis=1)
-    hankel = np.lib.stride_tricks.sliding_window_view(padded, n, axis=1)[:, :n]
-    return _mulmod(_mulmod(weights[:, None, :], powers), hankel)[:, 0, :]
+    """`_interpolate` of each row of x and y (chunks, n), through the polynomial's values at
+    0 .. n - 1: with M = prod (t - x_i), Lagrange's form gives
+    f(z) = M(z) sum_i y_i / (M'(x_i) (z - x_i)) where z is no x_i, and f(x_i) = y_i where it
+    is; the coefficients are then a fixed matrix (`_from_values`) times those values. Every
+    step is a pass over the (n, n) differences; a product of two values below PRIME fits in 32
+    bits, and a dot product of n of them is exact in float64 (`_mulmod`)."""
+    n = x.shape[1]
+    x = np.asarray(x, dtype=np.int64) % PRIME
+    y = np.asarray(y, dtype=np.int64) % PRIME
+    xu = x.astype(np.uint32)
+    z = np.arange(n, dtype=np.uint32)
+    d = _sub(z[None, :, None], xu[:, None, :])  # (chunks, j, i): z_j - x_i
+    e = _sub(xu[:, :, None], xu[:, None, :])  # x_i - x_k, 1 on the diagonal (left out)
+    e[:, np.arange(n), np.arange(n)] = 1
+    products = _row_products(np.concatenate([d, e], axis=1))  # (chunks, 2n)
+    at_z, slopes = products[:, :n], products[:, n:]  # M(z_j), M'(x_i) (never 0)
+    inverses = _inverses()
+    weights = y * inverses[slopes] % PRIME
+    sums = _mulmod(inverses[d], weights[:, :, None])[:, :, 0]  # (an x_i at z_j adds 0)
+    values = at_z.astype(np.int64) * sums % PRIME
+    row, i = np.nonzero(x < n)  # f(x_i) = y_i where x_i is one of 0 .. n - 1
+    values[row, x[row, i]] = y[row, i]
+    return _mulmod(values, _from_values(n))
 
 
-def _vanishing_many(x: Array) -> Array:
-    """`_vanishing` of each row of x (chunks, n)."""
-    chunks, n = x.shape
-    polys = np.zeros((chunks, 1 << max(0, (n - 1).bit_length()), 2), dtype=np.int64)
-    polys[:, :, 0] = 1
-    polys[:, :n, 0], polys[:, :n, 1] = (-x) % PRIME, 1
-    while polys.shape[1] > 1:
-        pairs, length = polys.shape[1] // 2, polys.shape[2]
-        shifted = np.zeros((chunks, pairs, length, 2 * length), dtype=np.int64)
-        shifted[..., :length] = polys[:, 0::2, :, None] * polys[:, 1::2, None, :] % PRIME
-        shifted = shifted.reshape(chunks, pairs, -1)[:, :, : length * (2 * length - 1)]
-        polys = shifted.reshape(chunks, pairs, length, 2 * length - 1).sum(axis=2) % PRIME
-    return polys[:, 0, : n + 1]
+def _sub(a: Array, b: Array) -> Array:
+    """(a - b) mod PRIME of uint32 values below PRIME, without a division."""
+    v = a + (_P - b)  # below 2 PRIME
+    return np.minimum(v, v - _P)  # (v - PRIME wraps around to a larger value when v < PRIME)
+
+
+def _row_products(a: Array) -> Array:
+    """The product mod PRIME of each row along the last axis (uint32 values below PRIME), by
+    halving: the row padded with ones to a power of two."""
+    width = a.shape[-1]
+    full = 1 << max(0, (width - 1).bit_length())
+    if full != width:
+        ones = np.ones((*a.shape[:-1], full - width), dtype=np.uint32)
+        a = np.concatenate([a, ones], axis=-1)
+    while a.shape[-1] > 1:
+        half = a.shape[-1] // 2
+        a = a[..., :half] * a[..., half:] % _P
+    return a[..., 0]
+
+
+@functools.lru_cache(maxsize=8)
+def _from_values(n: int) -> Array:
+    """(n, n), float64: the coefficients of the polynomial of degree < n through (z, f_z) for
+    z = 0 .. n - 1 are f times this (the inverse of those points' Vandermonde matrix). Row j
+    holds Lagrange's basis prod_{k != j} (t - k) / (j - k): M = prod (t - k) divided by (t - j)
+    (synthetic division), over M'(j)."""
+    m = np.zeros(n + 1, dtype=np.int64)  # M's coefficients, lowest degree first
+    m[0] = 1
+    for k in range(n):  # M times (t - k)
+        m = (np.concatenate([[0], m[:-1]]) - k * m) % PRIME
+    j = np.arange(n, dtype=np.int64)
+    basis = np.zeros((n, n), dtype=np.int64)
+    carry = np.zeros(n, dtype=np.int64)
+    for degree in range(n, 0, -1):
+        carry = (m[degree] + j * carry) % PRIME
+        basis[:, degree - 1] = carry
+    ju = j.astype(np.uint32)
+    differences = _sub(ju[:, None], ju[None, :]) + np.eye(n, dtype=np.uint32)  # (1: k = j)
+    slopes = _row_products(differences)  # M'(j)
+    return (basis * _inverse(slopes)[:, None] % PRIME).astype(np.float64)
 
 
 def parse(commitment: bytes, k: int = K) -> tuple[int, Array]:

@@ -137,13 +137,14 @@ class SessionOutput(Message, frozen=True, tag="SessionOutput/1"):
     session: str
     outputs: dict[str, Tensor]  # the stage's outputs other than its present_* cache outputs
     past_len: int  # tokens now cached
-    commitments: list[Commitment] = msgspec.field(default_factory=list)  # chunks this step
-    # completed (a session of batch 1)
+    commitments: list[Commitment] = msgspec.field(default_factory=list)  # chunks committed
+    # since the session's last answer (a session of batch 1; worked out off the step's path)
 
 
 class SessionClosed(Message, frozen=True, tag="SessionClosed/1"):
     session: str
-    commitments: list[Commitment] = msgspec.field(default_factory=list)  # the last chunk's
+    commitments: list[Commitment] = msgspec.field(default_factory=list)  # those not yet sent,
+    # the last chunk's included
 
 
 class SessionFailed(Message, frozen=True, tag="SessionFailed/1"):

@@ -18,13 +18,15 @@ of each sequence a commitment.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from ir.toploc import CHUNK, CommitmentError, Committer, commit_many, sequence_chunks
+from ir.toploc import CHUNK, CommitmentError, commit, commit_many, sequence_chunks
 from proto.forward import BATCH_CHUNK, HopCommitment, hop_commitment_bytes
 from proto.session import Commitment, commitment_bytes
 
@@ -33,57 +35,93 @@ Sign = Callable[[bytes], bytes]  # the provider's signature over bytes (its comm
 
 
 class Ledger:
-    """One session's commitments on one stage: rows in, signed commitments out."""
+    """One session's commitments on one stage: rows in, signed commitments out.
 
-    def __init__(self, session: str, stage: str, sign: Sign) -> None:
-        self.session, self.stage, self.sign = session, stage, sign
-        self.committer = Committer()
-        self.given = Committer()  # of its inputs
+    A chunk's commitment is worked out off the step's path: in `defer`'s worker when one is
+    given (the provider's: `worker()`), while the session's next tokens travel through the
+    other stages; each answer then carries the commitments finished since the one before,
+    and the close waits for the rest. Without `defer`, a chunk's commitment comes with the
+    answer that completes it."""
+
+    def __init__(self, session: str, stage: str, sign: Sign, defer: Executor | None = None) -> None:
+        self.session, self.stage, self.sign, self.defer = session, stage, sign, defer
         self.chunk = 0  # the chunk being filled
-        self.rows = 0  # its rows so far
+        self.outputs: list[Array] = []  # its rows so far
+        self.given: list[Array] = []
+        self.rows = 0
         self.inputs = hashlib.sha256()  # of its input rows so far
+        self.pending: list[Future[Commitment | None]] = []  # chunks being committed, in order
         self.broken = False  # outputs that cannot be committed to (NaN): no more commitments
 
     def add(self, inputs: Array, outputs: Array) -> list[Commitment]:
         """The next tokens' input and output rows (tokens, hidden), batch row 0; the
-        commitments of the chunks they complete."""
-        made: list[Commitment] = []
-        if self.broken:
-            return made
+        commitments finished since the last call."""
         inputs = np.ascontiguousarray(inputs, dtype=np.float32)
         outputs = np.asarray(outputs, dtype=np.float32)
         start = 0
-        while start < len(outputs):
+        while start < len(outputs) and not self.broken:
             take = min(CHUNK - self.rows, len(outputs) - start)
-            self.inputs.update(inputs[start : start + take].tobytes())
-            try:
-                done = self.committer.add(outputs[start : start + take])
-                given = self.given.add(inputs[start : start + take])
-            except CommitmentError:
-                self.broken = True
-                return made
+            rows_in = inputs[start : start + take]
+            self.inputs.update(rows_in.tobytes())
+            self.given.append(rows_in)
+            self.outputs.append(outputs[start : start + take].copy())
             self.rows += take
             start += take
-            if done:
-                made.append(self._signed(given[0], done[0]))
-        return made
+            if self.rows == CHUNK:
+                self._close()
+        return self._finished(wait=False)
 
     def finish(self) -> list[Commitment]:
-        """The last, partial chunk's commitment, if it holds any rows."""
-        if self.broken or not self.rows:
-            return []
-        try:
-            (data,), (given,) = self.committer.finish(), self.given.finish()
-        except CommitmentError:
-            return []
-        return [self._signed(given, data)]
+        """Every commitment not yet handed out, the last, partial chunk's included."""
+        if self.rows and not self.broken:
+            self._close()
+        return self._finished(wait=True)
 
-    def _signed(self, given: bytes, data: bytes) -> Commitment:
-        unsigned = Commitment(
-            self.session, self.stage, self.chunk, self.rows, self.inputs.digest(), given, data, b""
-        )
+    def _close(self) -> None:
+        job = (self.chunk, self.rows, self.inputs.digest(), self.given, self.outputs)
         self.chunk, self.rows, self.inputs = self.chunk + 1, 0, hashlib.sha256()
+        self.given, self.outputs = [], []
+        future: Future[Commitment | None]
+        if self.defer is None:
+            future = Future()
+            future.set_result(self._signed(*job))
+        else:
+            future = self.defer.submit(self._signed, *job)
+        self.pending.append(future)
+
+    def _finished(self, wait: bool) -> list[Commitment]:
+        made: list[Commitment] = []
+        while self.pending and (wait or self.pending[0].done()):
+            done = self.pending.pop(0).result()
+            if done is None:  # (NaN in a chunk: none from it on)
+                self.broken = True
+                self.pending.clear()
+            else:
+                made.append(done)
+        return made
+
+    def _signed(
+        self, chunk: int, rows: int, digest: bytes, given: list[Array], outputs: list[Array]
+    ) -> Commitment | None:
+        try:
+            data, input_data = commit(np.concatenate(outputs)), commit(np.concatenate(given))
+        except CommitmentError:
+            return None
+        unsigned = Commitment(self.session, self.stage, chunk, rows, digest, input_data, data, b"")
         return msgspec.structs.replace(unsigned, signature=self.sign(commitment_bytes(unsigned)))
+
+
+_worker: ThreadPoolExecutor | None = None
+_worker_lock = threading.Lock()
+
+
+def worker() -> Executor:
+    """The process's one thread that works out sessions' commitments (made on first use)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(1, thread_name_prefix="commitments")
+        return _worker
 
 
 def hop_commitment(

@@ -39,7 +39,7 @@ from proto.session import (
     SessionSteps,
 )
 from provider.batching import Batcher, Step, batchable
-from provider.commitments import Ledger, Sign
+from provider.commitments import Ledger, Sign, worker
 from provider.gate import ComputeGate, Priority
 from provider.stage import Array, LoadedStage, Session, arrays, run, wire_of
 
@@ -159,7 +159,9 @@ class SessionServing:
             )
             if request.batch == 1 and not request.check and self.sign is not None:  # (a check's
                 # session, a shadow step's or the broker's probe, is a check already)
-                self.sessions[key].ledger = Ledger(request.session, request.stage, self.sign)
+                self.sessions[key].ledger = Ledger(
+                    request.session, request.stage, self.sign, worker()
+                )
         if not request.check:  # (a check's session is the broker's or a shadow: not a user's)
             self.served(request.stage, requests=1)
         return SessionOpened(session=request.session, idle_timeout_s=self.idle_timeout_s)
@@ -298,8 +300,8 @@ class SessionServing:
             for name, value in outputs.items()
             if name.startswith("present_")
         }
-        grown = [*session.trail, *trail]
-        new_bytes = sum(a.nbytes for a in new_cache.values()) + sum(t.nbytes for t in grown)
+        trail_bytes = session.trail_bytes + sum(t.nbytes for t in trail)
+        new_bytes = sum(a.nbytes for a in new_cache.values()) + trail_bytes
         with self._lock:
             others = self._kv_used - session.nbytes
             if others + new_bytes > self.kv_budget:
@@ -308,7 +310,8 @@ class SessionServing:
                     f"KV cache memory full ({others + new_bytes} of {self.kv_budget} "
                     f"bytes); the session is unchanged: retry later or elsewhere",
                 )
-            session.cache, session.trail = new_cache, grown
+            session.cache, session.trail_bytes = new_cache, trail_bytes
+            session.trail.extend(trail)
             self._kv_used = others + new_bytes
             if new_cache:  # (batch, heads, tokens, head_dim)
                 session.past_len = int(next(iter(new_cache.values())).shape[2])
@@ -366,8 +369,8 @@ def _repeated(session: Session, request: SessionStep) -> bool:
 
 
 def _committed(session: Session, request: SessionStep, hidden: Tensor | None) -> list[Commitment]:
-    """The session's commitments that this step's outputs complete (the session's lock is
-    held): its input and output rows, batch row 0, as they went over the wire."""
+    """The session's commitments finished since its last answer (the session's lock is held);
+    this step's input and output rows, batch row 0, as they went over the wire, go in."""
     given = request.inputs.get("hidden_states")
     if session.ledger is None or hidden is None or given is None:
         return []

@@ -60,11 +60,13 @@ class Session:
     trail: list[Tensor] = field(default_factory=list)
     last: tuple[int, Any] | None = None  # (tokens cached before it, answer) of the last step
     ledger: Ledger | None = None  # its signed commitments (a session of batch 1)
+    trail_bytes: int = 0  # what its trail holds (kept as it grows: a sum over it each step
+    # would cost a step time in proportion to the tokens so far)
 
     @property
     def nbytes(self) -> int:
         """Bytes its cache and its trail of outputs hold."""
-        return sum(a.nbytes for a in self.cache.values()) + sum(t.nbytes for t in self.trail)
+        return sum(a.nbytes for a in self.cache.values()) + self.trail_bytes
 
 
 def tensors(arrays: dict[str, Array], wire: str = "native") -> dict[str, Tensor]:

@@ -65,10 +65,15 @@ class Fp16Compute:
 _EXECUTORS: dict[tuple[str, str], list[Any]] = {}
 
 
-def pipeline(pkg: Any, executor: str, hop: Hop | None = None) -> Any:
+def pipeline(
+    pkg: Any,
+    executor: str,
+    hop: Hop | None = None,
+    given: Callable[[int, Array], None] | None = None,
+) -> Any:
     """The package's stages on `executor` ("ort", "torch", or "fp16": provider stages computed
-    in fp16); `hop` sees each provider stage's output. (Executors are made once per package
-    and kind: a session's state lives in its cache, not in them.)"""
+    in fp16); `hop` sees each provider stage's output, `given` each one's input. (Executors
+    are made once per package and kind: a session's state lives in its cache, not in them.)"""
     from ir.executors.ort import OrtExecutor
     from ir.executors.torch_exec import TorchExecutor
     from ir.pipeline import LocalPipeline
@@ -91,7 +96,10 @@ def pipeline(pkg: Any, executor: str, hop: Hop | None = None) -> Any:
 
     def each(hidden: Array) -> Array:  # called with the embedding's output, then each stage's
         i, seen[0] = seen[0] % (middle + 1), seen[0] + 1
-        return hop(i - 1, hidden) if hop and i > 0 else hidden
+        out = hop(i - 1, hidden) if hop and i > 0 else hidden
+        if given is not None and i < middle:
+            given(i, out)
+        return out
 
     return LocalPipeline(pkg.manifest, runs, hop=each)
 
@@ -103,27 +111,40 @@ def serve(
     new: int,
     cheat: Hop | None = None,
     commits: bool = True,
+    ledgers: list[Any] | None = None,
 ) -> tuple[list[int], list[list[bytes]]]:
     """The prover: the prompt in one pass, then `new` tokens one at a time (greedy); each
     provider stage commits to its outputs as they come (unless not `commits`). Returns the
-    tokens fed and each stage's commitments."""
+    tokens fed and each stage's commitments. With `ledgers` (a `provider.commitments.Ledger`
+    a stage), the stages commit as a provider does: to their inputs too, signed."""
     stages = len(pkg.manifest.stages) - 2
     committers = [Committer() for _ in range(stages)]
+    inputs: dict[int, Array] = {}
+    made: list[list[Any]] = [[] for _ in range(stages)]  # the ledgers' commitments
 
     def hop(stage: int, hidden: Array) -> Array:
         if cheat is not None:
             hidden = cheat(stage, hidden)
-        if commits:
+        if ledgers is not None:
+            made[stage] += ledgers[stage].add(inputs[stage][0], hidden[0])
+        elif commits:
             committers[stage].add(hidden[0].astype(np.float32))
         return hidden
 
-    pipe = pipeline(pkg, executor, hop)
+    def given(stage: int, hidden: Array) -> None:
+        inputs[stage] = hidden
+
+    pipe = pipeline(pkg, executor, hop, given if ledgers is not None else None)
     cache = pipe.new_cache()
     tokens = list(prompt)
     logits = pipe.step(np.array([tokens], dtype=np.int64), 0, cache)
     for _ in range(new):
         tokens.append(int(np.argmax(logits[0, -1])))
         logits = pipe.step(np.array([tokens[-1:]], dtype=np.int64), len(tokens) - 1, cache)
+    if ledgers is not None:
+        for ledger, mine in zip(ledgers, made, strict=True):
+            mine += ledger.finish()
+        return tokens, [[c.data for c in mine] for mine in made]
     for c in committers:
         c.finish()
     return tokens, [c.commitments for c in committers]

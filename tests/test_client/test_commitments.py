@@ -15,7 +15,7 @@ import pytest
 from client.chained import ChainInbox
 from ir.package import load_package
 from ir.toploc import CHUNK, TOLERANCES, check_rows
-from p2p import Identity
+from p2p import Identity, verify
 from p2p.testing import MemoryNetwork
 from proto.session import COMMITMENT_DOMAIN, Commitment
 from tests.test_client.test_chains import PROMPT, Swarm, _generate
@@ -120,3 +120,44 @@ def test_only_a_stage_given_the_right_inputs_is_found_guilty_of_wrong_outputs() 
     found = judge([(0, good, good), (1, bad, bad), (2, bad, bad)], tol)
     assert [(f.ok, f.guilty) for f in found] == [(True, False), (False, False), (None, False)]
     assert "hand-over" in found[1].reason
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_ledger_hands_out_each_chunk_once_in_order_and_the_rest_at_its_close(
+    deferred: bool,
+) -> None:
+    """A provider's ledger (`provider.commitments.Ledger`), its chunks worked out in the
+    provider's commitment thread or on the step's path: every chunk's signed commitment comes
+    out once, in order, each answer carrying those finished since the one before and the
+    close the rest; a chunk with NaN ends them."""
+    from ir.toploc import commit
+    from proto.session import commitment_bytes
+    from provider.commitments import Ledger, worker
+
+    provider = Identity.ephemeral()
+    rng = np.random.default_rng(3)
+    given = rng.standard_normal((2 * CHUNK + 6, 16)).astype(np.float32)
+    sent = rng.standard_normal((2 * CHUNK + 6, 16)).astype(np.float32)
+
+    def sign(data: bytes) -> bytes:
+        return provider.sign(data, domain=COMMITMENT_DOMAIN)
+
+    ledger = Ledger("s.1", "m/1", sign, worker() if deferred else None)
+    made = ledger.add(given[:12], sent[:12])  # a prompt, then a token at a time
+    for i in range(12, len(sent)):
+        made += ledger.add(given[i : i + 1], sent[i : i + 1])
+    made += ledger.finish()
+    assert [c.chunk for c in made] == [0, 1, 2]
+    assert [c.tokens for c in made] == [CHUNK, CHUNK, 6]
+    assert ledger.finish() == []  # (nothing twice)
+    for c in made:
+        rows = slice(c.chunk * CHUNK, c.chunk * CHUNK + c.tokens)
+        assert c.data == commit(sent[rows]) and c.input_data == commit(given[rows])
+        assert c.input_sha256 == hashlib.sha256(given[rows].tobytes()).digest()
+        assert verify(provider.peer_id, commitment_bytes(c), c.signature, domain=COMMITMENT_DOMAIN)
+
+    broken = sent.copy()
+    broken[CHUNK + 3, 0] = np.nan
+    ledger = Ledger("s.2", "m/1", sign, worker() if deferred else None)
+    made = [c for i in range(len(sent)) for c in ledger.add(given[i : i + 1], broken[i : i + 1])]
+    assert [c.chunk for c in made + ledger.finish()] == [0]
