@@ -44,7 +44,7 @@ from client.session import GenerationSession, Router, generate
 from client.stages import CHARS_PER_TOKEN, DEFAULT_MAX_TOKENS, ClientStageError, ClientStages
 from client.stepmux import StepMux
 from client.text import TextStream
-from client.verifying import failed_check, verify_request
+from client.verifying import failed_check, verify_request, with_withheld
 from ir.chat import ChatError, render
 from p2p import Host
 from proto.api import openai as oa
@@ -334,19 +334,19 @@ class Gateway:
             yield Piece("", finish, count, None, await self._verify(req.model, session))
 
     async def _verify(self, model: str, session: GenerationSession) -> Verdict | None:
-        """The broker's check of a finished answer's commitments (None: nothing to check, or
-        the broker could not; the answer stands either way)."""
+        """The broker's check of a finished answer's commitments, and of their being whole
+        (None: nothing to check, or the broker could not; the answer stands either way)."""
         body = verify_request(session)
-        if body is None:
-            return None
+        verdict: Verdict | None = None
         try:  # (bounded: the answer's finish and its lease wait for it)
-            verdict = await asyncio.wait_for(
-                self.backend.verify(model, body), self.backend.timeout_s
-            )
+            if body is not None:
+                verdict = await asyncio.wait_for(
+                    self.backend.verify(model, body), self.backend.timeout_s
+                )
         except Exception as exc:  # (a check that cannot run, or in time, fails no answer)
             log.warning("the broker could not check an answer of %s: %s", model, exc)
-            return None
-        if not verdict.ok:
+        verdict = with_withheld(model, session, verdict)
+        if verdict is not None and not verdict.ok:
             log.warning("%s", failed_check(model, verdict))
         return verdict
 

@@ -338,6 +338,8 @@ class GenerationSession:
         """Close the sessions, those given up on included (best effort: a provider that is
         gone has dropped them)."""
         for stage in self.stages:
+            if stage.sid is not None:  # in use to the end: to commit to every token it holds
+                self.commitments.ended(stage.sid, stage.key, self.past)
             self._abandon(stage)
             drop_shadow(self, stage)
         if self.mux is not None:

@@ -21,7 +21,7 @@ from client.errors import FusionAIError
 from client.routing import quote_part
 from client.session import GenerationSession
 from client.types import Generation
-from proto.api.swarm import CommittedSession, Verdict, VerifyRequest
+from proto.api.swarm import CommittedSession, SessionVerdict, Verdict, VerifyRequest
 
 log = logging.getLogger("fusionai.client")
 
@@ -32,7 +32,7 @@ class GenerationWarning(UserWarning):
 
 def verify_request(session: GenerationSession) -> VerifyRequest | None:
     """What the broker needs to check a closed `session`: the tokens it fed and each provider
-    session's commitments (None: nothing was committed, by older providers)."""
+    session's commitments (None: nothing was committed)."""
     sessions = [
         CommittedSession(o.peer, [o.chunks[i] for i in sorted(o.chunks)])
         for _, o in session.commitments.by_session()
@@ -40,6 +40,33 @@ def verify_request(session: GenerationSession) -> VerifyRequest | None:
     if not sessions or not session.fed:
         return None
     return VerifyRequest(tokens=list(session.fed), sessions=sessions)
+
+
+def with_withheld(
+    model: str, session: GenerationSession, verdict: Verdict | None
+) -> Verdict | None:
+    """`verdict` (the broker's, None: none came) failed for each provider session in use to
+    the end whose commitments do not cover every token it held: the broker cannot check what
+    they leave out. Nothing signed shows it to the broker, so no one is quarantined for it."""
+    withheld = [
+        SessionVerdict(
+            peer_id=o.peer,
+            stage=o.stage,
+            session=sid,
+            chunks=len(o.chunks),
+            ok=False,
+            mismatches=0,
+            mantissa_mean=None,
+            reason=f"it committed to {o.covered} of the {o.held} tokens it held: the rest "
+            "cannot be checked",
+        )
+        for sid, o in session.commitments.withheld()
+    ]
+    if not withheld:
+        return verdict
+    if verdict is None:
+        return Verdict(model, False, withheld, [])
+    return Verdict(model, False, [*verdict.sessions, *withheld], verdict.quarantined)
 
 
 def failed_check(model: str, verdict: Verdict) -> str:
@@ -57,12 +84,15 @@ async def verify_generation(
 ) -> None:
     """Have the broker check `session`'s commitments; the verdict goes into `result`."""
     body = verify_request(session)
-    if body is None:
-        return  # (nothing was committed: older providers)
-    try:
-        verdict = await core._call("POST", f"/v1/models/{quote_part(model)}/verify", Verdict, body)
-    except FusionAIError as exc:
-        log.warning("the broker could not check a generation of %s: %s", model, exc)
+    verdict: Verdict | None = None
+    if body is not None:
+        try:
+            path = f"/v1/models/{quote_part(model)}/verify"
+            verdict = await core._call("POST", path, Verdict, body)
+        except FusionAIError as exc:
+            log.warning("the broker could not check a generation of %s: %s", model, exc)
+    verdict = with_withheld(model, session, verdict)
+    if verdict is None:
         return
     result.verified, result.verdict = verdict.ok, verdict
     if not verdict.ok:

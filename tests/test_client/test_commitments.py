@@ -84,6 +84,30 @@ async def test_a_replacement_commits_to_the_whole_session_from_its_replay(swarm:
     _checked(swarm, session)
 
 
+async def test_a_provider_that_withholds_commitments_fails_the_check(swarm: Swarm) -> None:
+    """A session in use to the end commits to every token it held: the middle stage's
+    provider signing nothing (or its close's commitments not coming) fails the generation's
+    check, whatever the broker finds of the others; no one is quarantined for it."""
+    from client.verifying import with_withheld
+    from proto.api.swarm import Verdict
+
+    async with swarm.net.host() as client:
+        whole = await _generate(swarm, client, None, new=NEW)
+        assert not whole.commitments.withheld() and with_withheld("m", whole, None) is None
+        middle = swarm.keys[1]
+        for server in swarm.servers.values():
+            if middle in server.stages:
+                server.sign = None  # (as a provider that sends no commitments)
+        session = await _generate(swarm, client, None, new=NEW)
+    ((_, o),) = session.commitments.withheld()
+    assert o.stage == middle and o.covered == 0 and o.held == len(session.fed) == 43
+    broker_found = Verdict("m", True, [], [])
+    verdict = with_withheld("m", session, broker_found)
+    assert verdict is not None and not verdict.ok and not verdict.quarantined
+    (found,) = verdict.sessions
+    assert found.ok is False and found.stage == middle and "0 of the 43 tokens" in found.reason
+
+
 def test_a_commitment_not_signed_by_the_provider_of_that_session_is_refused() -> None:
     from client.commitments import Commitments
     from proto.session import commitment_bytes
