@@ -1,8 +1,8 @@
 """Verification benchmark: activation commitments (`ir.toploc`) on the demo decoder, in one
-process: the scheme on real stages (providers' commitments, `provider/commitments.py`, are
-the same bytes; `benchmarks/concurrency.py` measures the swarm with them).
+process (the scheme on real stages; providers' commitments, `provider/commitments.py`, are
+the same bytes), and per-token latency through provider processes with and without them.
 
-    python benchmarks/verify.py [--tokens 128] [--sessions 20] [--honest 50]
+    python benchmarks/verify.py [--tokens 128] [--sessions 20] [--honest 50] [--swarm-rounds 10]
 
 The demo decoder (`make demo`'s, trained here the same way) as a 2-stage package, fp32 and
 fp16, onnxruntime on one thread. Prints one JSON object:
@@ -15,9 +15,20 @@ fp16, onnxruntime on one thread. Prints one JSON object:
                         thread while the next tokens run), over without (the same sessions,
                         alternated)
     latency_ratio_inline  the same with each chunk's commitments worked out on the step's path
+                        (in one process the commitment thread shares the stages' interpreter:
+                        these two are the commitments' compute over the tokens')
     token_ms            milliseconds per generated token without them (the commitments' cost
                         per 32 tokens is fixed: a larger model's ratio is smaller)
-    commitment_bytes_per_1k_tokens   for both provider stages (258 bytes per 32 tokens each)
+    swarm_latency_ratio  per-token latency p50 through a broker and a provider process a
+                        stage (the SDK generating, --swarm-rounds sessions each way,
+                        alternated) with the providers committing, over sessions opened as
+                        checks, for which they make none: the median over pairs of sessions
+                        run one after the other (either first in turn) of their mean gaps'
+                        ratio (`_p50`: of their
+                        p50s'; `swarm_token_ms` and `_off`: the p50s over all sessions)
+    commitment_bytes_per_1k_tokens   the signed commitments of both provider stages as sent
+                        (msgpack), per 1,000 tokens; `toploc_bytes_per_1k_tokens` their
+                        TOPLOC polynomials of the outputs alone (258 bytes per 32 tokens)
     sampling_rate       the share of sessions verified: the least r with 1 - (1 - r)^20 >= 0.99
     catch_within_20     the chance a provider cheating on every session is caught within 20
                         of its sessions at that rate
@@ -38,10 +49,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.toploc_runs: the sessions and cheats the tests use
 
+import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ir.toploc import CHUNK  # noqa: E402
@@ -68,6 +81,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sessions", type=int, default=20)
     ap.add_argument("--honest", type=int, default=50)
+    ap.add_argument("--swarm-rounds", type=int, default=20, help="sessions each way")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -137,6 +151,10 @@ def main() -> None:
             prover, verifier = sides[i % len(sides)]
             tokens, sent = serve(pkg, prover, prompt(), args.tokens)
             false_positives += accused(pkg, verdicts(pkg, verifier, tokens, sent))
+        wire = wire_bytes(ledgers(False), int(fp32.manifest.config["hidden_size"]), args.tokens)
+        swarm = swarm_latency(
+            Path(tmp), Path(tmp) / "fp32", fp32.manifest.name, args.tokens, args.swarm_rounds
+        )
     rate = 1 - 0.01 ** (1 / 20)  # the least rate catching an always-cheater within 20 w.p. .99
     rate = math.ceil(rate * 100) / 100
     cost = statistics.median(costs)
@@ -153,17 +171,80 @@ def main() -> None:
                     statistics.median(inline_s) / statistics.median(plain_s), 4
                 ),
                 "token_ms": round(statistics.median(plain_s) / args.tokens * 1e3, 3),
-                "commitment_bytes_per_1k_tokens": round(stages * 258 * 1000 / CHUNK, 1),
+                **swarm,
+                "commitment_bytes_per_1k_tokens": wire,
+                "toploc_bytes_per_1k_tokens": round(stages * 258 * 1000 / CHUNK, 1),
                 "sampling_rate": rate,
                 "catch_within_20": round(1 - (1 - rate) ** 20, 4),
                 "network_cost": round(rate * cost, 4),
                 "detection": detection,
                 "false_positives": false_positives,
                 "honest_sessions": args.honest,
-                "scope": "one process: the scheme on real stages",
+                "scope": "one process: the scheme on real stages; swarm_*: provider "
+                "processes on this machine",
             }
         )
     )
+
+
+def wire_bytes(ledgers: list[Ledger], hidden: int, tokens: int) -> float:
+    """Bytes of the signed commitments (`proto.session.Commitment`, msgpack as sent) that
+    `ledgers` (one a stage) make for a session of `tokens` tokens, per 1,000 tokens."""
+    rows = np.random.default_rng(0).standard_normal((tokens, hidden)).astype(np.float32)
+    sent = 0
+    for ledger in ledgers:
+        made = [c for i in range(tokens) for c in ledger.add(rows[i : i + 1], rows[i : i + 1])]
+        sent += sum(len(msgspec.msgpack.encode(c)) for c in made + ledger.finish())
+    return round(sent * 1000 / tokens, 1)
+
+
+def swarm_latency(
+    tmp: Path, package: Path, name: str, tokens: int, rounds: int
+) -> dict[str, float]:
+    """Per-token latency through a broker and one provider process a stage on this machine,
+    the SDK generating: sessions whose providers commit, and sessions opened as checks (the
+    broker's and shadow steps' kind, for which a provider makes no commitments), alternated.
+    Gaps between a session's tokens, `rounds` sessions of each."""
+    import asyncio
+
+    from e2e import Swarm
+
+    import client.session as sessions
+    from client import AsyncClient
+
+    opening = sessions.GenerationSession._opening
+    swarm = Swarm(tmp, "verify", 2)
+    gaps: dict[bool, list[list[float]]] = {True: [], False: []}
+
+    async def generate(http: str, name: str) -> None:
+        async with AsyncClient(http, timeout=60, cache_dir=tmp / "sdk-cache") as fa:
+            await fa.generate([1, 2, 3], 8, stream=False, model=name)  # warm
+            for i in range(2 * rounds):
+                on = i % 4 in (0, 3)  # (on, off, off, on, ...: neither always goes first)
+                sessions.GenerationSession._opening = (  # type: ignore[method-assign]
+                    opening if on else lambda s, st, sid, check=False: opening(s, st, sid, True)
+                )
+                prompt = [int(t) for t in np.random.default_rng(i // 2).integers(1, 200, 12)]
+                done = await fa.generate(prompt, tokens, stream=False, model=name)
+                gaps[on].append(list(np.diff(done.token_times) * 1e3))
+
+    try:
+        swarm.add(package)
+        asyncio.run(generate(swarm.http, name))
+    finally:
+        sessions.GenerationSession._opening = opening  # type: ignore[method-assign]
+        swarm.stop()
+
+    def ratio(of: Any) -> float:  # each session with commitments against the one beside it
+        pairs = [of(a) / of(b) for a, b in zip(gaps[True], gaps[False], strict=True)]
+        return round(float(statistics.median(pairs)), 4)
+
+    return {
+        "swarm_token_ms": round(float(np.median(np.concatenate(gaps[True]))), 3),
+        "swarm_token_ms_off": round(float(np.median(np.concatenate(gaps[False]))), 3),
+        "swarm_latency_ratio": ratio(np.mean),
+        "swarm_latency_ratio_p50": ratio(np.median),
+    }
 
 
 if __name__ == "__main__":
