@@ -49,22 +49,19 @@ class Ledger:
         self.outputs: list[Array] = []  # its rows so far
         self.given: list[Array] = []
         self.rows = 0
-        self.inputs = hashlib.sha256()  # of its input rows so far
         self.pending: list[Future[Commitment | None]] = []  # chunks being committed, in order
         self.broken = False  # outputs that cannot be committed to (NaN): no more commitments
 
     def add(self, inputs: Array, outputs: Array) -> list[Commitment]:
         """The next tokens' input and output rows (tokens, hidden), batch row 0; the
         commitments finished since the last call."""
-        inputs = np.ascontiguousarray(inputs, dtype=np.float32)
-        outputs = np.asarray(outputs, dtype=np.float32)
+        inputs = np.array(inputs, dtype=np.float32, order="C")  # (copies: kept until their
+        outputs = np.array(outputs, dtype=np.float32, order="C")  # chunk is committed)
         start = 0
         while start < len(outputs) and not self.broken:
             take = min(CHUNK - self.rows, len(outputs) - start)
-            rows_in = inputs[start : start + take]
-            self.inputs.update(rows_in.tobytes())
-            self.given.append(rows_in)
-            self.outputs.append(outputs[start : start + take].copy())
+            self.given.append(inputs[start : start + take])
+            self.outputs.append(outputs[start : start + take])
             self.rows += take
             start += take
             if self.rows == CHUNK:
@@ -78,9 +75,8 @@ class Ledger:
         return self._finished(wait=True)
 
     def _close(self) -> None:
-        job = (self.chunk, self.rows, self.inputs.digest(), self.given, self.outputs)
-        self.chunk, self.rows, self.inputs = self.chunk + 1, 0, hashlib.sha256()
-        self.given, self.outputs = [], []
+        job = (self.chunk, self.rows, self.given, self.outputs)
+        self.chunk, self.rows, self.given, self.outputs = self.chunk + 1, 0, [], []
         future: Future[Commitment | None]
         if self.defer is None:
             future = Future()
@@ -101,12 +97,14 @@ class Ledger:
         return made
 
     def _signed(
-        self, chunk: int, rows: int, digest: bytes, given: list[Array], outputs: list[Array]
+        self, chunk: int, rows: int, given: list[Array], outputs: list[Array]
     ) -> Commitment | None:
+        given_rows = np.concatenate(given)
         try:
-            data, input_data = commit(np.concatenate(outputs)), commit(np.concatenate(given))
+            data, input_data = commit(np.concatenate(outputs)), commit(given_rows)
         except CommitmentError:
             return None
+        digest = hashlib.sha256(given_rows.tobytes()).digest()
         unsigned = Commitment(self.session, self.stage, chunk, rows, digest, input_data, data, b"")
         return msgspec.structs.replace(unsigned, signature=self.sign(commitment_bytes(unsigned)))
 
