@@ -2,7 +2,7 @@
 process (the scheme on real stages; providers' commitments, `provider/commitments.py`, are
 the same bytes), and per-token latency through provider processes with and without them.
 
-    python benchmarks/verify.py [--tokens 128] [--sessions 20] [--honest 50] [--swarm-rounds 10]
+    python benchmarks/verify.py [--tokens 128] [--sessions 20] [--honest 50] [--swarm-rounds 20]
 
 The demo decoder (`make demo`'s, trained here the same way) as a 2-stage package, fp32 and
 fp16, onnxruntime on one thread. Prints one JSON object:
@@ -13,19 +13,20 @@ fp16, onnxruntime on one thread. Prints one JSON object:
                         them (`provider.commitments.Ledger`: to each stage's inputs and
                         outputs, signed, each chunk's worked out in the provider's commitment
                         thread while the next tokens run), over without (the same sessions,
-                        alternated)
+                        each way first in turn)
     latency_ratio_inline  the same with each chunk's commitments worked out on the step's path
                         (in one process the commitment thread shares the stages' interpreter:
                         these two are the commitments' compute over the tokens')
     token_ms            milliseconds per generated token without them (the commitments' cost
                         per 32 tokens is fixed: a larger model's ratio is smaller)
-    swarm_latency_ratio  per-token latency p50 through a broker and a provider process a
-                        stage (the SDK generating, --swarm-rounds sessions each way,
-                        alternated) with the providers committing, over sessions opened as
-                        checks, for which they make none: the median over pairs of sessions
-                        run one after the other (either first in turn) of their mean gaps'
-                        ratio (`_p50`: of their
-                        p50s'; `swarm_token_ms` and `_off`: the p50s over all sessions)
+    swarm_latency_ratio  per-token latency through a broker and a provider process a stage
+                        (the SDK generating, --swarm-rounds sessions each way) with the
+                        providers committing, over sessions opened as checks, for which they
+                        make none: the median over pairs of sessions run one after the other
+                        (either first in turn) of their mean gaps between tokens' ratio
+                        (`_p50`: of their p50 gaps'; `swarm_session_ratio`: of their whole
+                        generations' wall times, the close, which waits for the last
+                        commitments, included; `swarm_token_ms` and `_off`: the p50 gaps)
     commitment_bytes_per_1k_tokens   the signed commitments of both provider stages as sent
                         (msgpack), per 1,000 tokens; `toploc_bytes_per_1k_tokens` their
                         TOPLOC polynomials of the outputs alone (258 bytes per 32 tokens)
@@ -105,20 +106,22 @@ def main() -> None:
         serve(fp32, "ort", prompt(), 8, commits=False)  # warm
         serve(fp32, "ort", prompt(), 40, ledgers=ledgers(True))
         costs, plain_s, committed_s, inline_s = [], [], [], []
-        for _ in range(args.sessions):
+        kinds = {"plain": plain_s, "deferred": committed_s, "inline": inline_s}
+        for i in range(args.sessions):
             p = prompt()
-            t0 = time.perf_counter()
-            serve(fp32, "ort", p, args.tokens, commits=False)
-            t1 = time.perf_counter()
-            tokens, sent = serve(fp32, "ort", p, args.tokens, ledgers=ledgers(True))
-            t2 = time.perf_counter()
-            assert not accused(fp32, verdicts(fp32, "ort", tokens, sent))
-            t3 = time.perf_counter()
-            serve(fp32, "ort", p, args.tokens, ledgers=ledgers(False))
-            inline_s.append(time.perf_counter() - t3)
-            plain_s.append(t1 - t0)
-            committed_s.append(t2 - t1)
-            costs.append((t3 - t2) / (t2 - t1))
+            for kind in [*kinds][i % 3 :] + [*kinds][: i % 3]:  # (each first in turn)
+                start = time.perf_counter()
+                if kind == "plain":
+                    serve(fp32, "ort", p, args.tokens, commits=False)
+                else:
+                    tokens, sent = serve(
+                        fp32, "ort", p, args.tokens, ledgers=ledgers(kind == "deferred")
+                    )
+                kinds[kind].append(took := time.perf_counter() - start)
+                if kind == "deferred":  # the check, against generating with commitments
+                    start = time.perf_counter()
+                    assert not accused(fp32, verdicts(fp32, "ort", tokens, sent))
+                    costs.append((time.perf_counter() - start) / took)
         cheats = {  # name: (the package the session was served as, the cheat)
             "another_model": (fp32, lambda p: serve(pkgs["other"], "ort", p, args.tokens)),
             "layer_skipped": (fp32, lambda p: serve(pkgs["skip"], "ort", p, args.tokens)),
@@ -215,6 +218,7 @@ def swarm_latency(
     opening = sessions.GenerationSession._opening
     swarm = Swarm(tmp, "verify", 2)
     gaps: dict[bool, list[list[float]]] = {True: [], False: []}
+    walls: dict[bool, list[float]] = {True: [], False: []}
 
     async def generate(http: str, name: str) -> None:
         async with AsyncClient(http, timeout=60, cache_dir=tmp / "sdk-cache") as fa:
@@ -225,7 +229,9 @@ def swarm_latency(
                     opening if on else lambda s, st, sid, check=False: opening(s, st, sid, True)
                 )
                 prompt = [int(t) for t in np.random.default_rng(i // 2).integers(1, 200, 12)]
+                start = time.perf_counter()
                 done = await fa.generate(prompt, tokens, stream=False, model=name)
+                walls[on].append(time.perf_counter() - start)  # (the close's wait included)
                 gaps[on].append(list(np.diff(done.token_times) * 1e3))
 
     try:
@@ -235,15 +241,16 @@ def swarm_latency(
         sessions.GenerationSession._opening = opening  # type: ignore[method-assign]
         swarm.stop()
 
-    def ratio(of: Any) -> float:  # each session with commitments against the one beside it
-        pairs = [of(a) / of(b) for a, b in zip(gaps[True], gaps[False], strict=True)]
-        return round(float(statistics.median(pairs)), 4)
+    def ratio(of: Any, runs: dict[bool, Any]) -> float:  # each with commitments against
+        pairs = [of(a) / of(b) for a, b in zip(runs[True], runs[False], strict=True)]
+        return round(float(statistics.median(pairs)), 4)  # the one without beside it
 
     return {
         "swarm_token_ms": round(float(np.median(np.concatenate(gaps[True]))), 3),
         "swarm_token_ms_off": round(float(np.median(np.concatenate(gaps[False]))), 3),
-        "swarm_latency_ratio": ratio(np.mean),
-        "swarm_latency_ratio_p50": ratio(np.median),
+        "swarm_latency_ratio": ratio(np.mean, gaps),
+        "swarm_latency_ratio_p50": ratio(np.median, gaps),
+        "swarm_session_ratio": ratio(float, walls),
     }
 
 

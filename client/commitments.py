@@ -5,9 +5,10 @@ Each provider session (one stage, one provider, opened by this client) commits t
 along a chain with the last hop's result, and at its close for the last chunk. A commitment
 is kept only if it names a session this client opened on that stage and is signed by the
 provider it was opened on; a step answered again sends its commitments again, kept once.
-`by_session()` is what a verifier takes (`POST /v1/verify`), with the session's tokens.
-A session in use to the end must commit to every token it held (`withheld()`): a provider
-that sends no commitments, or not all, would otherwise escape the check on what it left out.
+`checkable()` is what a verifier takes (`POST /v1/verify`), with the session's tokens.
+A session in use to the end must commit to every token it held, and every session's chunks
+must be chunks of the generation (`withheld()`): a provider that sends no commitments, not
+all, or malformed ones would otherwise escape the check on what it left out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ir.toploc import CHUNK
 from p2p import verify
 from proto.session import COMMITMENT_DOMAIN, Commitment, commitment_bytes
 
@@ -28,15 +30,20 @@ class Opened:
     stage: str
     chunks: dict[int, Commitment] = field(default_factory=dict)
     held: int = 0  # tokens it held when the generation ended (0: given up on before)
+    answered: bool = True  # its close was answered (the close brings the chunks not yet sent)
 
     @property
-    def covered(self) -> int:
-        """Tokens its commitments cover, from the first (chunks 0, 1, ... without a gap)."""
-        tokens, number = 0, 0
-        while number in self.chunks:
-            tokens += self.chunks[number].tokens
-            number += 1
-        return tokens
+    def covered(self) -> int | None:
+        """Tokens its commitments cover, from the first; None when they are not what the
+        broker takes (`broker.commitcheck`): chunks 0, 1, ... of `CHUNK` tokens, the last
+        possibly fewer, no more than it held."""
+        sizes = [self.chunks[n].tokens for n in sorted(self.chunks)]
+        whole = sorted(self.chunks) == list(range(len(sizes)))
+        if not whole or any(t != CHUNK for t in sizes[:-1]):
+            return None
+        if (sizes and not 1 <= sizes[-1] <= CHUNK) or (self.held and sum(sizes) > self.held):
+            return None
+        return sum(sizes)
 
 
 class Commitments:
@@ -70,12 +77,35 @@ class Commitments:
         if opened is not None:
             opened.held = held
 
-    def withheld(self) -> list[tuple[str, Opened]]:
-        """(session id, where and what) of the sessions in use to the end whose commitments
-        do not cover every token they held: what they computed cannot all be checked."""
-        return [(sid, o) for (sid, _), o in self.sessions.items() if o.covered < o.held]
+    def unanswered(self, sid: str, stage: str) -> None:
+        """The close of session `sid` of `stage` was not answered."""
+        opened = self.sessions.get((sid, stage))
+        if opened is not None:
+            opened.answered = False
 
-    def by_session(self) -> list[tuple[str, Opened]]:
-        """(session id, where and what) of the sessions that committed to something, in the
-        order they were opened."""
-        return [(sid, o) for (sid, _), o in self.sessions.items() if o.chunks]
+    def withheld(self, fed: int) -> list[tuple[str, Opened, str]]:
+        """(session id, where and what, why) of the sessions whose commitments cannot all be
+        checked, for a generation that fed `fed` tokens: those in use to the end that do not
+        cover every token they held, and any whose chunks are not chunks of it."""
+        out = []
+        for (sid, _), o in self.sessions.items():
+            covered = o.covered
+            if covered is None or covered > fed:
+                why = f"its commitments are not chunks 0, 1, ... of {CHUNK} of the {fed} tokens"
+            elif covered < o.held:
+                why = f"it committed to {covered} of the {o.held} tokens it held"
+                if not o.answered:
+                    why += " (its session's close, which brings the last, was not answered)"
+            else:
+                continue
+            out.append((sid, o, f"{why}: what it computed cannot all be checked"))
+        return out
+
+    def checkable(self, fed: int) -> list[tuple[str, Opened]]:
+        """(session id, where and what) of the sessions that committed to something the
+        broker can check, in the order they were opened."""
+        return [
+            (sid, o)
+            for (sid, _), o in self.sessions.items()
+            if o.chunks and (covered := o.covered) is not None and covered <= fed
+        ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from proto.session import (
     SessionClose,
     SessionClosed,
     SessionOpen,
+    SessionOpened,
     SessionOutput,
     SessionStep,
 )
@@ -88,6 +90,7 @@ class _Stage:
     opens: int = 0  # sessions opened for this stage so far (each gets a fresh id)
     history: list[dict[str, Array]] = field(default_factory=list)  # inputs of past steps
     shadow: tuple[str, str] | None = None  # (peer, session id) of the shadow session
+    idle_timeout_s: float = float("inf")  # after which its provider drops the open session
 
 
 class GenerationSession:
@@ -145,6 +148,7 @@ class GenerationSession:
         self.distrusted: set[str] = set()
         self.lost: set[str] = set()  # providers whose connection failed on one of our stages
         self.commitments = Commitments()  # the providers' signed commitments to their outputs
+        self.last_step = time.monotonic()  # when the last step was answered
 
     async def feed(self, tokens: Sequence[int]) -> Array:
         """Run `tokens` after those fed before; returns the logits of the last one (vocab,)."""
@@ -184,6 +188,7 @@ class GenerationSession:
             if try_chain and self.failovers == failovers:  # broken, yet everyone serves
                 self.chain_strikes += 1
         self.past += ids.shape[1]
+        self.last_step = time.monotonic()
         self.fed += tokens
         if self.mux is not None:
             logits = await self.mux.head(self.client, hidden)
@@ -263,7 +268,9 @@ class GenerationSession:
         replacement); only a session whose replay succeeded is used."""
         stage.opens += 1
         sid = f"{self.id}.{stage.opens}"
-        await self._call(peer, self._opening(stage, sid))
+        opened = await self._call(peer, self._opening(stage, sid))
+        if isinstance(opened, SessionOpened):
+            stage.idle_timeout_s = opened.idle_timeout_s
         self.commitments.opened(sid, peer, stage.key)
         try:
             if any("hidden_states" not in h for h in stage.history):  # (chained steps)
@@ -337,8 +344,10 @@ class GenerationSession:
     async def close(self) -> None:
         """Close the sessions, those given up on included (best effort: a provider that is
         gone has dropped them)."""
+        idle = time.monotonic() - self.last_step
         for stage in self.stages:
-            if stage.sid is not None:  # in use to the end: to commit to every token it holds
+            if stage.sid is not None and idle < stage.idle_timeout_s:  # in use to the end and
+                # not dropped as idle since: to commit to every token it holds
                 self.commitments.ended(stage.sid, stage.key, self.past)
             self._abandon(stage)
             drop_shadow(self, stage)
@@ -352,9 +361,11 @@ class GenerationSession:
                     peer, SESSION, SessionClose(session=sid, stage=key), timeout=5
                 )
             except P2PError:
-                return
-            if isinstance(closed, SessionClosed):  # (the last chunk's commitment)
+                closed = None
+            if isinstance(closed, SessionClosed):  # (the commitments not sent yet)
                 self.commitments.add(closed.commitments)
+            else:
+                self.commitments.unanswered(sid, key)
 
         await asyncio.gather(*(one(*t) for t in todo))
 

@@ -35,7 +35,7 @@ def verify_request(session: GenerationSession) -> VerifyRequest | None:
     session's commitments (None: nothing was committed)."""
     sessions = [
         CommittedSession(o.peer, [o.chunks[i] for i in sorted(o.chunks)])
-        for _, o in session.commitments.by_session()
+        for _, o in session.commitments.checkable(len(session.fed))
     ]
     if not sessions or not session.fed:
         return None
@@ -45,9 +45,11 @@ def verify_request(session: GenerationSession) -> VerifyRequest | None:
 def with_withheld(
     model: str, session: GenerationSession, verdict: Verdict | None
 ) -> Verdict | None:
-    """`verdict` (the broker's, None: none came) failed for each provider session in use to
-    the end whose commitments do not cover every token it held: the broker cannot check what
-    they leave out. Nothing signed shows it to the broker, so no one is quarantined for it."""
+    """`verdict` (the broker's, None: none came) failed for each provider session whose
+    commitments cannot all be checked (`Commitments.withheld`): one in use to the end that
+    did not commit to every token it held, or one whose chunks are not chunks of this
+    generation (those are not sent to the broker, which would refuse the whole request).
+    Nothing signed shows the broker what was withheld, so no one is quarantined for it."""
     withheld = [
         SessionVerdict(
             peer_id=o.peer,
@@ -57,10 +59,9 @@ def with_withheld(
             ok=False,
             mismatches=0,
             mantissa_mean=None,
-            reason=f"it committed to {o.covered} of the {o.held} tokens it held: the rest "
-            "cannot be checked",
+            reason=why,
         )
-        for sid, o in session.commitments.withheld()
+        for sid, o, why in session.commitments.withheld(len(session.fed))
     ]
     if not withheld:
         return verdict

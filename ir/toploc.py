@@ -109,7 +109,9 @@ def _inverses() -> Array:
             out = out * base % _P
         base = base * base % _P
         e >>= 1
-    return out.astype(np.int64)
+    table = out.astype(np.int64)
+    table.flags.writeable = False  # (shared by every call)
+    return table
 
 
 def _modulus(indices: Array) -> int:
@@ -254,7 +256,9 @@ def _from_values(n: int) -> Array:
     ju = j.astype(np.uint32)
     differences = _sub(ju[:, None], ju[None, :]) + np.eye(n, dtype=np.uint32)  # (1: k = j)
     slopes = _row_products(differences)  # M'(j)
-    return (basis * _inverse(slopes)[:, None] % PRIME).astype(np.float64)
+    matrix = (basis * _inverse(slopes)[:, None] % PRIME).astype(np.float64)
+    matrix.flags.writeable = False  # (shared by every call)
+    return matrix
 
 
 def parse(commitment: bytes, k: int = K) -> tuple[int, Array]:

@@ -1,4 +1,4 @@
-"""A session's signed commitments to its outputs on one stage, made as its steps are answered.
+"""A session's signed commitments to its outputs on one stage, made as its steps come.
 
 Every `ir.toploc.CHUNK` tokens of a generation session (batch 1), the provider commits to
 the hidden states it answered for them (the values as they went on the wire, read back as
@@ -8,7 +8,9 @@ same kind, and their SHA-256), and signs that with its peer key
 in one pass then tells whether this provider ran the stage it was given on what it was
 given, and whether what it was given is what the previous stage committed to sending; the
 signature makes the commitment its own.
-The last, partial chunk is committed when the session is closed.
+A chunk's commitment is worked out in the process's commitment thread (`worker()`), off the
+step's path; each answer carries those finished since the one before, and the close the rest
+(the last, partial chunk's included).
 
 A chained hop of a batch microbatch commits too (`hop_commitment`): to the SHA-256 of what it
 was given and of what it sent on, and to what it sent on, `proto.forward.BATCH_CHUNK` tokens
@@ -18,6 +20,7 @@ of each sequence a commitment.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -31,6 +34,7 @@ from proto.forward import BATCH_CHUNK, HopCommitment, hop_commitment_bytes
 from proto.session import Commitment, commitment_bytes
 
 Array = np.ndarray[Any, Any]
+log = logging.getLogger("fusionai.provider")
 Sign = Callable[[bytes], bytes]  # the provider's signature over bytes (its commitment domain)
 
 
@@ -40,8 +44,9 @@ class Ledger:
     A chunk's commitment is worked out off the step's path: in `defer`'s worker when one is
     given (the provider's: `worker()`), while the session's next tokens travel through the
     other stages; each answer then carries the commitments finished since the one before,
-    and the close waits for the rest. Without `defer`, a chunk's commitment comes with the
-    answer that completes it."""
+    and the close the rest, working out itself those still waiting. Without `defer` (or
+    with `MAX_QUEUED` chunks waiting already), a chunk's commitment comes with the answer
+    that completes it."""
 
     def __init__(self, session: str, stage: str, sign: Sign, defer: Executor | None = None) -> None:
         self.session, self.stage, self.sign, self.defer = session, stage, sign, defer
@@ -49,7 +54,8 @@ class Ledger:
         self.outputs: list[Array] = []  # its rows so far
         self.given: list[Array] = []
         self.rows = 0
-        self.pending: list[Future[Commitment | None]] = []  # chunks being committed, in order
+        self.pending: list[tuple[Future[Commitment | None], Job]] = []  # chunks being
+        # committed, in order
         self.broken = False  # outputs that cannot be committed to (NaN): no more commitments
 
     def add(self, inputs: Array, outputs: Array) -> list[Commitment]:
@@ -69,29 +75,37 @@ class Ledger:
         return self._finished(wait=False)
 
     def finish(self) -> list[Commitment]:
-        """Every commitment not yet handed out, the last, partial chunk's included."""
+        """Every commitment not yet handed out, the last, partial chunk's included (those
+        still waiting for the commitment thread worked out here, not behind other sessions')."""
         if self.rows and not self.broken:
             self._close()
         return self._finished(wait=True)
 
+    def cancel(self) -> None:
+        """The session is gone: its chunks waiting for the commitment thread are dropped."""
+        for future, _ in self.pending:
+            future.cancel()
+        self.pending.clear()
+
     def _close(self) -> None:
         job = (self.chunk, self.rows, self.given, self.outputs)
         self.chunk, self.rows, self.given, self.outputs = self.chunk + 1, 0, [], []
-        future: Future[Commitment | None]
-        if self.defer is None:
+        future: Future[Commitment | None] | None = None
+        if self.defer is not None:
+            future = _submit(self.defer, self._signed, job)
+        if future is None:  # (on the step's path: no thread, or its queue is full)
             future = Future()
             future.set_result(self._signed(*job))
-        else:
-            future = self.defer.submit(self._signed, *job)
-        self.pending.append(future)
+        self.pending.append((future, job))
 
     def _finished(self, wait: bool) -> list[Commitment]:
         made: list[Commitment] = []
-        while self.pending and (wait or self.pending[0].done()):
-            done = self.pending.pop(0).result()
+        while self.pending and (wait or self.pending[0][0].done()):
+            future, job = self.pending.pop(0)
+            done = self._signed(*job) if future.cancel() else future.result()
             if done is None:  # (NaN in a chunk: none from it on)
                 self.broken = True
-                self.pending.clear()
+                self.cancel()
             else:
                 made.append(done)
         return made
@@ -102,24 +116,65 @@ class Ledger:
         given_rows = np.concatenate(given)
         try:
             data, input_data = commit(np.concatenate(outputs)), commit(given_rows)
+            digest = hashlib.sha256(given_rows.tobytes()).digest()
+            unsigned = Commitment(
+                self.session, self.stage, chunk, rows, digest, input_data, data, b""
+            )
+            signature = self.sign(commitment_bytes(unsigned))
         except CommitmentError:
             return None
-        digest = hashlib.sha256(given_rows.tobytes()).digest()
-        unsigned = Commitment(self.session, self.stage, chunk, rows, digest, input_data, data, b"")
-        return msgspec.structs.replace(unsigned, signature=self.sign(commitment_bytes(unsigned)))
+        except Exception:  # (signing failed: no commitment can be made, none is claimed)
+            log.exception(
+                "session %s: chunk %d of %s not committed", self.session, chunk, self.stage
+            )
+            return None
+        return msgspec.structs.replace(unsigned, signature=signature)
 
 
+Job = tuple[int, int, list[Array], list[Array]]
+MAX_QUEUED = 256  # chunks waiting for the commitment thread, beyond which they are worked
+# out on the step's path (each holds its rows: 2 x 32 x hidden floats)
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
+_queued = 0
 
 
 def worker() -> Executor:
-    """The process's one thread that works out sessions' commitments (made on first use)."""
+    """The process's one thread that works out sessions' commitments, shared by all its
+    sessions (made on first use)."""
     global _worker
     with _worker_lock:
         if _worker is None:
             _worker = ThreadPoolExecutor(1, thread_name_prefix="commitments")
         return _worker
+
+
+def _submit(
+    executor: Executor, fn: Callable[..., Commitment | None], job: Job
+) -> Future[Commitment | None] | None:
+    """`fn(*job)` in `executor`, unless `MAX_QUEUED` chunks are waiting already (None)."""
+    global _queued
+    with _worker_lock:
+        if _queued >= MAX_QUEUED:
+            return None
+        _queued += 1
+
+    def run() -> Commitment | None:
+        global _queued
+        with _worker_lock:
+            _queued -= 1
+        return fn(*job)
+
+    future = executor.submit(run)
+    future.add_done_callback(_uncount_cancelled)
+    return future
+
+
+def _uncount_cancelled(future: Future[Commitment | None]) -> None:
+    global _queued
+    if future.cancelled():  # (never ran: `run` did not count it off)
+        with _worker_lock:
+            _queued -= 1
 
 
 def hop_commitment(

@@ -122,10 +122,8 @@ class Server(SessionServing, StepChains):
     def remove(self, key: str) -> LoadedStage | None:
         with self._lock:
             stage = self.stages.pop(key, None)
-            gone = [self.sessions.pop(k) for k, s in list(self.sessions.items()) if s.stage == key]
-            self._kv_used -= sum(s.nbytes for s in gone)
-        for session in gone:
-            self.batcher.forget(session)
+            gone = self._taken([k for k, s in self.sessions.items() if s.stage == key])
+        self._dropped(gone)
         return stage
 
     def promote(self, key: str) -> bool:

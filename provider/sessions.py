@@ -88,10 +88,10 @@ class SessionServing:
             return self._open(peer, request)
         if isinstance(request, SessionClose):
             with self._lock:
-                gone = self.sessions.pop((peer, request.stage, request.session), None)
-                self._kv_used -= gone.nbytes if gone is not None else 0
-            if gone is None:
+                taken = self._taken([(peer, request.stage, request.session)])
+            if not taken:
                 return SessionClosed(session=request.session)
+            (gone,) = taken
             self.batcher.forget(gone)
             with gone.lock:  # (a step still running adds its rows first)
                 last = gone.ledger.finish() if gone.ledger is not None else []
@@ -303,8 +303,9 @@ class SessionServing:
         trail_bytes = session.trail_bytes + sum(t.nbytes for t in trail)
         new_bytes = sum(a.nbytes for a in new_cache.values()) + trail_bytes
         with self._lock:
-            others = self._kv_used - session.nbytes
-            if others + new_bytes > self.kv_budget:
+            counted = not session.dropped  # (dropped while this step ran: counted off already)
+            others = self._kv_used - session.nbytes if counted else self._kv_used
+            if counted and others + new_bytes > self.kv_budget:
                 raise Refused(
                     ErrorCode.BUSY,
                     f"KV cache memory full ({others + new_bytes} of {self.kv_budget} "
@@ -312,7 +313,8 @@ class SessionServing:
                 )
             session.cache, session.trail_bytes = new_cache, trail_bytes
             session.trail.extend(trail)
-            self._kv_used = others + new_bytes
+            if counted:
+                self._kv_used = others + new_bytes
             if new_cache:  # (batch, heads, tokens, head_dim)
                 session.past_len = int(next(iter(new_cache.values())).shape[2])
             session.last_used = time.monotonic()
@@ -327,10 +329,8 @@ class SessionServing:
                 for k, s in self.sessions.items()
                 if s.last_used < cutoff and not s.lock.locked()  # a step in progress is use
             ]
-            gone = [self.sessions.pop(k) for k in old]
-            self._kv_used -= sum(s.nbytes for s in gone)
-        for session in gone:
-            self.batcher.forget(session)
+            gone = self._taken(old)
+        self._dropped(gone)
         self.batcher.report()
         return len(old)
 
@@ -342,13 +342,29 @@ class SessionServing:
             doomed = gone_peers & self._absent  # absent twice in a row: not a blip
             self._absent = gone_peers - doomed
             keys = [k for k, s in self.sessions.items() if s.peer in doomed]
-            gone = [self.sessions.pop(k) for k in keys]
-            self._kv_used -= sum(s.nbytes for s in gone)
+            gone = self._taken(keys)
+        self._dropped(gone)
         counts: dict[str, int] = {}
         for session in gone:
-            self.batcher.forget(session)
             counts[session.peer] = counts.get(session.peer, 0) + 1
         return counts
+
+    def _taken(self, keys: list[tuple[str, str, str]]) -> list[Session]:
+        """The open sessions of `keys`, taken out (the server's lock held): their bytes are
+        no longer counted, nor those a step still running on one would add."""
+        gone = [self.sessions.pop(k) for k in keys if k in self.sessions]
+        for session in gone:
+            self._kv_used -= session.nbytes
+            session.dropped = True
+        return gone
+
+    def _dropped(self, gone: list[Session]) -> None:
+        """Sessions dropped unclosed: not waited for in batches, their commitments not made."""
+        for session in gone:
+            self.batcher.forget(session)
+            if session.ledger is not None:
+                with session.lock:
+                    session.ledger.cancel()
 
     def kv_bytes(self) -> int:
         return self._kv_used

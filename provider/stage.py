@@ -60,6 +60,7 @@ class Session:
     trail: list[Tensor] = field(default_factory=list)
     last: tuple[int, Any] | None = None  # (tokens cached before it, answer) of the last step
     ledger: Ledger | None = None  # its signed commitments (a session of batch 1)
+    dropped: bool = False  # closed or dropped: its bytes no longer counted (server's lock)
     trail_bytes: int = 0  # what its trail holds (kept as it grows: a sum over it each step
     # would cost a step time in proportion to the tokens so far)
 

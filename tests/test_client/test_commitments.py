@@ -44,7 +44,7 @@ def _checked(swarm: Swarm, session: Any, sent: dict[str, Any] | None = None) -> 
     assert len(fed) == len(PROMPT) + NEW - 1
     rows = recompute(load_package(swarm.package), "ort", fed)
     assert session.commitments.refused == 0
-    opened = session.commitments.by_session()
+    opened = session.commitments.checkable(len(fed))
     assert {o.stage for _, o in opened} == set(swarm.keys)
     for sid, o in opened:
         pos = swarm.keys.index(o.stage)
@@ -70,7 +70,11 @@ async def test_each_stage_commits_to_its_outputs_star_and_chained(swarm: Swarm) 
         chained = await _generate(swarm, client, ChainInbox(client), new=NEW)
     assert star.chained == 0 and chained.chained == NEW - 1
     embedded = swarm.client_stages.embed(np.array([star.fed], dtype=np.int64))[0]
-    first = {sid: embedded for sid, o in star.commitments.by_session() if o.stage == swarm.keys[0]}
+    first = {
+        sid: embedded
+        for sid, o in star.commitments.checkable(len(star.fed))
+        if o.stage == swarm.keys[0]
+    }
     _checked(swarm, star, first)
     _checked(swarm, chained)
 
@@ -79,7 +83,9 @@ async def test_a_replacement_commits_to_the_whole_session_from_its_replay(swarm:
     async with swarm.net.host() as client:
         session = await _generate(swarm, client, ChainInbox(client), new=NEW, kill_at=5)
     assert session.failovers == 1
-    middle = [o for _, o in session.commitments.by_session() if o.stage == swarm.keys[1]]
+    middle = [
+        o for _, o in session.commitments.checkable(len(session.fed)) if o.stage == swarm.keys[1]
+    ]
     assert len(middle) == 1  # the dead one committed to nothing (its 4 + 4 tokens went with it)
     _checked(swarm, session)
 
@@ -93,13 +99,14 @@ async def test_a_provider_that_withholds_commitments_fails_the_check(swarm: Swar
 
     async with swarm.net.host() as client:
         whole = await _generate(swarm, client, None, new=NEW)
-        assert not whole.commitments.withheld() and with_withheld("m", whole, None) is None
+        assert not whole.commitments.withheld(len(whole.fed))
+        assert with_withheld("m", whole, None) is None
         middle = swarm.keys[1]
         for server in swarm.servers.values():
             if middle in server.stages:
                 server.sign = None  # (as a provider that sends no commitments)
         session = await _generate(swarm, client, None, new=NEW)
-    ((_, o),) = session.commitments.withheld()
+    ((_, o, _),) = session.commitments.withheld(len(session.fed))
     assert o.stage == middle and o.covered == 0 and o.held == len(session.fed) == 43
     broker_found = Verdict("m", True, [], [])
     verdict = with_withheld("m", session, broker_found)
@@ -125,9 +132,20 @@ def test_a_commitment_not_signed_by_the_provider_of_that_session_is_refused() ->
     good = made(provider, *fields)
     book.add([made(stranger, *fields), made(provider, "s.2", *fields[1:])])
     book.add([msgspec.structs.replace(good, data=b"\x02" * 258)])  # altered after signing
-    assert book.refused == 3 and not book.by_session()
+    assert book.refused == 3 and not book.checkable(CHUNK)
     book.add([good, good])  # (a step answered again sends its commitments again)
     assert book.refused == 3 and book.sessions[("s.1", "m/1")].chunks == {0: good}
+    assert [sid for sid, _ in book.checkable(CHUNK)] == ["s.1"] and not book.withheld(CHUNK)
+    book.ended("s.1", "m/1", CHUNK + 5)  # in use to the end, holding more than it covers
+    ((sid, _, why),) = book.withheld(CHUNK + 5)
+    assert sid == "s.1" and f"committed to {CHUNK} of the {CHUNK + 5} tokens" in why
+    # a chunk that claims more tokens than a chunk holds covers nothing: not sent to be
+    # checked (the broker would refuse the whole request), and it fails the check
+    book.opened("s.3", provider.peer_id, "m/1")
+    book.add([made(provider, "s.3", "m/1", 0, 10_000, *fields[4:])])
+    assert book.sessions[("s.3", "m/1")].covered is None
+    assert [sid for sid, _ in book.checkable(CHUNK + 5)] == ["s.1"]
+    assert [sid for sid, _, _ in book.withheld(CHUNK + 5)] == ["s.1", "s.3"]
 
 
 def test_only_a_stage_given_the_right_inputs_is_found_guilty_of_wrong_outputs() -> None:
@@ -185,3 +203,35 @@ def test_a_ledger_hands_out_each_chunk_once_in_order_and_the_rest_at_its_close(
     ledger = Ledger("s.2", "m/1", sign, worker() if deferred else None)
     made = [c for i in range(len(sent)) for c in ledger.add(given[i : i + 1], broken[i : i + 1])]
     assert [c.chunk for c in made + ledger.finish()] == [0]
+
+
+def test_a_close_does_not_wait_behind_other_sessions_commitments() -> None:
+    """Chunks still waiting for a busy commitment thread are worked out by the close itself,
+    in order; a dropped session's are not worked out at all."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from provider.commitments import Ledger
+
+    provider = Identity.ephemeral()
+    rows = np.random.default_rng(4).standard_normal((2 * CHUNK + 3, 16)).astype(np.float32)
+
+    def sign(data: bytes) -> bytes:
+        return provider.sign(data, domain=COMMITMENT_DOMAIN)
+
+    busy, release = ThreadPoolExecutor(1), threading.Event()
+    try:
+        busy.submit(release.wait, 60)  # (another session's work, for as long as it takes)
+        ledger = Ledger("s.1", "m/1", sign, busy)
+        made = [c for i in range(len(rows)) for c in ledger.add(rows[i : i + 1], rows[i : i + 1])]
+        assert made == []  # (the thread is busy: nothing finished yet)
+        assert [c.chunk for c in ledger.finish()] == [0, 1, 2]
+        dropped = Ledger("s.2", "m/1", sign, busy)
+        for i in range(len(rows)):
+            dropped.add(rows[i : i + 1], rows[i : i + 1])
+        waiting = [f for f, _ in dropped.pending]
+        dropped.cancel()
+        assert len(waiting) == 2 and all(f.cancelled() for f in waiting)
+    finally:
+        release.set()
+        busy.shutdown()
