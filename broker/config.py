@@ -73,6 +73,8 @@ class BrokerConfig:
     verify_share: float = 0.21  # of the OpenAI endpoints' answers whose providers' signed
     # commitments the broker checks by a rerun (0.21: a provider wrong on every answer is
     # caught within 20 of them with probability 0.99)
+    client_batching: bool = True  # the OpenAI endpoints run their answers' embeddings, heads
+    # and steps to a provider in batches (`client.stepmux`); off: each answer's on its own
     verify_redo_s: float = 3600.0  # a quarantined provider's results this recent are redone
     max_interactive: int = 64  # embedding and completion requests served at once (then 429)
     # generation sessions admitted per batch slot of a model's providers, across all gateways

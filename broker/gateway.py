@@ -104,11 +104,11 @@ class Backend(Protocol):
 
 
 class Gateway:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, batching: bool = True) -> None:
         self.backend = backend
         # concurrent completions' steps to a provider travel together, and their embeddings
-        # and heads run in batches (client.stepmux)
-        self.mux = StepMux(backend.host)
+        # and heads run in batches (client.stepmux), unless not `batching`
+        self.mux = StepMux(backend.host) if batching else None
         self.admission = Admission(backend.limits)
         self.sampling = random.SystemRandom()  # which answers are checked: unpredictable
 

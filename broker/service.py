@@ -221,7 +221,8 @@ class Broker:
                 lambda: self.stopping,
                 self.rng,
                 self.checks,
-            ))
+            )),
+            self.config.client_batching,
         )  # fmt: skip
         api = ApiParts(
             self.config,

@@ -113,6 +113,13 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
         "within 20 with probability 0.99; 0: none)",
     )
     start.add_argument(
+        "--no-client-batching",
+        dest="client_batching",
+        action="store_false",
+        help="the OpenAI endpoints run each answer's embedding, head and steps on its own, "
+        "not in batches with the others' (to measure batching, or rule it out)",
+    )
+    start.add_argument(
         "--verify-tolerance",
         type=float,
         default=1e-2,
@@ -315,6 +322,7 @@ def start(args: argparse.Namespace) -> int:
         relay=args.relay,
         verify_fraction=args.verify_fraction,
         verify_share=args.verify_share,
+        client_batching=args.client_batching,
         verify_rtol=args.verify_tolerance,
         max_body_bytes=int(args.max_body_mb * 1024**2),
         sessions_per_slot=args.sessions_per_slot,

@@ -43,6 +43,13 @@ def add_parsers(sub: Any) -> None:
         "(default 0.21: a provider wrong on every answer is caught within 20 with probability "
         "0.99; the broker sees the tokens of the answers checked; 0: none)",
     )
+    gw.add_argument(
+        "--no-client-batching",
+        dest="client_batching",
+        action="store_false",
+        help="run each answer's embedding, head and steps on its own, not in batches with "
+        "the others' (to measure batching, or rule it out)",
+    )
     gw.add_argument("--json", action="store_true", help="print its URL as a JSON line")
 
     keys = sub.add_parser("keys", help="managed API keys: add, revoke, list (admin key)")
@@ -94,7 +101,10 @@ def gateway(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         limits = Limits(requests=args.max_requests)
         try:
-            await serve(sdk, name, host, int(port), limits, stop, ready, args.verify_share)
+            await serve(
+                sdk, name, host, int(port), limits, stop, ready, args.verify_share,
+                args.client_batching,
+            )  # fmt: skip
         except KeyRefused as exc:
             print(f"error: the broker refused this gateway's key ({exc}): give it a key "
                   "made with `fusionai keys add NAME --role gateway`", file=sys.stderr)  # fmt: skip

@@ -163,13 +163,15 @@ async def serve(
     stop: asyncio.Event,
     ready: Callable[[str], None] = lambda url: None,
     verify_share: float = 0.21,
+    batching: bool = True,
 ) -> None:
     """Run a gateway until `stop` is set; `ready` gets its URL once it listens; the broker
-    checks `verify_share` of its answers against their providers' commitments."""
+    checks `verify_share` of its answers against their providers' commitments; `batching`:
+    its answers' client side in batches (`Gateway`)."""
     backend = RemoteBackend(sdk, name, limits, verify_share=verify_share)
     await broker_call(backend.decision(None))  # the broker is there, and takes our key
     await backend.start()
-    gateway = Gateway(backend)
+    gateway = Gateway(backend, batching)
     runner = web.AppRunner(make_app(backend, gateway), access_log=None)
     await runner.setup()
     try:

@@ -78,3 +78,33 @@ async def test_a_streamed_answer_from_a_lying_provider_is_flagged_and_the_provid
             assert answer["choices"][0]["text"]
     finally:
         await s.close()
+
+
+async def test_answers_run_alone_with_client_batching_off(
+    tmp_path: Path, llama_package: Path
+) -> None:
+    """`--no-client-batching`: the endpoints run each answer's embedding, head and steps on
+    its own; concurrent answers come out whole, and the broker's check reproduces them."""
+    import asyncio
+
+    s = await swarm(tmp_path / "swarm", verify_share=1.0, client_batching=False)
+    try:
+        await s.provider()
+        model = await s.add_model(llama_package)
+        await _served(s, model)
+        url = s.broker.http_url
+        bodies = [{**BODY, "prompt": p, "max_tokens": 12} for p in ("the swarm", "a gaming pc")]
+        async with aiohttp.ClientSession() as http:
+
+            async def ask(body: dict[str, Any]) -> Any:
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            answers = await asyncio.gather(*(ask(b) for b in bodies * 2))
+        for a in answers:
+            assert 1 <= a["usage"]["completion_tokens"] <= 12, a
+            assert a["choices"][0]["finish_reason"] in ("stop", "length"), a
+        assert all(a["verification"][0]["verdict"]["ok"] for a in answers), answers
+    finally:
+        await s.close()
