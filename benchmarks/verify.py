@@ -214,8 +214,11 @@ def swarm_latency(
 
     import client.session as sessions
     from client import AsyncClient
+    from ir.manifest import ModelManifest as Manifest
 
-    opening = sessions.GenerationSession._opening
+    opening, stops = sessions.GenerationSession._opening, Manifest.stop_ids
+    Manifest.stop_ids = lambda self: set()  # type: ignore[method-assign]  # (every session
+    # runs its `tokens` tokens, as the in-process ones do: the demo decoder would stop early)
     swarm = Swarm(tmp, "verify", 2)
     gaps: dict[bool, list[list[float]]] = {True: [], False: []}
     walls: dict[bool, list[float]] = {True: [], False: []}
@@ -232,6 +235,7 @@ def swarm_latency(
                 start = time.perf_counter()
                 done = await fa.generate(prompt, tokens, stream=False, model=name)
                 walls[on].append(time.perf_counter() - start)  # (the close's wait included)
+                assert len(done.tokens) == tokens, f"{len(done.tokens)} tokens, not {tokens}"
                 gaps[on].append(list(np.diff(done.token_times) * 1e3))
 
     try:
@@ -239,6 +243,7 @@ def swarm_latency(
         asyncio.run(generate(swarm.http, name))
     finally:
         sessions.GenerationSession._opening = opening  # type: ignore[method-assign]
+        Manifest.stop_ids = stops  # type: ignore[method-assign]
         swarm.stop()
 
     def ratio(of: Any, runs: dict[bool, Any]) -> float:  # each with commitments against
