@@ -217,8 +217,6 @@ def swarm_latency(
     from ir.manifest import ModelManifest as Manifest
 
     opening, stops = sessions.GenerationSession._opening, Manifest.stop_ids
-    Manifest.stop_ids = lambda self: set()  # type: ignore[method-assign]  # (every session
-    # runs its `tokens` tokens, as the in-process ones do: the demo decoder would stop early)
     swarm = Swarm(tmp, "verify", 2)
     gaps: dict[bool, list[list[float]]] = {True: [], False: []}
     walls: dict[bool, list[float]] = {True: [], False: []}
@@ -239,6 +237,8 @@ def swarm_latency(
                 gaps[on].append(list(np.diff(done.token_times) * 1e3))
 
     try:
+        Manifest.stop_ids = lambda self: set()  # type: ignore[method-assign]  # (every session
+        # runs its `tokens` tokens, as the in-process ones do: the demo decoder would stop early)
         swarm.add(package)
         asyncio.run(generate(swarm.http, name))
     finally:
