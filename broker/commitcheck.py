@@ -36,7 +36,7 @@ from broker.verify import Verifier
 from client.stages import ClientStageError
 from ir.executors.ort import OrtExecutor
 from ir.pipeline import LocalPipeline
-from ir.toploc import CHUNK, TOLERANCES, Check, Tolerance, check_rows
+from ir.toploc import TOLERANCES, Check, Tolerance, check_rows, covered
 from p2p import verify
 from p2p.tensor import through_wire
 from proto.api.swarm import CommittedSession, SessionVerdict, Verdict, VerifyRequest
@@ -194,17 +194,13 @@ def _stage_of(session: CommittedSession, keys: list[str]) -> str:
 def _covered(session: CommittedSession, tokens: int) -> int:
     """The tokens a session's commitments cover, from the first: chunks 0, 1, ... of CHUNK
     tokens, the last possibly fewer (JobError if they are not that, or run past `tokens`)."""
-    chunks = sorted(session.commitments, key=lambda c: c.chunk)
-    if (
-        [c.chunk for c in chunks] != list(range(len(chunks)))
-        or any(c.tokens != CHUNK for c in chunks[:-1])
-        or not 1 <= chunks[-1].tokens <= CHUNK
-    ):
+    numbers = {c.chunk: c.tokens for c in session.commitments}
+    total = covered(numbers) if len(numbers) == len(session.commitments) else None
+    if total is None:
         raise JobError("sessions", "a session's commitments are chunks 0, 1, ... of 32 tokens")
-    covered = CHUNK * (len(chunks) - 1) + chunks[-1].tokens
-    if covered > tokens:
-        raise JobError("sessions", f"commitments to {covered} tokens of a {tokens}-token run")
-    return covered
+    if total > tokens:
+        raise JobError("sessions", f"commitments to {total} tokens of a {tokens}-token run")
+    return total
 
 
 def _verdict(

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ir.toploc import CHUNK
+from ir.toploc import covered as chunks_cover
 from p2p import verify
 from proto.session import COMMITMENT_DOMAIN, Commitment, commitment_bytes
 
@@ -37,13 +38,8 @@ class Opened:
         """Tokens its commitments cover, from the first; None when they are not what the
         broker takes (`broker.commitcheck`): chunks 0, 1, ... of `CHUNK` tokens, the last
         possibly fewer, no more than it held."""
-        sizes = [self.chunks[n].tokens for n in sorted(self.chunks)]
-        whole = sorted(self.chunks) == list(range(len(sizes)))
-        if not whole or any(t != CHUNK for t in sizes[:-1]):
-            return None
-        if (sizes and not 1 <= sizes[-1] <= CHUNK) or (self.held and sum(sizes) > self.held):
-            return None
-        return sum(sizes)
+        tokens = chunks_cover({n: c.tokens for n, c in self.chunks.items()})
+        return None if tokens is None or (self.held and tokens > self.held) else tokens
 
 
 class Commitments:
@@ -89,11 +85,11 @@ class Commitments:
         cover every token they held, and any whose chunks are not chunks of it."""
         out = []
         for (sid, _), o in self.sessions.items():
-            covered = o.covered
-            if covered is None or covered > fed:
+            tokens = o.covered
+            if tokens is None or tokens > fed:
                 why = f"its commitments are not chunks 0, 1, ... of {CHUNK} of the {fed} tokens"
-            elif covered < o.held:
-                why = f"it committed to {covered} of the {o.held} tokens it held"
+            elif tokens < o.held:
+                why = f"it committed to {tokens} of the {o.held} tokens it held"
                 if not o.answered:
                     why += " (its session's close, which brings the last, was not answered)"
             else:
@@ -107,5 +103,5 @@ class Commitments:
         return [
             (sid, o)
             for (sid, _), o in self.sessions.items()
-            if o.chunks and (covered := o.covered) is not None and covered <= fed
+            if o.chunks and (tokens := o.covered) is not None and tokens <= fed
         ]

@@ -149,6 +149,17 @@ def _evaluate(coeffs: Array, x: Array) -> Array:
     return _mulmod(_powers(x, len(coeffs)), coeffs)
 
 
+def covered(chunks: dict[int, int]) -> int | None:
+    """The tokens a sequence's chunk commitments cover (chunk number -> its tokens): chunks
+    0, 1, ... of `CHUNK` tokens, the last possibly fewer; None when they are not that."""
+    sizes = [chunks[n] for n in sorted(chunks)]
+    if sorted(chunks) != list(range(len(sizes))) or any(t != CHUNK for t in sizes[:-1]):
+        return None
+    if sizes and not 1 <= sizes[-1] <= CHUNK:
+        return None
+    return sum(sizes)
+
+
 def top_k(size: int, k: int = K) -> int:
     """Values committed from a chunk of `size`: K, or one in `SPARSITY` of a smaller chunk
     (a short last chunk of a small model): the largest values, not the ones near zero, whose

@@ -36,6 +36,7 @@ from proto.session import Commitment, commitment_bytes
 Array = np.ndarray[Any, Any]
 log = logging.getLogger("fusionai.provider")
 Sign = Callable[[bytes], bytes]  # the provider's signature over bytes (its commitment domain)
+Job = tuple[int, int, list[Array], list[Array]]  # a chunk: number, tokens, input, output rows
 
 
 class Ledger:
@@ -131,8 +132,7 @@ class Ledger:
         return msgspec.structs.replace(unsigned, signature=signature)
 
 
-Job = tuple[int, int, list[Array], list[Array]]
-MAX_QUEUED = 256  # chunks waiting for the commitment thread, beyond which they are worked
+MAX_QUEUED = 256  # chunks waiting for (or in) the commitment thread, beyond which they are worked
 # out on the step's path (each holds its rows: 2 x 32 x hidden floats)
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
@@ -152,29 +152,22 @@ def worker() -> Executor:
 def _submit(
     executor: Executor, fn: Callable[..., Commitment | None], job: Job
 ) -> Future[Commitment | None] | None:
-    """`fn(*job)` in `executor`, unless `MAX_QUEUED` chunks are waiting already (None)."""
+    """`fn(*job)` in `executor`, unless `MAX_QUEUED` chunks are waiting or running already
+    (None)."""
     global _queued
     with _worker_lock:
         if _queued >= MAX_QUEUED:
             return None
         _queued += 1
-
-    def run() -> Commitment | None:
-        global _queued
-        with _worker_lock:
-            _queued -= 1
-        return fn(*job)
-
-    future = executor.submit(run)
-    future.add_done_callback(_uncount_cancelled)
+    future = executor.submit(fn, *job)
+    future.add_done_callback(_counted_off)  # (run, or cancelled)
     return future
 
 
-def _uncount_cancelled(future: Future[Commitment | None]) -> None:
+def _counted_off(_: Future[Commitment | None]) -> None:
     global _queued
-    if future.cancelled():  # (never ran: `run` did not count it off)
-        with _worker_lock:
-            _queued -= 1
+    with _worker_lock:
+        _queued -= 1
 
 
 def hop_commitment(

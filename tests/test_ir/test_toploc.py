@@ -173,3 +173,14 @@ def test_commitments_made_together_are_each_chunks_own() -> None:
     bad[1, 5, 3] = np.nan
     with pytest.raises(CommitmentError):
         commit_many(sequence_chunks(bad, 128))
+
+
+def test_what_chunk_commitments_cover() -> None:
+    """Chunks 0, 1, ... of CHUNK tokens, the last possibly fewer; anything else covers
+    nothing a verifier can check (the client's and the broker's rule)."""
+    from ir.toploc import covered
+
+    assert covered({}) == 0 and covered({0: 5}) == 5 and covered({0: CHUNK, 1: 3}) == CHUNK + 3
+    assert covered({1: CHUNK}) is None  # (a gap)
+    assert covered({0: 5, 1: 5}) is None  # (a short chunk before the last)
+    assert covered({0: 10_000}) is None and covered({0: 0}) is None
