@@ -83,10 +83,10 @@ class Ledger:
         return self._finished(wait=True)
 
     def cancel(self) -> None:
-        """The session is gone: its chunks waiting for the commitment thread are dropped."""
-        for future, _ in self.pending:
+        """The session is gone: its chunks waiting for the commitment thread are not worked
+        out there. Safe from any thread, without the session's lock (the list is only read)."""
+        for future, _ in list(self.pending):
             future.cancel()
-        self.pending.clear()
 
     def _close(self) -> None:
         job = (self.chunk, self.rows, self.given, self.outputs)
@@ -107,6 +107,7 @@ class Ledger:
             if done is None:  # (NaN in a chunk: none from it on)
                 self.broken = True
                 self.cancel()
+                self.pending.clear()
             else:
                 made.append(done)
         return made

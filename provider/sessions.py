@@ -359,12 +359,12 @@ class SessionServing:
         return gone
 
     def _dropped(self, gone: list[Session]) -> None:
-        """Sessions dropped unclosed: not waited for in batches, their commitments not made."""
+        """Sessions dropped unclosed: not waited for in batches, their commitments not made
+        (called on the daemon's event loop: nothing here waits for a step)."""
         for session in gone:
             self.batcher.forget(session)
             if session.ledger is not None:
-                with session.lock:
-                    session.ledger.cancel()
+                session.ledger.cancel()
 
     def kv_bytes(self) -> int:
         return self._kv_used
