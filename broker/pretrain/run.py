@@ -406,7 +406,18 @@ class SwarmPretrain:
         """A cancelled job's weights at its last step become a model, then its replicas go."""
         try:
             if self.done and self.members:
-                await self._abort_calls(self.done + 1, list(self.members))  # (a step under way)
+                # the step recorded last is committed on every replica (cancelled between
+                # its record and its commit, a replica still holds it prepared), then a step
+                # under way is dropped
+                committed = await asyncio.gather(
+                    *(self._call(p, PretrainCommit(job=self.job.id, step=self.done))
+                      for p in self.members),
+                    return_exceptions=True,
+                )  # fmt: skip
+                for peer, c in zip(list(self.members), committed, strict=True):
+                    if not isinstance(c, PretrainReady):
+                        self._drop(peer, f"commit failed: {c}")
+                await self._abort_calls(self.done + 1, list(self.members))
                 await self._export()
         except Exception as exc:  # (best effort: the job is cancelled either way)
             self.events.emit("train_not_saved", job=self.job.id, reason=str(exc)[:300])

@@ -157,20 +157,47 @@ async def test_a_broker_restart_mid_run_counts_every_step_once(
         await s.close()
 
 
+@pytest.mark.parametrize("when", ["mid-step", "before-commit"])
 async def test_a_cancelled_run_keeps_its_weights_as_a_model(
-    tmp_path: Path, pretrain_package: Path
+    tmp_path: Path, pretrain_package: Path, when: str
 ) -> None:
+    """Cancelled while a step computes, or between step 3's record and its commit on the
+    replicas (the replica holds it prepared only), the run's weights at its last recorded step
+    become a model."""
     s = await swarm(tmp_path)
     try:
         model = await start(s, pretrain_package, 1)
+        store = s.broker.store
+        record = store.put_train_step
+
+        def cancel_after_record(job: str, step: int, *rest: Any) -> None:
+            record(job, step, *rest)
+            row = store.job(job, full=False)
+            if step == 3 and when == "before-commit" and row.state == "running":
+                s.broker.jobs.cancel(job)  # (the run's next wait is the commit's)
+
+        store.put_train_step = cancel_after_record  # type: ignore[method-assign]
         job = await s.broker.jobs.submit(body(model, steps=500, replicas=1, name="kept"))
-        await s.until("step 3", lambda: s.broker.store.count_done(job.id) >= 3, 120)
-        s.broker.jobs.cancel(job.id)
-        await s.until("the weights saved", lambda: "kept" in s.broker.models.models, 60)
+        if when == "mid-step":
+            replica = next(iter(s.providers.values())).pretraining
+
+            def mid_step() -> bool:
+                run = replica.runs.get(job.id)
+                return store.count_done(job.id) >= 3 and run is not None and bool(run.task)
+
+            await s.until("step 4 under way", mid_step, 120)
+            s.broker.jobs.cancel(job.id)
+        await s.until(
+            "the weights saved",
+            lambda: "kept" in s.broker.models.models or s.events("train_not_saved"),
+            60,
+        )
+        assert not s.events("train_not_saved")
         results = s.broker.jobs.results(job.id, 0, 1000)
         assert results.model == "kept" and 3 <= results.total < 500
         saved = s.events("train_saved")[0]
-        assert saved["step"] >= 3 and s.broker.store.job(job.id).state == "cancelled"
+        assert saved["step"] == 3 if when == "before-commit" else saved["step"] >= 3
+        assert s.broker.store.job(job.id).state == "cancelled"
     finally:
         await s.close()
 
