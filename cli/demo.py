@@ -221,6 +221,7 @@ def _demo(
     addr, http = started["addrs"][0], started["http"]
     profile = _profile_cache()
     providers: dict[str, Child] = {}
+    spawned: list[Child] = []
     for i in range(args.providers):
         data = work / f"provider-{i + 1}"
         data.mkdir()
@@ -237,15 +238,16 @@ def _demo(
             env,
         )  # fmt: skip
         children.append(child)
-        if i == 0 or not profile.is_file():
-            if i == 0 and not profile.is_file():
+        spawned.append(child)
+        if not profile.is_file():  # the others wait for its measurement, to copy it
+            if i == 0:
                 say("provider 1 measures this machine's hardware (first run only) ...")
-            peer = child.wait_for("listening", STARTUP_TIMEOUT)["peer_id"]
-            providers[peer] = child
-            if not profile.is_file() and (data / "profile.json").is_file():
+            providers[child.wait_for("listening", STARTUP_TIMEOUT)["peer_id"]] = child
+            if (data / "profile.json").is_file():
                 profile.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(data / "profile.json", profile)
-        else:
+    for child in spawned:  # (the rest start side by side)
+        if child not in providers.values():
             providers[child.wait_for("listening", STARTUP_TIMEOUT)["peer_id"]] = child
     models = {ENCODER: encoder, DECODER: decoder}
     reference = {"vectors": local_vectors, "tokens": local_tokens, "texts": texts}
