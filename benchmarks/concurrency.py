@@ -15,8 +15,10 @@ each an object keyed by the session count holding
                       the last token (aggregate throughput),
     token_ms_p50/p99  percentiles of the gaps between consecutive tokens of a session (the
                       first token, which waits for the prompt, not counted); for the gateway
-                      the gaps between streamed chunks (a chunk carries its text once it
-                      decodes: sometimes more than one token),
+                      too, a chunk per token: the requests ask for each token's route
+                      (`stream_options.include_route`), as a chunk carries text only once
+                      it decodes (this random decoder's tokens are often part of a UTF-8
+                      character: plain chunks came every 3 tokens or so),
     gateway_cpu_s_per_1k_tokens  the broker process's CPU seconds per 1,000 tokens (gateway),
 and the same with batching off (providers started with `--max-batch 1`, the broker with
 `--no-client-batching`, measured in the same run on a second swarm) under `tokens_s_off`,
@@ -120,13 +122,19 @@ async def run_gateway(http: str, n: int, tokens: int) -> dict[str, float]:
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, prompt: list[int]) -> list[float]:
-        body = {"model": "decoder", "prompt": prompt, "max_tokens": tokens, "stream": True}
+        # (each token's chunk carries its route: a token whose text is not yet whole, such
+        # as part of a UTF-8 character, would otherwise send no chunk until the next one)
+        body = {
+            "model": "decoder", "prompt": prompt, "max_tokens": tokens, "stream": True,
+            "stream_options": {"include_route": True},
+        }  # fmt: skip
         arrivals: list[float] = []
         async with session.post(f"{http}/v1/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             async for line in resp.content:
-                if line.startswith(b"data: {"):
+                if line.startswith(b"data: {") and json.loads(line[6:]).get("fusionai"):
                     arrivals.append(time.monotonic())
+        assert len(arrivals) == tokens, f"{len(arrivals)} token chunks, not {tokens}"
         return arrivals
 
     timeout = aiohttp.ClientTimeout(total=600)
