@@ -71,7 +71,7 @@ class HttpRouter:
             if peer in tried and time.monotonic() < patience:
                 await asyncio.sleep(0.2)
                 continue
-            fresh = peer not in host.connected_peers()
+            fresh = not host.is_connected(peer)
             reason = await _dial(host, peer, out.addrs, deadline)
             if reason is None:
                 # before the session's first call: a punch closes a relayed one (a provider
@@ -127,7 +127,7 @@ class HttpRouter:
 async def _dial(host: Any, peer: str, addrs: list[str], deadline: float) -> str | None:
     """Connect to `peer` by the first of `addrs` that answers before `deadline` (monotonic);
     None once connected, else why not."""
-    if peer in host.connected_peers():
+    if host.is_connected(peer):
         return None
     errors = []
     for n, addr in enumerate(addrs):

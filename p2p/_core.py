@@ -9,6 +9,7 @@ from the trio side (no thread waits on it), and the answer is made from that pee
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -364,6 +365,15 @@ class HostCore:
     def connected_peers(self) -> list[str]:
         return [str(p) for p in self._lp.get_network().connections]
 
+    def is_connected(self, peer_id: str) -> bool:
+        """Whether a connection to `peer_id` is open. Safe from any thread: one lookup in the
+        swarm's table of connections, atomic under the GIL (no trip to the trio thread)."""
+        try:
+            pid = _peer_id(peer_id)
+        except ValueError:
+            return False
+        return bool(self._lp.get_network().connections.get(pid))
+
     def observed(self, peer_id: str) -> str | None:
         """/ip4/IP/tcp/PORT that a live connection to `peer_id` comes from (None if none)."""
         from libp2p.peer.id import ID
@@ -466,3 +476,12 @@ class HostCore:
             if not sink.cancelled:
                 sink.call_id = channel.call(payload, sink)
                 sink.channel = channel
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id(peer_id: str) -> Any:
+    """`peer_id` parsed (`libp2p.peer.id.ID`), cached: chained steps name the same few peers
+    token after token."""
+    from libp2p.peer.id import ID
+
+    return ID.from_base58(peer_id)

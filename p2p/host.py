@@ -297,6 +297,11 @@ class Host:
         runtime, core = self._running()
         return runtime.run_blocking(core.connected_peers)
 
+    def is_connected(self, peer_id: str) -> bool:
+        """Whether a connection to `peer_id` is open; from any thread, without waiting on the
+        p2p thread (`connected_peers` does: a chained step asks this each token)."""
+        return self._running()[1].is_connected(peer_id)
+
     def observed(self, peer_id: str) -> str | None:
         """The address a connected peer's connection comes from, as this host sees it
         (`/ip4/IP/tcp/PORT`: behind NAT, its router's public address), or None."""

@@ -141,6 +141,9 @@ class MemoryHost:
     def connected_peers(self) -> list[str]:
         return sorted(p for p in self.network.hosts if p != self.peer_id)
 
+    def is_connected(self, peer_id: str) -> bool:
+        return peer_id != self.peer_id and peer_id in self.network.hosts
+
     async def request(
         self, peer_id: str, spec: ProtocolSpec, message: Message, *, timeout: float | None = None
     ) -> Any:

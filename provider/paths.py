@@ -55,7 +55,7 @@ class ChainPunch:
         with self._lock:
             future = self._running.get(peer)
             if future is None:
-                if peer in self.host.connected_peers():
+                if self.host.is_connected(peer):
                     return
                 future = asyncio.run_coroutine_threadsafe(self._reach(peer, addrs), self.loop)
                 self._running[peer] = future

@@ -115,7 +115,7 @@ def split_parts(state: dict[str, Array], limit: int) -> list[dict[str, Array]]:
 
 async def dial(host: Host, holder: Holder) -> None:
     """Be connected to `holder` (by one of its addresses) unless we are already."""
-    if holder.peer in host.connected_peers():
+    if host.is_connected(holder.peer):
         return
     errors = []
     for addr in holder.addrs:

@@ -232,7 +232,7 @@ class Training:
 
     async def _dial(self, holder: Holder) -> None:
         assert self.host is not None
-        if holder.peer in self.host.connected_peers():
+        if self.host.is_connected(holder.peer):
             return
         errors = []
         for addr in holder.addrs:

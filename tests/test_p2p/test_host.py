@@ -70,6 +70,9 @@ async def test_200_concurrent_requests_over_one_connection(pair: tuple[Host, Hos
     )
     assert [a.n for a in answers] == [i + 2 if i % 2 else i + 1 for i in range(200)]
     assert client.connected_peers() == [server.peer_id]
+    # the same answer without a trip to the p2p thread, from any thread
+    assert await asyncio.to_thread(client.is_connected, server.peer_id)
+    assert not client.is_connected(client.peer_id) and not client.is_connected("not a peer")
 
 
 async def test_requests_made_while_the_stream_opens_arrive_in_order() -> None:
@@ -301,6 +304,7 @@ async def test_a_compute_handler_relays_its_result_through_another_peer() -> Non
         assert [x.n for x in answers] == [(i + 3) * 10 for i in range(20)]
         assert all(x.thread.startswith("fusionai-compute") for x in answers)
         assert c.peer_id in b.connected_peers() and finished == ["Echo"] * 20
+        assert b.is_connected(c.peer_id)
 
         await c.close()
         answer = await a.request(peer, relay_spec, Echo(n=1), timeout=30)
