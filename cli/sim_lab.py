@@ -96,6 +96,7 @@ def compare(sim: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
         "max_error": round(errors[-1], 4) if errors else None,
         "median_error": round(errors[len(errors) // 2], 4) if errors else None,
         "placement_same": sim["placement"] == lab["placement"],
+        "placement_stability": sim.get("placement_stability"),
         "placement": {"sim": sim["placement"], "lab": lab["placement"]},
     }
 
@@ -113,6 +114,10 @@ def table(c: dict[str, Any]) -> str:
         )
     lines.append(f"max_error {c['max_error']}  median_error {c['median_error']}  placement "
                  f"{'the same' if c['placement_same'] else 'differs'}")  # fmt: skip
+    if (stable := c.get("placement_stability")) is not None:
+        doubt = "" if stable >= 0.9 else ": the lab's broker may choose another"
+        lines.append(f"the predicted route holds in {100 * stable:.0f} % of placements on "
+                     f"profiles off by the lab's measurement noise{doubt}")  # fmt: skip
     return "\n".join(lines)
 
 

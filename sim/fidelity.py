@@ -32,9 +32,11 @@ to each other.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from broker.core import CoreConfig
@@ -55,6 +57,11 @@ MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2
 PACKET_BYTES = 1500
 SEGMENT_BYTES = PACKET_BYTES - 52
 HEADER_BYTES = 52 + 14
+# How much what the lab's broker measures of a provider varies from run to run (its `seen`:
+# uplinks at 100 Mbit/s read 108 to 122, at 50 read 51 to 53; round trips 8.4 to 14.5 ms
+# against 8 to 14 predicted): the spread `stability` tries placements over.
+UPLINK_NOISE, RTT_NOISE = 0.06, 0.2
+STABILITY_TRIALS = 100
 # The addresses a provider announces (`provider.membership`): its LAN one, and behind a
 # router the public one it got there (a UPnP mapping, a relay port); its chained steps'
 # routes carry them.
@@ -96,13 +103,15 @@ def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
 
 def place(
     s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
-    core: CoreConfig,
+    core: CoreConfig, seen: Mapping[str, HardwareProfile] | None = None,
 ) -> list[Placed]:  # fmt: skip
-    """The decision core's placement of the model on the scenario's providers."""
+    """The decision core's placement of the model on the scenario's providers (`seen`: the
+    profiles the broker sees of them, if not `hardware`'s)."""
     driver = Driver(core)
     for p in s.lab.provider:
+        profile = seen[p.name] if seen is not None else hardware(p, cal)
         driver.handle(
-            ProviderJoined(p.name, hardware(p, cal), 0.0, executor="ort", memory_bytes=MEMORY_BYTES)
+            ProviderJoined(p.name, profile, 0.0, executor="ort", memory_bytes=MEMORY_BYTES)
         )
     keys = tuple(f"{model}/{i}" for i in indices)
     actions = driver.handle(ModelAdded(model, spec, keys, 0.0))
@@ -114,6 +123,38 @@ def place(
     if len(active) != len(keys):
         raise ValueError(f"the decision core placed {len(active)} of {len(keys)} stages")
     return [Placed(indices[i], active[i], backup.get(i)) for i in range(len(keys))]
+
+
+def route(placed: Sequence[Placed]) -> tuple[str, ...]:
+    """The providers a chained step passes, in order (a provider's stages in a row once)."""
+    return tuple(x for x, _ in itertools.groupby(p.provider for p in placed))
+
+
+def stability(
+    s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
+    core: CoreConfig, trials: int = STABILITY_TRIALS,
+) -> float:  # fmt: skip
+    """How sure the placement is: the share of `trials` placements, each on the profiles
+    the broker would see with every provider's uplink and round trip off by up to what the
+    lab's broker measured of them varies from run to run (`UPLINK_NOISE`, `RTT_NOISE`,
+    uniformly, seeded), whose route (`route`) is the nominal placement's. Below about 0.9
+    the lab's broker may well choose another route than the prediction's: the scenario
+    then measures the decision's noise, not the simulator."""
+    nominal = route(place(s, model, spec, indices, cal, core))
+    rng = random.Random(0)
+    base = {p.name: hardware(p, cal) for p in s.lab.provider}
+    same = 0
+    for _ in range(trials):
+        seen = {
+            name: dataclasses.replace(
+                h,
+                net_bandwidth=h.net_bandwidth * (1 + rng.uniform(-UPLINK_NOISE, UPLINK_NOISE)),
+                rtt=h.rtt * (1 + rng.uniform(-RTT_NOISE, RTT_NOISE)),
+            )
+            for name, h in base.items()
+        }
+        same += route(place(s, model, spec, indices, cal, core, seen)) == nominal
+    return same / trials
 
 
 class Model:
@@ -460,5 +501,6 @@ def predict(
             {"stage": p.stage, "providers": [p.provider], "backups": [p.backup] if p.backup else []}
             for p in placed
         ],
+        "placement_stability": stability(s, model, spec, indices, cal, core),
         "calibration": {"machine": cal.machine, "measured_at": cal.measured_at},
     }

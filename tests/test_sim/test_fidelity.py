@@ -5,15 +5,25 @@ scenarios with a calibration of round figures (the lab's own runs are `benchmark
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from broker.config import BrokerConfig
 from broker.core import CoreConfig
 from dag.model import ModelSpec
 from sim.calibration import Calibration, MeasuredProfile, PackageTimes, quota_factor
-from sim.fidelity import CLIENT, Model, Placed, place, predict, promoted
-from sim.labscenario import FIGURES, QUOTA_SLICE_S, figures, load, parse, summarize
+from sim.fidelity import CLIENT, Model, Placed, place, predict, promoted, route, stability
+from sim.labscenario import (
+    FIGURES,
+    QUOTA_SLICE_S,
+    LabScenario,
+    figures,
+    load,
+    parse,
+    summarize,
+)
 
 STEP = 0.002  # a stage's decode step, seconds
 SPEC = ModelSpec(  # the demo decoder in 4 stages (`broker.models.model_spec`)
@@ -166,3 +176,21 @@ def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
     assert end == CAL.call_s and stage == pytest.approx((8e-3 - 4 * CAL.call_s) / 4)
     assert factors == {}
     assert CAL.provider_costs() is None  # not measured: the model uses the in-process step
+
+
+def test_the_shipped_scenarios_place_the_same_route_through_the_lab_s_noise() -> None:
+    core = BrokerConfig(data_dir=Path("."), trust_claims=True).core  # (as `fusionai sim` runs it)
+
+    def stable(s: LabScenario) -> float:
+        return stability(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)
+
+    s = load("fidelity-bandwidth")
+    assert route(place(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)) == ("c",)
+    assert stable(s) == 1.0
+    # two providers alike, as this scenario's widest two once were: the measured uplinks'
+    # noise picks one or the other, and neither is the tie's even split
+    alike = [msgspec.structs.replace(p, rate_mbit=0.3) if p.name == "d" else p
+             for p in s.lab.provider]  # fmt: skip
+    tied = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=alike))
+    assert route(place(tied, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)) == ("c", "d")
+    assert stable(tied) < 0.1
