@@ -35,6 +35,7 @@ from proto.session import (
     SessionHistory,
     SessionOutput,
     StepHop,
+    hop_addrs,
     step_route_bytes,
 )
 
@@ -160,7 +161,7 @@ async def chained_step(
     assert session.chains is not None
     addrs = getattr(session.router, "addrs", {})
     route = [
-        StepHop(s.peer, s.key, s.sid, list(addrs.get(s.peer, [])))
+        StepHop(s.peer, s.key, s.sid, hop_addrs(s.peer, addrs.get(s.peer, [])))
         for s in session.stages
         if s.peer is not None and s.sid is not None
     ]

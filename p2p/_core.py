@@ -286,7 +286,7 @@ class HostCore:
         limit = relay.max_message or relay.spec.max_message_bytes
         if len(payload) > limit:
             raise FrameError(ErrorCode.TOO_LARGE, f"{len(payload)} bytes exceed {limit}")
-        if relay.peer not in self.connected_peers():
+        if not self.is_connected(relay.peer):
             errors = []
             for addr in relay.addrs:
                 try:

@@ -20,6 +20,8 @@ the network n + 1 times for n stages instead of 2n. Answers come back along the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from p2p.codec import Message, ProtocolSpec
@@ -88,7 +90,24 @@ class StepHop(msgspec.Struct, frozen=True, array_like=True):
     peer: str  # the provider that runs this hop
     stage: str  # stage key
     session: str  # the client's session on it
-    addrs: list[str] = msgspec.field(default_factory=list)  # where to dial it
+    addrs: list[str] = msgspec.field(default_factory=list)  # where to dial it (`hop_addrs`)
+
+
+def hop_addrs(peer: str, addrs: Sequence[str]) -> list[str]:
+    """`peer`'s announced addresses as a chained step's route carries them, every token
+    over home links: without the `/p2p/<peer>` each ends in (the hop names its peer), and
+    without loopback ones when it has others (the dialler reaches itself there, unless both
+    share a machine, where the others reach it too). `dial_addrs` undoes the first."""
+    suffix = f"/p2p/{peer}"
+    out = [a[: -len(suffix)] if a.endswith(suffix) else a for a in addrs]
+    wide = [a for a in out if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    return wide or out
+
+
+def dial_addrs(peer: str, addrs: Sequence[str]) -> list[str]:
+    """A route's addresses of `peer` (`hop_addrs`) as multiaddrs to dial it by."""
+    suffix = f"/p2p/{peer}"
+    return [a if a.endswith(suffix) else a + suffix for a in addrs]
 
 
 class ChainStep(Message, frozen=True, tag="ChainStep/1"):

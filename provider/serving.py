@@ -38,7 +38,7 @@ from proto.forward import (
     HopDone,
 )
 from proto.heartbeat import StageWork
-from proto.session import StepHop
+from proto.session import StepHop, dial_addrs
 from provider.batching import Batcher
 from provider.chain import check_route, finisher
 from provider.commitments import Sign, hop_commitment
@@ -377,9 +377,9 @@ class Server(SessionServing, StepChains):
         too."""
         with self._lock:
             self._relaying += 1
+        addrs = dial_addrs(nxt.peer, nxt.addrs) if nxt is not None else []
         if nxt is not None and self.before_relay is not None:  # (a hole punch to a peer we
-            self.before_relay(nxt.peer, nxt.addrs)  # have not met yet)
-        addrs = nxt.addrs if nxt is not None else []
+            self.before_relay(nxt.peer, addrs)  # have not met yet)
         timeout = max(expires - time.time(), 1.0)
         return Relay(peer, addrs, spec, message, timeout, finisher(done, nxt, self._relayed))
 

@@ -64,7 +64,7 @@ UPLINK_NOISE, RTT_NOISE = 0.06, 0.2
 STABILITY_TRIALS = 100
 # The addresses a provider announces (`provider.membership`): its LAN one, and behind a
 # router the public one it got there (a UPnP mapping, a relay port); its chained steps'
-# routes carry them.
+# routes carry them, without its peer id or its loopback one (`proto.session.hop_addrs`).
 ANNOUNCED = 2
 
 
