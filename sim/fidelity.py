@@ -106,13 +106,13 @@ def place(
     core: CoreConfig, seen: Mapping[str, HardwareProfile] | None = None,
 ) -> list[Placed]:  # fmt: skip
     """The decision core's placement of the model on the scenario's providers (`seen`: the
-    profiles the broker sees of them, if not `hardware`'s)."""
+    profiles the broker sees of them, in the order it hears of them, if not `hardware`'s in
+    the scenario's order)."""
     driver = Driver(core)
-    for p in s.lab.provider:
-        profile = seen[p.name] if seen is not None else hardware(p, cal)
-        driver.handle(
-            ProviderJoined(p.name, profile, 0.0, executor="ort", memory_bytes=MEMORY_BYTES)
-        )
+    if seen is None:
+        seen = {p.name: hardware(p, cal) for p in s.lab.provider}
+    for name, profile in seen.items():
+        driver.handle(ProviderJoined(name, profile, 0.0, executor="ort", memory_bytes=MEMORY_BYTES))
     keys = tuple(f"{model}/{i}" for i in indices)
     actions = driver.handle(ModelAdded(model, spec, keys, 0.0))
     active: dict[int, str] = {}
@@ -137,21 +137,23 @@ def stability(
     """How sure the placement is: the share of `trials` placements, each on the profiles
     the broker would see with every provider's uplink and round trip off by up to what the
     lab's broker measured of them varies from run to run (`UPLINK_NOISE`, `RTT_NOISE`,
-    uniformly, seeded), whose route (`route`) is the nominal placement's. Below about 0.9
-    the lab's broker may well choose another route than the prediction's: the scenario
-    then measures the decision's noise, not the simulator."""
+    uniformly), heard of in a random order (ties go by it: the lab's peer ids are random),
+    whose route (`route`) is the nominal placement's; seeded. Below about 0.9 the lab's
+    broker may well choose another route than the prediction's: the scenario then measures
+    the decision's noise, not the simulator."""
     nominal = route(place(s, model, spec, indices, cal, core))
     rng = random.Random(0)
-    base = {p.name: hardware(p, cal) for p in s.lab.provider}
+    base = [(p.name, hardware(p, cal)) for p in s.lab.provider]
     same = 0
     for _ in range(trials):
+        rng.shuffle(base)
         seen = {
             name: dataclasses.replace(
                 h,
                 net_bandwidth=h.net_bandwidth * (1 + rng.uniform(-UPLINK_NOISE, UPLINK_NOISE)),
                 rtt=h.rtt * (1 + rng.uniform(-RTT_NOISE, RTT_NOISE)),
             )
-            for name, h in base.items()
+            for name, h in base
         }
         same += route(place(s, model, spec, indices, cal, core, seen)) == nominal
     return same / trials
