@@ -138,10 +138,15 @@ def stability(
     the broker would see with every provider's uplink and round trip off by up to what the
     lab's broker measured of them varies from run to run (`UPLINK_NOISE`, `RTT_NOISE`,
     uniformly), heard of in a random order (ties go by it: the lab's peer ids are random),
-    whose route (`route`) is the nominal placement's; seeded. Below about 0.9 the lab's
+    whose route (`route`), and where the scenario stops a provider its stages' backups, are
+    the nominal placement's; seeded. Below about 0.9 the lab's
     broker may well choose another route than the prediction's: the scenario then measures
     the decision's noise, not the simulator."""
-    nominal = route(place(s, model, spec, indices, cal, core))
+
+    def key(placed: list[Placed]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
+        return route(placed), tuple(p.backup for p in placed) if s.lab.event else ()
+
+    nominal = key(place(s, model, spec, indices, cal, core))
     rng = random.Random(0)
     base = [(p.name, hardware(p, cal)) for p in s.lab.provider]
     same = 0
@@ -155,7 +160,7 @@ def stability(
             )
             for name, h in base
         }
-        same += route(place(s, model, spec, indices, cal, core, seen)) == nominal
+        same += key(place(s, model, spec, indices, cal, core, seen)) == nominal
     return same / trials
 
 
