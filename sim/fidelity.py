@@ -139,9 +139,9 @@ def stability(
     lab's broker measured of them varies from run to run (`UPLINK_NOISE`, `RTT_NOISE`,
     uniformly), heard of in a random order (ties go by it: the lab's peer ids are random),
     whose route (`route`), and where the scenario stops a provider its stages' backups, are
-    the nominal placement's; seeded. Below about 0.9 the lab's
-    broker may well choose another route than the prediction's: the scenario then measures
-    the decision's noise, not the simulator."""
+    the nominal placement's; seeded. Below about 0.9 the lab's broker may well choose
+    another placement than the prediction's: the scenario then measures the decision's
+    noise, not the simulator."""
 
     def key(placed: list[Placed]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
         return route(placed), tuple(p.backup for p in placed) if s.lab.event else ()
