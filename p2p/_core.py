@@ -27,6 +27,7 @@ from p2p._answers import (
 )
 from p2p._channel import Channel
 from p2p._runtime import TrioRuntime, post
+from p2p._sinks import StreamInbox, TrioSink
 from p2p.codec import (
     ErrorCode,
     Kind,
@@ -45,38 +46,6 @@ from p2p.errors import (
 from p2p.identity import Identity
 
 log = logging.getLogger(__name__)
-
-
-class _TrioSink:
-    """A call's outcome, for a waiter in the trio thread."""
-
-    __slots__ = ("call_id", "cancelled", "channel", "done", "outcome")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.outcome: tuple[int, bytes] | BaseException | None = None
-        self.channel: Channel | None = None
-        self.call_id = 0
-        self.cancelled = False
-
-    def resolve(self, kind: int, payload: bytes) -> None:
-        self.outcome = (kind, payload)
-        self.done.set()
-
-    def fail(self, exc: BaseException) -> None:
-        self.outcome = exc
-        self.done.set()
-
-
-class StreamInbox:
-    """What a message stream's channel delivers to asyncio: (kind, payload or error) items."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    def put(self, kind: int, item: Any) -> None:
-        post(self.loop, self.queue.put_nowait, (kind, item))
 
 
 CLOSED = -1  # inbox item kind: the channel closed (item: the error or None)
@@ -296,7 +265,7 @@ class HostCore:
                     errors.append(str(exc))
             else:
                 raise ConnectionLost(f"could not reach {relay.peer}: {'; '.join(errors)}")
-        sink = _TrioSink()
+        sink = TrioSink()
         entry = HandlerEntry(relay.spec, "", lambda *_: None, limit)
         self.start_call(relay.peer, entry, payload, sink)
         with trio.move_on_after(relay.timeout):

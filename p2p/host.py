@@ -32,8 +32,9 @@ from p2p._answers import (
     encode_response,
 )
 from p2p._channel import Channel
-from p2p._core import HostCore, StreamInbox
+from p2p._core import HostCore
 from p2p._runtime import TrioRuntime, post
+from p2p._sinks import StreamInbox
 from p2p.codec import (
     ErrorCode,
     Kind,

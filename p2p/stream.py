@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from p2p._answers import HandlerEntry
 from p2p._channel import Channel
-from p2p._core import StreamInbox
 from p2p._runtime import TrioRuntime, post
+from p2p._sinks import StreamInbox
 from p2p.codec import ErrorCode, Kind, Message, decode_error, encode_message
 from p2p.errors import ConnectionLost, FrameError, HostClosed, RemoteError
 

@@ -1,10 +1,8 @@
 """The simulator's prediction of a lab scenario (`sim.labscenario`): what `python -m lab
 scenario` will measure, from the calibration's micro-measurements and nothing else.
 
-Placement: the broker's decision core (`broker.core.Core`, as the broker runs it) is told of
-each provider joining, with the profile the broker would see (the calibrated machine's FLOP/s
-times the provider's CPU share, its memory limit, its access link, the round trip it would
-measure) and then of the model; its `AssignStage` actions are the placement.
+Placement: the broker's decision core's, on the profiles the broker would see
+(`sim.labplace`).
 
 A token (decode step) goes as the client library sends it when a session runs alone on its
 client: chained, client -> stage 1 -> ... -> stage n -> client (`client.chained`). Its
@@ -32,24 +30,17 @@ to each other.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from broker.core import CoreConfig
-from broker.core.actions import AssignStage
-from broker.core.events import ModelAdded, ProviderJoined
-from dag.cost import HardwareProfile
 from dag.model import ModelSpec
 from sim.calibration import Calibration, PackageTimes, quota_factor
-from sim.driver import Driver
-from sim.labscenario import FIGURES, QUOTA_SLICE_S, LabProvider, LabScenario, percentile
+from sim.labplace import Placed, paced, place, stability
+from sim.labscenario import FIGURES, LabScenario, percentile
 
 CLIENT = "client"
-MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2
 # What the links' shapers count, by the protocols' definitions: a packet is at most the
 # Ethernet MTU; TCP carries at most MTU - 52 bytes in it (IPv4 20, TCP 20 with its 12 of
 # timestamps); each packet adds those 52 and Ethernet's 14; each message is answered by an
@@ -57,111 +48,10 @@ MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2
 PACKET_BYTES = 1500
 SEGMENT_BYTES = PACKET_BYTES - 52
 HEADER_BYTES = 52 + 14
-# How much what the lab's broker measures of a provider varies from run to run (its `seen`:
-# uplinks at 100 Mbit/s read 108 to 122, at 50 read 51 to 53; round trips 8.4 to 14.5 ms
-# against 8 to 14 predicted): the spread `stability` tries placements over.
-UPLINK_NOISE, RTT_NOISE = 0.06, 0.2
-STABILITY_TRIALS = 100
 # The addresses a provider announces (`provider.membership`): its LAN one, and behind a
 # router the public one it got there (a UPnP mapping, a relay port); its chained steps'
 # routes carry them, without its peer id or its loopback one (`proto.session.hop_addrs`).
 ANNOUNCED = 2
-
-
-@dataclass(frozen=True)
-class Placed:
-    stage: int  # manifest index
-    provider: str
-    backup: str | None
-
-
-def paced(work: float, share: float) -> float:
-    """The wall time of `work` CPU seconds run at once under a quota of `share` cores: the
-    first slice at full speed, the rest at the share."""
-    if share >= 1 or work <= QUOTA_SLICE_S:
-        return work
-    return QUOTA_SLICE_S + (work - QUOTA_SLICE_S) / share
-
-
-def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
-    """What the broker sees of `p`: the calibrated executor at `p`'s CPU share, and the
-    round trip `p` measures to the broker (a ping: the link's delay both ways, the broker's
-    two message ends, and `p`'s two at its quota's pace)."""
-    share, cpu = p.share, min(p.cpu, 1.0)
-    costs = cal.provider_costs()
-    end = cal.call_s if costs is None else costs[1] * quota_factor(costs[2], cpu)
-    own = paced(2 * end, cpu)
-    return HardwareProfile(
-        name=p.name,
-        flops={k: v * share for k, v in cal.profile.flops.items()},
-        memory_bytes=float(MEMORY_BYTES),
-        mem_bandwidth=cal.profile.mem_bandwidth * share,
-        net_bandwidth=p.link.bytes_s,
-        rtt=2 * p.delay_ms / 1e3 + 2 * cal.call_s + own,  # (the broker's link: no delay)
-    )
-
-
-def place(
-    s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
-    core: CoreConfig, seen: Mapping[str, HardwareProfile] | None = None,
-) -> list[Placed]:  # fmt: skip
-    """The decision core's placement of the model on the scenario's providers (`seen`: the
-    profiles the broker sees of them, in the order it hears of them, if not `hardware`'s in
-    the scenario's order)."""
-    driver = Driver(core)
-    if seen is None:
-        seen = {p.name: hardware(p, cal) for p in s.lab.provider}
-    for name, profile in seen.items():
-        driver.handle(ProviderJoined(name, profile, 0.0, executor="ort", memory_bytes=MEMORY_BYTES))
-    keys = tuple(f"{model}/{i}" for i in indices)
-    actions = driver.handle(ModelAdded(model, spec, keys, 0.0))
-    active: dict[int, str] = {}
-    backup: dict[int, str] = {}
-    for a in actions:
-        if isinstance(a, AssignStage):
-            (active if a.role == "active" else backup).setdefault(a.pos, a.peer_id)
-    if len(active) != len(keys):
-        raise ValueError(f"the decision core placed {len(active)} of {len(keys)} stages")
-    return [Placed(indices[i], active[i], backup.get(i)) for i in range(len(keys))]
-
-
-def route(placed: Sequence[Placed]) -> tuple[str, ...]:
-    """The providers a chained step passes, in order (a provider's stages in a row once)."""
-    return tuple(x for x, _ in itertools.groupby(p.provider for p in placed))
-
-
-def stability(
-    s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
-    core: CoreConfig, trials: int = STABILITY_TRIALS,
-) -> float:  # fmt: skip
-    """How sure the placement is: the share of `trials` placements, each on the profiles
-    the broker would see with every provider's uplink and round trip off by up to what the
-    lab's broker measured of them varies from run to run (`UPLINK_NOISE`, `RTT_NOISE`,
-    uniformly), heard of in a random order (ties go by it: the lab's peer ids are random),
-    whose route (`route`), and where the scenario stops a provider its stages' backups, are
-    the nominal placement's; seeded. Below about 0.9 the lab's broker may well choose
-    another placement than the prediction's: the scenario then measures the decision's
-    noise, not the simulator."""
-
-    def key(placed: list[Placed]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
-        return route(placed), tuple(p.backup for p in placed) if s.lab.event else ()
-
-    nominal = key(place(s, model, spec, indices, cal, core))
-    rng = random.Random(0)
-    base = [(p.name, hardware(p, cal)) for p in s.lab.provider]
-    same = 0
-    for _ in range(trials):
-        rng.shuffle(base)
-        seen = {
-            name: dataclasses.replace(
-                h,
-                net_bandwidth=h.net_bandwidth * (1 + rng.uniform(-UPLINK_NOISE, UPLINK_NOISE)),
-                rtt=h.rtt * (1 + rng.uniform(-RTT_NOISE, RTT_NOISE)),
-            )
-            for name, h in base
-        }
-        same += key(place(s, model, spec, indices, cal, core, seen)) == nominal
-    return same / trials
 
 
 class Model:

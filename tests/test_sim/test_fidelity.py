@@ -14,7 +14,8 @@ from broker.config import BrokerConfig
 from broker.core import CoreConfig
 from dag.model import ModelSpec
 from sim.calibration import Calibration, MeasuredProfile, PackageTimes, quota_factor
-from sim.fidelity import CLIENT, Model, Placed, place, predict, promoted, route, stability
+from sim.fidelity import CLIENT, Model, predict, promoted
+from sim.labplace import Placed, place, route, stability
 from sim.labscenario import (
     FIGURES,
     QUOTA_SLICE_S,
