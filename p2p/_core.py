@@ -345,9 +345,7 @@ class HostCore:
 
     def observed(self, peer_id: str) -> str | None:
         """/ip4/IP/tcp/PORT that a live connection to `peer_id` comes from (None if none)."""
-        from libp2p.peer.id import ID
-
-        conns = self._lp.get_network().connections.get(ID.from_base58(peer_id)) or []
+        conns = self._lp.get_network().connections.get(_peer_id(peer_id)) or []
         for conn in conns if isinstance(conns, list) else [conns]:
             try:
                 ip, port = conn.muxed_conn.get_remote_address()

@@ -398,6 +398,6 @@ def predict(
             {"stage": p.stage, "providers": [p.provider], "backups": [p.backup] if p.backup else []}
             for p in placed
         ],
-        "placement_stability": stability(s, model, spec, indices, cal, core),
+        "placement_stability": stability(s, model, spec, indices, cal, core, placed),
         "calibration": {"machine": cal.machine, "measured_at": cal.measured_at},
     }

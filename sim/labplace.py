@@ -93,7 +93,7 @@ def route(placed: Sequence[Placed]) -> tuple[str, ...]:
 
 def stability(
     s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
-    core: CoreConfig, trials: int = STABILITY_TRIALS,
+    core: CoreConfig, placed: list[Placed] | None = None, trials: int = STABILITY_TRIALS,
 ) -> float:  # fmt: skip
     """How sure the placement is: the share of `trials` placements, each on the profiles
     the broker would see with every provider's uplink and round trip off by up to what the
@@ -102,12 +102,12 @@ def stability(
     whose route (`route`), and where the scenario stops a provider its stages' backups, are
     the nominal placement's; seeded. Below about 0.9 the lab's broker may well choose
     another placement than the prediction's: the scenario then measures the decision's
-    noise, not the simulator."""
+    noise, not the simulator. `placed`: the nominal placement, if already made."""
 
     def key(placed: list[Placed]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
         return route(placed), tuple(p.backup for p in placed) if s.lab.event else ()
 
-    nominal = key(place(s, model, spec, indices, cal, core))
+    nominal = key(placed or place(s, model, spec, indices, cal, core))
     rng = random.Random(0)
     base = [(p.name, hardware(p, cal)) for p in s.lab.provider]
     same = 0

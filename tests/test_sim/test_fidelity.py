@@ -179,7 +179,7 @@ def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
     assert CAL.provider_costs() is None  # not measured: the model uses the in-process step
 
 
-def test_the_shipped_scenarios_place_the_same_route_through_the_lab_s_noise() -> None:
+def test_a_tied_placement_is_unstable_and_the_bandwidth_scenario_s_is_not() -> None:
     core = BrokerConfig(data_dir=Path("."), trust_claims=True).core  # (as `fusionai sim` runs it)
 
     def stable(s: LabScenario) -> float:
