@@ -141,8 +141,15 @@ class Swarm:
         stored = await self.broker.add_model(manifest)
         return stored.name
 
-    async def until(self, what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """The first truthy `check()`, letting the broker and providers work meanwhile."""
+    async def until(
+        self,
+        what: str,
+        check: Callable[[], Any],
+        timeout: float = 30.0,
+        explain: Callable[[], Any] | None = None,
+    ) -> Any:
+        """The first truthy `check()`, letting the broker and providers work meanwhile; on a
+        timeout the error carries `explain()` (the state that would tell why)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while loop.time() < end:
@@ -150,7 +157,8 @@ class Swarm:
             if value:
                 return value
             await asyncio.sleep(0.005)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        why = f": {explain()}" if explain is not None else ""
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}{why}")
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         return [e.to_json() for e in self.broker.store.events(limit=100_000) if e.kind == kind]

@@ -168,6 +168,7 @@ async def test_a_provider_that_joins_during_a_job_is_placed_once_the_job_ends(
         )
         moved = await s.until("a rebalance", lambda: s.events("model_rebalanced"))
         assert {st[0] for r in moved[0]["replicas"] for st in r} == {first, second}
+        core = s.broker.driver.core
         await s.until(
             "each serves one stage",
             lambda: (
@@ -175,6 +176,13 @@ async def test_a_provider_that_joins_during_a_job_is_placed_once_the_job_ends(
                 and {p for peers in s.broker.serving.route(model) or [] for p in peers}
                 == {first, second}
             ),
+            explain=lambda: {
+                "route": s.broker.serving.route(model),
+                "sent": core.sent,
+                "confirmed": core.confirmed,
+                "loaded": core.loaded,
+                "events": [e.to_json() for e in s.broker.store.events(limit=200)],
+            },
         )
     finally:
         await s.close()
