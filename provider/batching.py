@@ -5,8 +5,14 @@ them gathers a run (`window_s` at most, and not at all when no other session of 
 stepped lately), or while the stage's previous run computes, run together: up to `max_batch`
 sessions in one executor call. Each session keeps its own KV cache; a run pads the caches
 at their end to the longest (`pad`), the stage graph's `attention_mask` marks the padding
-(`ir.families.base.PaddedKeys`), and each row's new cache is cut back out (`unpad`), so a
-session's answers are what they would be alone, bit for bit on onnxruntime's CPU kernels.
+(`ir.families.base.PaddedKeys`), so a session's answers are what they would be alone, bit for
+bit on onnxruntime's CPU kernels. The run's new caches stay batched (`split`): each row's new
+token is moved next to its tokens (the padding stays after them), and each session's cache is
+its row of those arrays (`stage.SharedRows`). The next run of the same sessions, the common
+case of sessions generating together, feeds those arrays as they are: no cache is copied in
+or out, where padding and cutting each cache back out copied every session's whole cache
+twice a step. A session that runs otherwise (alone, or with other sessions) takes its row out
+first.
 
 Only one-token steps of batch-1 sessions without an adapter, on stages whose graph takes the
 mask, are batched (`batchable`); prompts, replays and adapters run alone, as do packages
@@ -32,7 +38,7 @@ from ir.pipeline import KEY_MASK
 from ir.pipeline import batchable as graph_takes_mask
 from provider.events import event
 from provider.gate import ComputeGate, Priority
-from provider.stage import Array, LoadedStage, Session
+from provider.stage import Array, LoadedStage, Session, SharedRows
 
 ACTIVE_S = 1.0  # a session that stepped this recently is expected back: a run waits for it
 REPORT_S = 2.0  # each stage's runs are reported at most this often, seconds
@@ -44,7 +50,9 @@ class Step:
 
     session: Session
     feeds: dict[str, Array]  # its inputs but the cache and mask (hidden states, positions)
-    outputs: dict[str, Array] | None = None  # once run: its row, present_* its own cache
+    outputs: dict[str, Array] | None = None  # once run: its row (present_*: its own cache,
+    # when run alone; in a batch, its new cache is `shared`)
+    shared: tuple[SharedRows, int] | None = None  # run in a batch: its new cache, a row
     error: BaseException | None = None
     done: bool = False
     lead: bool = False  # it is to gather and run the stage's next run
@@ -81,11 +89,12 @@ def pad(steps: list[Step]) -> dict[str, Array]:
     feeds = {name: np.concatenate([s.feeds[name] for s in steps]) for name in steps[0].feeds}
     mask = np.zeros((len(steps), longest + 1), dtype=np.int64)
     mask[:, longest] = 1
-    for name, first in steps[0].session.cache.items():
+    caches = [s.session.peek() for s in steps]
+    for name, first in caches[0].items():
         _, heads, _, dim = first.shape
         padded = np.zeros((len(steps), heads, longest, dim), dtype=first.dtype)
-        for row, (step, length) in enumerate(zip(steps, lengths, strict=True)):
-            padded[row, :, :length] = step.session.cache[name][0]
+        for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
+            padded[row, :, :length] = cache[name][0]
         feeds[name] = padded
     for row, length in enumerate(lengths):
         mask[row, :length] = 1
@@ -93,21 +102,62 @@ def pad(steps: list[Step]) -> dict[str, Array]:
     return feeds
 
 
-def unpad(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]]:
-    """Each step's row of a run's outputs; its `present_*` cut back to its own tokens."""
-    longest = max(s.session.past_len for s in steps)
+def shared_feeds(steps: list[Step]) -> dict[str, Array] | None:
+    """One run's feeds without copying any cache, if `steps` are the sessions of one earlier
+    run, every one of them, in its row order (see `order`); else None."""
+    first = steps[0].session.shared
+    if first is None:
+        return None
+    rows = first[0]
+    for i, step in enumerate(steps):
+        mine = step.session.shared
+        if mine is None or mine[0] is not rows or mine[1] != i:
+            return None
+        if step.session.past_len != rows.lengths[i]:
+            return None
+    if len(steps) != len(rows.lengths):
+        return None
+    feeds = {name: np.concatenate([s.feeds[name] for s in steps]) for name in steps[0].feeds}
+    longest = next(iter(rows.arrays.values())).shape[2]
+    mask = np.zeros((len(steps), longest + 1), dtype=np.int64)
+    mask[:, longest] = 1
+    for row, length in enumerate(rows.lengths):
+        mask[row, :length] = 1
+    feeds.update(rows.arrays)
+    feeds[KEY_MASK] = mask
+    return feeds
+
+
+def order(steps: list[Step]) -> None:
+    """Sort `steps` by their rows of an earlier run's cache, where they have one (so that a
+    run of the same sessions finds them in order)."""
+    steps.sort(key=lambda s: s.session.shared[1] if s.session.shared is not None else -1)
+
+
+def split(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]]:
+    """Each step's row of a run's outputs but the cache; the new caches (`present_*`) stay
+    batched, each row's new token moved next to its tokens, and each step gets its row
+    (`Step.shared`). Call with the sessions' `past_len` as the run found them."""
+    lengths = [s.session.past_len for s in steps]
+    arrays: dict[str, Array] = {}
+    for name, value in outputs.items():
+        if not name.startswith("present_"):
+            continue
+        if not value.flags.writeable:
+            value = value.copy()
+        end = value.shape[2] - 1  # (the new token's column: after the longest past)
+        for row, length in enumerate(lengths):
+            if length < end:
+                value[row, :, length] = value[row, :, end]
+        arrays[name.replace("present_", "past_", 1)] = value
+    token_bytes = sum(v.shape[1] * v.shape[3] * v.itemsize for v in arrays.values())
+    shared = SharedRows(arrays, [n + 1 for n in lengths], token_bytes)
     rows: list[dict[str, Array]] = []
     for row, step in enumerate(steps):
-        length = step.session.past_len
-        mine: dict[str, Array] = {}
-        for name, value in outputs.items():
-            if name.startswith("present_"):
-                mine[name] = np.concatenate(
-                    [value[row : row + 1, :, :length], value[row : row + 1, :, longest:]], axis=2
-                )
-            else:
-                mine[name] = value[row : row + 1].copy()
-        rows.append(mine)
+        step.shared = (shared, row)
+        rows.append(
+            {k: v[row : row + 1].copy() for k, v in outputs.items() if not k.startswith("present_")}
+        )
     return rows
 
 
@@ -230,8 +280,10 @@ class Batcher:
             feeds[KEY_MASK] = np.ones((1, total), dtype=np.int64)
             step.outputs = self._run(stage, feeds)
             return
-        outputs = self._run(stage, pad(batch))
-        for step, row in zip(batch, unpad(outputs, batch), strict=True):
+        order(batch)
+        shared = shared_feeds(batch)
+        outputs = self._run(stage, shared if shared is not None else pad(batch))
+        for step, row in zip(batch, split(outputs, batch), strict=True):
             step.outputs = row
 
     def _report(self, key: str, size: int) -> None:

@@ -41,7 +41,7 @@ from proto.session import (
 from provider.batching import Batcher, Step, batchable
 from provider.commitments import Ledger, Sign, worker
 from provider.gate import ComputeGate, Priority
-from provider.stage import Array, LoadedStage, Session, arrays, run, wire_of
+from provider.stage import Array, LoadedStage, Session, SharedRows, arrays, run, wire_of
 
 MAX_SESSION_ID = 128  # characters
 SWEEP_EVERY_S = 1.0  # idle sessions are looked for at most this often (and every heartbeat)
@@ -258,7 +258,7 @@ class SessionServing:
         outputs = self._outputs(visible, wire_of(request.inputs))
         hidden = outputs.get("hidden_states_out")
         try:
-            self._keep(session, step.outputs, [hidden] if hidden is not None else [])
+            self._keep(session, step.outputs, [hidden] if hidden is not None else [], step.shared)
         except Refused as exc:
             return exc
         made = _committed(session, request, hidden)
@@ -292,16 +292,26 @@ class SessionServing:
         self._count(stage.key, feeds, time.perf_counter() - start)
         return outputs
 
-    def _keep(self, session: Session, outputs: dict[str, Array], trail: list[Tensor]) -> None:
-        """The step's new cache becomes the session's, and its `trail` of outputs grows, if
-        the KV budget has room for them."""
+    def _keep(
+        self,
+        session: Session,
+        outputs: dict[str, Array],
+        trail: list[Tensor],
+        shared: tuple[SharedRows, int] | None = None,
+    ) -> None:
+        """The step's new cache (its `present_*` outputs, or its row of a batched run's
+        `shared` caches) becomes the session's, and its `trail` of outputs grows, if the KV
+        budget has room for them."""
         new_cache = {
             name.replace("present_", "past_", 1): value
             for name, value in outputs.items()
             if name.startswith("present_")
         }
         trail_bytes = session.trail_bytes + sum(t.nbytes for t in trail)
-        new_bytes = sum(a.nbytes for a in new_cache.values()) + trail_bytes
+        if shared is not None:
+            new_bytes = shared[0].lengths[shared[1]] * shared[0].token_bytes + trail_bytes
+        else:
+            new_bytes = sum(a.nbytes for a in new_cache.values()) + trail_bytes
         with self._lock:
             counted = not session.dropped  # (dropped while this step ran: counted off already)
             others = self._kv_used - session.nbytes if counted else self._kv_used
@@ -311,12 +321,17 @@ class SessionServing:
                     f"KV cache memory full ({others + new_bytes} of {self.kv_budget} "
                     f"bytes); the session is unchanged: retry later or elsewhere",
                 )
-            session.cache, session.trail_bytes = new_cache, trail_bytes
+            if shared is not None:
+                session.kv, session.shared = {}, shared
+                session.past_len = shared[0].lengths[shared[1]]
+            else:
+                session.cache = new_cache
+                if new_cache:  # (batch, heads, tokens, head_dim)
+                    session.past_len = int(next(iter(new_cache.values())).shape[2])
+            session.trail_bytes = trail_bytes
             session.trail.extend(trail)
             if counted:
                 self._kv_used = others + new_bytes
-            if new_cache:  # (batch, heads, tokens, head_dim)
-                session.past_len = int(next(iter(new_cache.values())).shape[2])
             session.last_used = time.monotonic()
 
     def expire(self) -> int:

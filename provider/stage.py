@@ -42,14 +42,34 @@ class LoadedStage:
             feeds.update(adapters or zero_adapters(self.info))
 
 
+@dataclass(eq=False)  # compared by identity
+class SharedRows:
+    """The KV caches of the sessions of one batched run, left batched for their next run
+    (`provider/batching.py`): row i holds its session's `lengths[i]` tokens first, then
+    padding (whatever the layout fix left there; the attention mask hides it)."""
+
+    arrays: dict[str, Array]  # past_* name -> (rows, heads, longest, head_dim)
+    lengths: list[int]
+    token_bytes: int  # bytes one token takes in all of `arrays`
+
+    def row(self, i: int) -> dict[str, Array]:
+        """Row `i`'s cache on its own: (1, heads, its tokens, head_dim), contiguous copies."""
+        n = self.lengths[i]
+        return {k: np.ascontiguousarray(v[i : i + 1, :, :n]) for k, v in self.arrays.items()}
+
+
 @dataclass
 class Session:
-    """One generation session on one stage: its KV cache, owned by the peer that opened it."""
+    """One generation session on one stage: its KV cache, owned by the peer that opened it.
+
+    The cache is either the session's own arrays (`kv`) or a row of the shared arrays its
+    last batched run left (`shared`: a batch of the same sessions runs on them as they are,
+    with no copy); reading `cache` takes the row out (a copy) and keeps it as its own."""
 
     peer: str
     stage: str
     batch: int
-    cache: dict[str, Array]
+    kv: dict[str, Array]
     adapters: dict[str, Array] = field(default_factory=dict)
     check: bool = False  # a shadow session: it may run on a standby stage
     past_len: int = 0
@@ -63,11 +83,39 @@ class Session:
     dropped: bool = False  # closed or dropped: its bytes no longer counted (server's lock)
     trail_bytes: int = 0  # what its trail holds (kept as it grows: a sum over it each step
     # would cost a step time in proportion to the tokens so far)
+    shared: tuple[SharedRows, int] | None = None  # (the run's arrays, its row): see above
+
+    @property
+    def cache(self) -> dict[str, Array]:
+        if self.shared is not None:
+            rows, i = self.shared
+            self.kv, self.shared = rows.row(i), None
+        return self.kv
+
+    @cache.setter
+    def cache(self, arrays: dict[str, Array]) -> None:
+        self.kv, self.shared = arrays, None
+
+    def peek(self) -> dict[str, Array]:
+        """Its cache's arrays to read from, without taking a shared row out (views)."""
+        if self.shared is not None:
+            rows, i = self.shared
+            n = rows.lengths[i]
+            return {k: v[i : i + 1, :, :n] for k, v in rows.arrays.items()}
+        return self.kv
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes its cache holds (its tokens: a shared row's padding is not counted)."""
+        if self.shared is not None:
+            rows, i = self.shared
+            return rows.lengths[i] * rows.token_bytes
+        return sum(a.nbytes for a in self.kv.values())
 
     @property
     def nbytes(self) -> int:
         """Bytes its cache and its trail of outputs hold."""
-        return sum(a.nbytes for a in self.cache.values()) + self.trail_bytes
+        return self.cache_bytes + self.trail_bytes
 
 
 def tensors(arrays: dict[str, Array], wire: str = "native") -> dict[str, Tensor]:

@@ -21,6 +21,18 @@ class Executor(Protocol):
     def run(self, feeds: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, np.ndarray[Any, Any]]: ...
 
 
+_DTYPE_NAMES: dict[Any, str] = {}  # dtype -> its name ("float32"): str() of one is slow
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).replace("torch.", "")
+        if len(_DTYPE_NAMES) < 64:
+            _DTYPE_NAMES[dtype] = name
+    return name
+
+
 def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, Any]) -> None:
     """Clear errors for missing, unexpected, mistyped or wrongly-ranked inputs."""
     expected = {i.name: i for i in inputs}
@@ -32,7 +44,7 @@ def check_feeds(inputs: list[TensorInfo], feeds: Mapping[str, Any]) -> None:
         raise ExecutorError(f"unexpected inputs {extra}; the stage takes {list(expected)}")
     for name, info in expected.items():
         value = feeds[name]
-        dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
+        dtype = _dtype_name(getattr(value, "dtype", ""))
         if dtype != info.dtype:
             raise ExecutorError(f"input {name!r} must be {info.dtype}, got {dtype}")
         if len(value.shape) != len(info.shape):

@@ -17,7 +17,7 @@ from ir.package import load_package
 from ir.pipeline import LocalPipeline
 from p2p import ErrorCode, Refused, Tensor
 from proto.session import SessionClose, SessionOpen, SessionOutput, SessionStep
-from provider.batching import Batcher, Step, pad, unpad
+from provider.batching import Batcher, Step, pad, shared_feeds, split
 from provider.events import add_event_sink, remove_event_sink
 from provider.gate import ComputeGate
 from provider.serving import Server
@@ -131,7 +131,8 @@ def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
     llama3_packages: dict[str, Path],
 ) -> None:
     """Rows of different lengths padded into one run: each row's hidden states and new cache
-    equal its run alone exactly, for fp32 and fp16 stages."""
+    equal its run alone exactly, for fp32 and fp16 stages; and so does a second run straight
+    on the first run's batched caches (no copy in or out)."""
     rng = np.random.default_rng(5)
     for package in llama3_packages.values():
         loaded = load_package(package)
@@ -150,12 +151,26 @@ def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
                 "position_ids": np.array([[length]]),
             }
             steps.append(Step(session, feeds))
-        batched = unpad(executor.run(pad(steps)), steps)
-        for step, row in zip(steps, batched, strict=True):
-            alone = executor.run(pad([step]))
-            assert alone.keys() == row.keys()
-            for name, value in alone.items():
-                assert np.array_equal(value, row[name]), (package.name, step.session.past_len)
+        for second in (False, True):
+            alone = [executor.run(pad([step])) for step in steps]  # (reads a shared row)
+            feeds = shared_feeds(steps)
+            assert (feeds is not None) == second  # the second run copies no cache
+            batched = split(executor.run(feeds if feeds is not None else pad(steps)), steps)
+            for step, row, want in zip(steps, batched, alone, strict=True):
+                assert step.shared is not None
+                rows, i = step.shared
+                cache = {n.replace("past_", "present_"): v for n, v in rows.row(i).items()}
+                assert want.keys() == row.keys() | cache.keys()
+                for name, value in want.items():
+                    got = cache[name] if name in cache else row[name]
+                    assert np.array_equal(value, got), (package.name, step.session.past_len)
+                session = step.session
+                session.kv, session.shared = {}, step.shared  # as the server keeps it
+                session.past_len += 1
+                step.feeds = {
+                    "hidden_states": rng.standard_normal((1, 1, 128)).astype(dtype),
+                    "position_ids": np.array([[session.past_len]]),
+                }
 
 
 def test_steps_are_checked_one_at_a_time_per_session_and_bad_ones_fail_alone(
