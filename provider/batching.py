@@ -41,6 +41,7 @@ from provider.gate import ComputeGate, Priority
 from provider.stage import Array, LoadedStage, Session, SharedRows
 
 ACTIVE_S = 1.0  # a session that stepped this recently is expected back: a run waits for it
+MAX_PADDING = 0.25  # a run's caches stay batched while padding is at most this share of them
 REPORT_S = 2.0  # each stage's runs are reported at most this often, seconds
 
 
@@ -135,9 +136,11 @@ def order(steps: list[Step]) -> None:
 
 
 def split(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]]:
-    """Each step's row of a run's outputs but the cache; the new caches (`present_*`) stay
-    batched, each row's new token moved next to its tokens, and each step gets its row
-    (`Step.shared`). Call with the sessions' `past_len` as the run found them."""
+    """Each step's row of a run's outputs. The new caches (`present_*`) stay batched, each
+    row's new token moved next to its tokens, and each step gets its row (`Step.shared`);
+    unless padding would be more than `MAX_PADDING` of the arrays (sessions of very different
+    lengths): then each row's cache is cut out (a copy) into its outputs. Call with the
+    sessions' `past_len` as the run found them."""
     lengths = [s.session.past_len for s in steps]
     arrays: dict[str, Array] = {}
     for name, value in outputs.items():
@@ -149,16 +152,24 @@ def split(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]
         for row, length in enumerate(lengths):
             if length < end:
                 value[row, :, length] = value[row, :, end]
-        arrays[name.replace("present_", "past_", 1)] = value
-    token_bytes = sum(v.shape[1] * v.shape[3] * v.itemsize for v in arrays.values())
-    shared = SharedRows(arrays, [n + 1 for n in lengths], token_bytes)
-    rows: list[dict[str, Array]] = []
+        arrays[name] = value
+    rest = [
+        {k: v[i : i + 1].copy() for k, v in outputs.items() if k not in arrays}
+        for i in range(len(steps))
+    ]
+    if not arrays:
+        return rest
+    width = next(iter(arrays.values())).shape[2]
+    if len(steps) * width > (1 + MAX_PADDING) * sum(n + 1 for n in lengths):
+        for row, (mine, n) in enumerate(zip(rest, lengths, strict=True)):
+            mine.update({k: v[row : row + 1, :, : n + 1].copy() for k, v in arrays.items()})
+        return rest
+    row_bytes = sum(v[0].nbytes for v in arrays.values())
+    past = {k.replace("present_", "past_", 1): v for k, v in arrays.items()}
+    shared = SharedRows(past, [n + 1 for n in lengths], row_bytes)
     for row, step in enumerate(steps):
         step.shared = (shared, row)
-        rows.append(
-            {k: v[row : row + 1].copy() for k, v in outputs.items() if not k.startswith("present_")}
-        )
-    return rows
+    return rest
 
 
 class Batcher:

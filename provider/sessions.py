@@ -309,12 +309,12 @@ class SessionServing:
         }
         trail_bytes = session.trail_bytes + sum(t.nbytes for t in trail)
         if shared is not None:
-            new_bytes = shared[0].lengths[shared[1]] * shared[0].token_bytes + trail_bytes
+            new_bytes = shared[0].row_bytes + trail_bytes
         else:
             new_bytes = sum(a.nbytes for a in new_cache.values()) + trail_bytes
         with self._lock:
             counted = not session.dropped  # (dropped while this step ran: counted off already)
-            others = self._kv_used - session.nbytes if counted else self._kv_used
+            others = self._kv_used - session.counted if counted else self._kv_used
             if counted and others + new_bytes > self.kv_budget:
                 raise Refused(
                     ErrorCode.BUSY,
@@ -328,7 +328,7 @@ class SessionServing:
                 session.cache = new_cache
                 if new_cache:  # (batch, heads, tokens, head_dim)
                     session.past_len = int(next(iter(new_cache.values())).shape[2])
-            session.trail_bytes = trail_bytes
+            session.trail_bytes, session.counted = trail_bytes, new_bytes
             session.trail.extend(trail)
             if counted:
                 self._kv_used = others + new_bytes
@@ -369,7 +369,7 @@ class SessionServing:
         no longer counted, nor those a step still running on one would add."""
         gone = [self.sessions.pop(k) for k in keys if k in self.sessions]
         for session in gone:
-            self._kv_used -= session.nbytes
+            self._kv_used -= session.counted
             session.dropped = True
         return gone
 

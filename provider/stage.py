@@ -50,7 +50,8 @@ class SharedRows:
 
     arrays: dict[str, Array]  # past_* name -> (rows, heads, longest, head_dim)
     lengths: list[int]
-    token_bytes: int  # bytes one token takes in all of `arrays`
+    row_bytes: int  # bytes a row takes in all of `arrays`, padding included (what each
+    # session's cache is counted as against the KV budget)
 
     def row(self, i: int) -> dict[str, Array]:
         """Row `i`'s cache on its own: (1, heads, its tokens, head_dim), contiguous copies."""
@@ -83,6 +84,8 @@ class Session:
     dropped: bool = False  # closed or dropped: its bytes no longer counted (server's lock)
     trail_bytes: int = 0  # what its trail holds (kept as it grows: a sum over it each step
     # would cost a step time in proportion to the tokens so far)
+    counted: int = 0  # bytes counted against the KV budget for its cache (a shared row's
+    # padding included) and trail, as its last step left them (server's lock)
     shared: tuple[SharedRows, int] | None = None  # (the run's arrays, its row): see above
 
     @property
@@ -103,19 +106,6 @@ class Session:
             n = rows.lengths[i]
             return {k: v[i : i + 1, :, :n] for k, v in rows.arrays.items()}
         return self.kv
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes its cache holds (its tokens: a shared row's padding is not counted)."""
-        if self.shared is not None:
-            rows, i = self.shared
-            return rows.lengths[i] * rows.token_bytes
-        return sum(a.nbytes for a in self.kv.values())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes its cache and its trail of outputs hold."""
-        return self.cache_bytes + self.trail_bytes
 
 
 def tensors(arrays: dict[str, Array], wire: str = "native") -> dict[str, Tensor]:

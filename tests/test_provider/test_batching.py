@@ -16,7 +16,15 @@ from ir.executors.ort import OrtExecutor
 from ir.package import load_package
 from ir.pipeline import LocalPipeline
 from p2p import ErrorCode, Refused, Tensor
-from proto.session import SessionClose, SessionOpen, SessionOutput, SessionStep
+from proto.session import (
+    SessionClose,
+    SessionOpen,
+    SessionOutput,
+    SessionOutputs,
+    SessionStep,
+    SessionSteps,
+)
+from provider import batching
 from provider.batching import Batcher, Step, pad, shared_feeds, split
 from provider.events import add_event_sink, remove_event_sink
 from provider.gate import ComputeGate
@@ -127,12 +135,15 @@ def test_sixteen_concurrent_sessions_share_runs_and_keep_their_solo_tokens(
     assert all(s.kv_bytes() == 0 and not s.sessions for s in servers)
 
 
+@pytest.mark.parametrize("kept", [True, False])
 def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
-    llama3_packages: dict[str, Path],
+    llama3_packages: dict[str, Path], kept: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows of different lengths padded into one run: each row's hidden states and new cache
-    equal its run alone exactly, for fp32 and fp16 stages; and so does a second run straight
-    on the first run's batched caches (no copy in or out)."""
+    equal its run alone exactly, for fp32 and fp16 stages; and so does a second run, straight
+    on the first run's batched caches where they were kept batched (no copy in or out), else
+    on the rows cut out of them (the padding was too much to keep)."""
+    monkeypatch.setattr(batching, "MAX_PADDING", 100.0 if kept else 0.0)
     rng = np.random.default_rng(5)
     for package in llama3_packages.values():
         loaded = load_package(package)
@@ -154,18 +165,28 @@ def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
         for second in (False, True):
             alone = [executor.run(pad([step])) for step in steps]  # (reads a shared row)
             feeds = shared_feeds(steps)
-            assert (feeds is not None) == second  # the second run copies no cache
+            assert (feeds is not None) == (second and kept)  # then it copies no cache
             batched = split(executor.run(feeds if feeds is not None else pad(steps)), steps)
             for step, row, want in zip(steps, batched, alone, strict=True):
-                assert step.shared is not None
-                rows, i = step.shared
-                cache = {n.replace("past_", "present_"): v for n, v in rows.row(i).items()}
-                assert want.keys() == row.keys() | cache.keys()
-                for name, value in want.items():
-                    got = cache[name] if name in cache else row[name]
-                    assert np.array_equal(value, got), (package.name, step.session.past_len)
                 session = step.session
-                session.kv, session.shared = {}, step.shared  # as the server keeps it
+                if kept:
+                    assert step.shared is not None
+                    rows, i = step.shared
+                    row = {
+                        **row,
+                        **{n.replace("past_", "present_"): v for n, v in rows.row(i).items()},
+                    }
+                    session.kv, session.shared = {}, step.shared  # as the server keeps it
+                else:
+                    assert step.shared is None
+                    session.cache = {
+                        n.replace("present_", "past_"): v
+                        for n, v in row.items()
+                        if n.startswith("present_")
+                    }
+                assert want.keys() == row.keys()
+                for name, value in want.items():
+                    assert np.array_equal(value, row[name]), (package.name, session.past_len)
                 session.past_len += 1
                 step.feeds = {
                     "hidden_states": rng.standard_normal((1, 1, 128)).astype(dtype),
@@ -223,3 +244,39 @@ def test_sessions_of_a_peer_gone_at_two_sweeps_are_dropped(
     assert server.disconnected({"b"}) == {}
     assert server.disconnected({"b"}) == {"a": 2}  # gone twice in a row
     assert {k[0] for k in server.sessions} == {"b"}
+
+
+def test_batched_caches_are_counted_as_they_are_held_and_given_back_at_close(
+    llama3_packages: dict[str, Path],
+) -> None:
+    """Two sessions' steps in one message leave their caches batched (each counted with its
+    row's padding); one then stepping alone takes its row out; closing both gives every byte
+    back to the KV budget."""
+    (server,) = _servers(llama3_packages["fp32"], max_batch=4)[:1]
+    key = _key(server)
+    rng = np.random.default_rng(9)
+
+    def step(sid: str, tokens: int, at: int) -> SessionStep:
+        feeds = {
+            "hidden_states": rng.standard_normal((1, tokens, 128)).astype(np.float32),
+            "position_ids": np.arange(at, at + tokens)[None, :],
+        }
+        return SessionStep(session=sid, stage=key, inputs=_tensors(feeds), past=at)
+
+    for sid, prompt in (("a", 5), ("b", 4)):
+        server.session("c", SessionOpen(session=sid, stage=key))
+        server.session("c", step(sid, prompt, 0))
+    alone = server.kv_bytes()
+    out = server.session("c", SessionSteps(steps=[step("a", 1, 5), step("b", 1, 4)]))
+    assert isinstance(out, SessionOutputs) and [o.past_len for o in out.outputs] == [6, 5]
+    a, b = (server.sessions[("c", key, s)] for s in "ab")
+    assert a.shared is not None and b.shared is not None and a.shared[0] is b.shared[0]
+    held = sum(v.nbytes for v in a.shared[0].arrays.values())
+    trails = a.trail_bytes + b.trail_bytes
+    assert server.kv_bytes() == held + trails > alone  # the padding of b's row counted too
+    server.session("c", step("a", 1, 6))  # alone: its row taken out
+    assert a.shared is None and a.past_len == 7
+    assert server.kv_bytes() == sum(v.nbytes for v in a.kv.values()) + a.trail_bytes + b.counted
+    for sid in "ab":
+        server.session("c", SessionClose(session=sid, stage=key))
+    assert server.kv_bytes() == 0 and not server.sessions
