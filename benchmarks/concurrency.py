@@ -42,8 +42,9 @@ target: <= 0.5); `cpu_16_over_1`, 16 sessions' over one session's, batched.
 `token_ms_chain`, `token_ms_star`, `token_ms_local`: one session through the decoder cut into
 4 stages on 4 providers, its steps chained (client -> 1 -> ... -> 4 -> client) and the star way
 (to each stage and back), and in one process; `chain_target_ms` is local + 1.5 ms x 5 legs.
-The SDK runs chain a session's steps while it is the only one (`AsyncClient(chain=None)`, the
-default; `--star`: never); the gateway's sessions go the star way.
+The SDK's runs chain their sessions' steps (`AsyncClient(chain=None)`, the default: concurrent
+sessions' steps along the same providers as one message a hop; `--star`: never), and so
+does the gateway (but with `--no-client-batching`, in the "off" runs: the star way).
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ def main() -> int:
         {
             **chained,
             "chain_target_ms": round(local + 1.5 * 5, 2),  # local + 1.5 ms x 5 legs
-            "sdk_steps": "star" if args.star else "chained while alone",
+            "sdk_steps": "star" if args.star else "chained (concurrent sessions together)",
             "stages": STAGES,
             "tokens": args.tokens,
             "cpus": os.cpu_count(),

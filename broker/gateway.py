@@ -38,6 +38,7 @@ from broker.errors import Unavailable
 from broker.httpkit import answer, event_stream, presented_key, sse
 from broker.jobkinds import JobError
 from broker.openai import Completion, parse_chat, parse_completion, parse_input
+from client.chained import inbox_of
 from client.errors import GenerationError
 from client.sampling import Sampler
 from client.session import GenerationSession, Router, generate
@@ -109,6 +110,8 @@ class Gateway:
         # concurrent completions' steps to a provider travel together, and their embeddings
         # and heads run in batches (client.stepmux), unless not `batching`
         self.mux = StepMux(backend.host) if batching else None
+        # and chained, those along the same providers as one message a hop (client.chained)
+        self.chains = inbox_of(backend.host) if batching else None
         self.admission = Admission(backend.limits)
         self.sampling = random.SystemRandom()  # which answers are checked: unpredictable
 
@@ -285,15 +288,10 @@ class Gateway:
             backend.failover(req.model, sid, keys[pos], peer, reason)
 
         session = GenerationSession(
-            backend.host,
-            client,
-            keys,
-            backend.router(req.model),
-            timeout=backend.timeout_s,
-            max_attempts=backend.max_attempts,
-            on_failover=on_failover,
-            mux=self.mux,
-        )
+            backend.host, client, keys, backend.router(req.model), timeout=backend.timeout_s,
+            max_attempts=backend.max_attempts, on_failover=on_failover, mux=self.mux,
+            chains=self.chains,
+        )  # fmt: skip
         text = TextStream(client.tokenizer, req.stop, prefix=prompt)
         sampler = Sampler(req.temperature, req.top_p, req.seed)
         # a checked answer's finish waits for the check (its last commitments come with the

@@ -93,9 +93,9 @@ class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
         a broker it cannot reach or that answers 502, 503 or 504 (a restart), with growing
         pauses (`client.http`); 0 makes every failure final. `chain`: a generation's steps
         go provider to provider along a route this client signs (n + 1 network trips a token
-        for n stages) instead of to each stage and back (2n): True always, False never, None
-        (default) while it is the client's only generation of its model (concurrent ones send
-        their steps together, one message per provider each way). `verify_share`: the share
+        for n stages) instead of to each stage and back (2n); concurrent generations' steps
+        along the same providers go together, one message a hop: True or None (default)
+        chains, False never. `verify_share`: the share
         of generations (0 to 1, drawn at random) whose tokens and providers' signed
         commitments are sent to the broker once done, to be checked by its own run
         (`client.verifying`: the broker then sees those tokens); 0 sends none."""
@@ -316,9 +316,9 @@ class AsyncClient(GenerationMethods, FinetuneMethods, TrainMethods):
                 self._puncher = Puncher(host)
                 self._mux = StepMux(host)
                 if self.chain is not False:
-                    from client.chained import ChainInbox
+                    from client.chained import inbox_of
 
-                    self._chains = ChainInbox(host, always=bool(self.chain))
+                    self._chains = inbox_of(host)
                 self._host = host
         return self._host
 

@@ -2,7 +2,9 @@
 client along a route the client signs (`proto.session`, `/fusionai/session-chain/1`), n + 1
 trips over the network where the star (client → each stage → client) makes 2n.
 
-`ChainInbox` (one per host) is where the last hop pushes the outputs. `chained_step` runs one
+`ChainInbox` (one per host) sends the steps (those of sessions along the same providers and
+stages asked for together as one `ChainSteps`, a batch on each hop) and is where the last hop
+pushes the outputs. `chained_step` runs one
 step of a `GenerationSession` that way; when the chain breaks (a hop died, two providers cannot
 reach each other, an older provider) it answers None and the session runs the step the star
 way instead: hops that ran it answer it again from what they kept, a dead one fails over. A
@@ -17,6 +19,8 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,17 +30,22 @@ from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout
 from p2p.tensor import encode
 from proto.forward import ChainAccepted, ChainBroken, ForwardResult
 from proto.session import (
+    MAX_STEPS,
     SESSION,
     SESSION_CHAIN,
     SESSION_RESULT,
     STEP_ROUTE_DOMAIN,
+    ChainRow,
     ChainStep,
     ChainStepResult,
+    ChainSteps,
+    ChainStepsResult,
     SessionHistory,
     SessionOutput,
     StepHop,
     hop_addrs,
     step_route_bytes,
+    steps_route_bytes,
 )
 
 if TYPE_CHECKING:
@@ -52,16 +61,21 @@ class ChainFailed(Exception):
 
 
 class ChainInbox:
-    """Where the last hop of each of this host's chained steps pushes the outputs."""
+    """Where the last hop of each of this host's chained steps pushes the outputs. Steps of
+    several sessions along the same providers and stages asked for in the same turn of the
+    event loop (sessions generating together, kept in step by `client.stepmux`) go as one
+    `ChainSteps`, run as one batch on each hop."""
 
-    def __init__(self, host: Host, *, always: bool = False) -> None:
+    def __init__(self, host: Host) -> None:
         self.host = host
-        self.always = always  # chain a session's steps even beside the client's others
-        self.waiting: dict[str, tuple[str, asyncio.Future[ChainStepResult]]] = {}
+        self.waiting: dict[str, tuple[str, asyncio.Future[Any]]] = {}
         self.acks: set[asyncio.Future[Any]] = set()  # answers still travelling back
+        self.batched = 0  # ChainSteps sent (for figures and tests)
+        self._pending: dict[tuple[Any, ...], list[_Asked]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         host.add_control_handler(SESSION_RESULT, self._arrived)
 
-    async def _arrived(self, peer: str, msg: ChainStepResult) -> ChainAccepted:
+    async def _arrived(self, peer: str, msg: ChainStepResult | ChainStepsResult) -> ChainAccepted:
         waiting = self.waiting.get(msg.chain)
         if waiting is None or waiting[0] != peer:
             raise Refused(ErrorCode.NOT_FOUND, "no chained step of ours with that id is waiting")
@@ -72,21 +86,91 @@ class ChainInbox:
     async def step(
         self, route: list[StepHop], inputs: dict[str, Any], past: int, timeout: float
     ) -> ChainStepResult:
-        """Send a step along `route` (signed here); its outputs, or `ChainFailed`."""
+        """Send a step along `route` (signed here), with the other steps along the same
+        providers and stages asked for in this turn; its outputs, or `ChainFailed`."""
+        loop = asyncio.get_running_loop()
+        key = tuple((h.peer, h.stage, tuple(h.addrs)) for h in route)
+        asked = _Asked(route, inputs, past, timeout, loop.create_future())
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = []
+            loop.call_soon(self._flush, key)  # after the others of this turn have asked
+        pending.append(asked)
+        return await asked.future
+
+    def _flush(self, key: tuple[Any, ...]) -> None:
+        asked = [a for a in self._pending.pop(key) if not a.future.done()]
+        for start in range(0, len(asked), MAX_STEPS):
+            group = asked[start : start + MAX_STEPS]
+            task = asyncio.ensure_future(
+                self._one(group[0]) if len(group) == 1 else self._many(group)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _one(self, asked: _Asked) -> None:
         chain = uuid.uuid4().hex
-        expires = time.time() + timeout + 5.0
-        signed = step_route_bytes(chain, route, past, expires)
+        expires = time.time() + asked.timeout + 5.0
+        signed = step_route_bytes(chain, asked.route, asked.past, expires)
         msg = ChainStep(
             chain=chain,
             origin=self.host.peer_id,
-            route=route,
+            route=asked.route,
             hop=0,
-            past=past,
-            inputs=inputs,
+            past=asked.past,
+            inputs=asked.inputs,
             expires=expires,
             signature=self.host.identity.sign(signed, domain=STEP_ROUTE_DOMAIN),
         )
-        arrived: asyncio.Future[ChainStepResult] = asyncio.get_running_loop().create_future()
+        try:
+            result = await self._send(chain, asked.route, msg, asked.timeout)
+            if not isinstance(result, ChainStepResult):
+                raise ChainFailed(f"it answered {type(result).__name__}")
+        except BaseException as exc:
+            _fail([asked], exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if not asked.future.done():
+            asked.future.set_result(result)
+
+    async def _many(self, asked: list[_Asked]) -> None:
+        chain = uuid.uuid4().hex
+        timeout = max(a.timeout for a in asked)
+        expires = time.time() + timeout + 5.0
+        route = [StepHop(h.peer, h.stage, "", h.addrs) for h in asked[0].route]
+        rows = [ChainRow([h.session for h in a.route], a.past, a.inputs) for a in asked]
+        signed = steps_route_bytes(chain, route, rows, expires)
+        msg = ChainSteps(
+            chain=chain,
+            origin=self.host.peer_id,
+            route=route,
+            rows=rows,
+            hop=0,
+            expires=expires,
+            signature=self.host.identity.sign(signed, domain=STEP_ROUTE_DOMAIN),
+        )
+        self.batched += 1
+        try:
+            result = await self._send(chain, route, msg, timeout)
+            if not isinstance(result, ChainStepsResult) or len(result.rows) != len(rows):
+                raise ChainFailed("the outputs came back unlike the steps sent")
+        except BaseException as exc:
+            _fail(asked, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for a, row in zip(asked, result.rows, strict=True):
+            mine = {(h.session, h.stage) for h in a.route}
+            commitments = [c for c in result.commitments if (c.session, c.stage) in mine]
+            if not a.future.done():
+                a.future.set_result(ChainStepResult(chain, row.outputs, row.past_len, commitments))
+
+    async def _send(
+        self, chain: str, route: list[StepHop], msg: ChainStep | ChainSteps, timeout: float
+    ) -> ChainStepResult | ChainStepsResult:
+        """Send `msg` to the route's first hop; what its last hop pushes back."""
+        arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting[chain] = (route[-1].peer, arrived)
         call = asyncio.ensure_future(
             self.host.request(route[0].peer, SESSION_CHAIN, msg, timeout=timeout)
@@ -99,7 +183,8 @@ class ChainInbox:
                 if not call.done():  # its answer travels back along the route meanwhile
                     self.acks.add(call)
                     call.add_done_callback(self._acked)
-                return arrived.result()
+                result: ChainStepResult | ChainStepsResult = arrived.result()
+                return result
             raise ChainFailed(_why(call))
         finally:
             del self.waiting[chain]
@@ -110,6 +195,35 @@ class ChainInbox:
         self.acks.discard(call)
         if not call.cancelled():
             call.exception()  # (retrieved: the step's outputs had come)
+
+
+_INBOXES: weakref.WeakKeyDictionary[Host, ChainInbox] = weakref.WeakKeyDictionary()
+
+
+def inbox_of(host: Host) -> ChainInbox:
+    """`host`'s `ChainInbox` (one per host: it serves the host's session-result protocol), so
+    that the SDK and a gateway on the same host share it."""
+    inbox = _INBOXES.get(host)
+    if inbox is None:
+        inbox = _INBOXES[host] = ChainInbox(host)
+    return inbox
+
+
+@dataclass
+class _Asked:
+    """A session's chained step, waiting to be sent."""
+
+    route: list[StepHop]
+    inputs: dict[str, Any]
+    past: int
+    timeout: float
+    future: asyncio.Future[ChainStepResult]
+
+
+def _fail(asked: list[_Asked], exc: BaseException) -> None:
+    for a in asked:
+        if not a.future.done():
+            a.future.set_exception(exc if isinstance(exc, Exception) else ChainFailed(str(exc)))
 
 
 def _answered(call: asyncio.Future[Any]) -> bool:
@@ -135,21 +249,14 @@ def _why(call: asyncio.Future[Any]) -> str:
 
 def chainable(session: GenerationSession) -> bool:
     """Whether `session`'s next step may go as a chain: every stage has an open session, no
-    shadow checks, fewer than `STRIKES` chains broken without a failover, and (unless the
-    client asked for chains always) no other session of the model running on this client,
-    whose steps would travel with this one's (`client.stepmux`: many sessions' steps in one
-    message each way beat a message per session and hop)."""
+    shadow checks, and fewer than `STRIKES` chains broken without a failover. (Concurrent
+    sessions' chained steps along the same providers travel together: `ChainInbox`.)"""
     return (
         session.chains is not None
         and not session.verify
         and session.chain_strikes < STRIKES
         and len(session.stages) > 1
         and all(s.sid is not None and s.peer is not None for s in session.stages)
-        and (
-            session.chains.always
-            or session.mux is None
-            or session.mux.alone(session.client, session.id)
-        )
     )
 
 

@@ -90,13 +90,6 @@ class StepMux:
 
         return await self._batched(stages, "head", 1, head, hidden)
 
-    def alone(self, stages: ClientStages, who: str) -> bool:
-        """Whether session `who` is the only one of its model active here (one that asked
-        for an embedding within `ACTIVE_S`)."""
-        now = asyncio.get_running_loop().time()
-        seen = self._active.get(id(stages), {})
-        return not any(w != who and now - t <= ACTIVE_S for w, t in seen.items())
-
     def forget(self, stages: ClientStages, who: str) -> None:
         """A session that ended is not waited for."""
         self._active.get(id(stages), {}).pop(who, None)

@@ -135,6 +135,54 @@ class ChainStepResult(Message, frozen=True, tag="ChainStepResult/1"):
     commitments: list[Commitment] = msgspec.field(default_factory=list)
 
 
+class ChainRow(msgspec.Struct, frozen=True, array_like=True):
+    """One session's part of a `ChainSteps`: its session on each hop of the route, the
+    tokens cached before this step, and this hop's inputs for it."""
+
+    sessions: list[str]
+    past: int
+    inputs: dict[str, Tensor]
+
+
+class ChainSteps(Message, frozen=True, tag="ChainSteps/1"):
+    """A step of several of `origin`'s sessions along one route of providers and stages, one
+    message a hop (each hop runs the sessions' steps as one batch): `ChainStep` for many.
+    The route's hops name no session (each row names its own); this request is for
+    `route[hop]`."""
+
+    chain: str
+    origin: str
+    route: list[StepHop]
+    rows: list[ChainRow]
+    hop: int
+    expires: float
+    signature: bytes  # origin's, over `steps_route_bytes(...)`
+    commitments: list[Commitment] = msgspec.field(default_factory=list)
+
+
+class ChainRowResult(msgspec.Struct, frozen=True, array_like=True):
+    outputs: dict[str, Tensor]
+    past_len: int
+
+
+class ChainStepsResult(Message, frozen=True, tag="ChainStepsResult/1"):
+    """The last hop's outputs of a `ChainSteps`, a row each, pushed to the client."""
+
+    chain: str
+    rows: list[ChainRowResult]
+    commitments: list[Commitment] = msgspec.field(default_factory=list)
+
+
+def steps_route_bytes(
+    chain: str, route: list[StepHop], rows: list[ChainRow], expires: float
+) -> bytes:
+    """What the client signs for a `ChainSteps`: as `step_route_bytes`, each row's sessions
+    and tokens cached before the step instead of one session's."""
+    hops = [[h.peer, h.stage] for h in route]
+    sessions = [[r.sessions, r.past] for r in rows]
+    return msgspec.msgpack.encode(["session-routes", chain, hops, sessions, expires])
+
+
 def step_route_bytes(chain: str, route: list[StepHop], past: int, expires: float) -> bytes:
     """What the client signs: the step's id, each hop's provider, stage and session, the
     tokens cached before it, the expiry."""
@@ -187,14 +235,14 @@ SESSION = ProtocolSpec(
 
 SESSION_CHAIN = ProtocolSpec(
     "/fusionai/session-chain/1",
-    request=ChainStep,
+    request=(ChainStep, ChainSteps),
     response=(ForwardResult, ChainBroken),
     max_message_bytes=MAX_ACTIVATION_BYTES,
 )
 
 SESSION_RESULT = ProtocolSpec(
     "/fusionai/session-result/1",
-    request=ChainStepResult,
+    request=(ChainStepResult, ChainStepsResult),
     response=ChainAccepted,
     max_message_bytes=MAX_ACTIVATION_BYTES,
 )

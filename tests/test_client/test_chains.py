@@ -1,8 +1,9 @@
 """Chained session steps, in-process on the memory network with real stage servers: a chained
 session gives the star session's tokens in n + 1 network trips a token instead of 2n; a hop
 killed mid-chain fails over to a spare with the same tokens; a pair of providers that cannot
-reach each other sends the session back the star way; a forged or replayed route is refused,
-and a step sent again is answered from what the provider kept."""
+reach each other sends the session back the star way; concurrent sessions chain together, a
+message a hop; a forged or replayed route is refused, and a step sent again is answered from
+what the provider kept."""
 
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ from proto.session import (
     SESSION,
     SESSION_CHAIN,
     STEP_ROUTE_DOMAIN,
+    ChainRow,
     ChainStep,
+    ChainSteps,
     SessionOpen,
     SessionOutput,
     SessionStep,
     StepHop,
     step_route_bytes,
+    steps_route_bytes,
 )
 from provider.serving import Server
 from provider.stage import LoadedStage
@@ -192,20 +196,74 @@ async def test_providers_that_cannot_reach_each_other_get_the_star_way(swarm: Sw
     assert session.failovers == 0 and session.chained == 0 and session.chain_strikes == 2
 
 
-async def test_generations_running_together_send_their_steps_together(swarm: Swarm) -> None:
-    """A client's concurrent generations of a model go the star way, their steps to a
-    provider in one message; one running alone afterwards chains."""
+async def test_generations_running_together_chain_their_steps_together(swarm: Swarm) -> None:
+    """A client's concurrent generations of a model chain their steps along the same
+    providers as one message a hop (`ChainSteps`, each hop running them as one batch), and
+    give their tokens alone; with the middle hop killed mid-way, each fails over to the
+    spare with the same tokens."""
     import asyncio
 
+    want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
     async with swarm.net.host() as client:
         inbox, mux = ChainInbox(client), StepMux(client)
+        n = len(swarm.net.calls)
         together = await asyncio.gather(
-            *(_generate(swarm, client, inbox, mux=mux) for _ in range(2))
+            *(_generate(swarm, client, inbox, mux=mux) for _ in range(3))
         )
-        alone = await _generate(swarm, client, inbox, mux=mux)
-    assert [s.chained for s in together] == [0, 0] and mux.messages > 0
-    assert alone.chained == NEW_TOKENS - 1
-    assert together[0].tokens == together[1].tokens == alone.tokens  # type: ignore[attr-defined]
+        chain_calls = _legs(swarm.net, n, (SESSION_CHAIN.protocol_id,))
+        for s in together:
+            assert s.chained == NEW_TOKENS - 1 and s.failovers == 0
+            assert same_as_alone(s.tokens, want, gaps), s.tokens  # type: ignore[attr-defined]
+        # a ChainSteps carries several sessions' steps: fewer chain calls than chained steps
+        assert inbox.batched > 0 and chain_calls < 3 * 3 * (NEW_TOKENS - 1)
+        victim = swarm.holders[1][0]
+        killed = await asyncio.gather(
+            *(
+                _generate(swarm, client, inbox, mux=mux, **({"kill_at": 5} if i == 0 else {}))
+                for i in range(3)
+            )
+        )
+    assert victim not in swarm.net.hosts
+    for s in killed:
+        assert same_as_alone(s.tokens, want, gaps), s.tokens  # type: ignore[attr-defined]
+        assert s.failovers == 1 and s.stages[1].peer == swarm.holders[1][1]
+    assert not inbox.waiting
+
+
+async def test_a_forged_chain_of_several_sessions_is_refused(swarm: Swarm) -> None:
+    peers = [h[0] for h in swarm.holders]
+    async with swarm.net.host() as client:
+        for sid in ("a", "b"):
+            for peer, key in zip(peers, swarm.keys, strict=True):
+                await client.request(peer, SESSION, SessionOpen(session=sid, stage=key))
+        route = [StepHop(p, k, "") for p, k in zip(peers, swarm.keys, strict=True)]
+        hidden = np.random.default_rng(1).standard_normal((1, 1, 128)).astype(np.float32)
+        inputs = {
+            "hidden_states": Tensor.from_numpy(hidden),
+            "position_ids": Tensor.from_numpy(np.zeros((1, 1), dtype=np.int64)),
+        }
+
+        def steps(signer: Identity, sessions: list[str], **changes: Any) -> ChainSteps:
+            chain, expires = uuid.uuid4().hex, time.time() + 30
+            rows = [ChainRow([sid] * len(route), 0, inputs) for sid in sessions]
+            signed = steps_route_bytes(chain, route, rows, expires)
+            msg = dict(
+                chain=chain, origin=client.peer_id, route=route, rows=rows, hop=0,
+                expires=expires, signature=signer.sign(signed, domain=STEP_ROUTE_DOMAIN),
+            )  # fmt: skip
+            return ChainSteps(**{**msg, **changes})
+
+        short = [ChainRow(["a"], 0, inputs)]
+        for bad, why in [
+            (steps(Identity.ephemeral(), ["a", "b"]), "not signed by its origin"),
+            (steps(client.identity, ["a", "a"]), "twice in one message"),
+            (steps(client.identity, ["a", "b"], rows=short), "a session a hop"),
+            (steps(client.identity, ["a", "b"], hop=1), "not this provider's"),
+        ]:
+            with pytest.raises(RemoteError, match=why) as info:
+                await client.request(peers[0], SESSION_CHAIN, bad)
+            assert info.value.code == ErrorCode.REFUSED
+        assert all(s.past_len == 0 for s in swarm.servers[peers[0]].sessions.values())
 
 
 async def test_forged_and_repeated_chained_steps(swarm: Swarm) -> None:
