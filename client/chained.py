@@ -28,7 +28,14 @@ import numpy as np
 from client.errors import GenerationError
 from p2p import ErrorCode, Host, P2PError, Refused, RemoteError, RequestTimeout
 from p2p.tensor import encode
-from proto.forward import ChainAccepted, ChainBroken, ForwardResult
+from proto.forward import (
+    BAD_ANSWER,
+    TIMEOUT,
+    UNREACHABLE,
+    ChainAccepted,
+    ChainBroken,
+    ForwardResult,
+)
 from proto.session import (
     MAX_STEPS,
     SESSION,
@@ -57,7 +64,13 @@ STRIKES = 2  # chains broken with every provider still serving: then the star wa
 
 
 class ChainFailed(Exception):
-    """A chained step that brought no outputs back (why)."""
+    """A chained step that brought no outputs back (why). `refused`: a hop answered that it
+    would not run a step (not that the route is broken); `excused`: that was in a chain of
+    several sessions, perhaps for another's step, so it counts against none of them."""
+
+    def __init__(self, why: str, *, refused: bool = False, excused: bool = False) -> None:
+        super().__init__(why)
+        self.refused, self.excused = refused, excused
 
 
 class ChainInbox:
@@ -156,6 +169,8 @@ class ChainInbox:
             if not isinstance(result, ChainStepsResult) or len(result.rows) != len(rows):
                 raise ChainFailed("the outputs came back unlike the steps sent")
         except BaseException as exc:
+            if isinstance(exc, ChainFailed) and exc.refused:
+                exc = ChainFailed(str(exc), refused=True, excused=True)
             _fail(asked, exc)
             if not isinstance(exc, Exception):
                 raise
@@ -185,7 +200,7 @@ class ChainInbox:
                     call.add_done_callback(self._acked)
                 result: ChainStepResult | ChainStepsResult = arrived.result()
                 return result
-            raise ChainFailed(_why(call))
+            raise ChainFailed(_why(call), refused=_refused(call))
         finally:
             del self.waiting[chain]
             if not call.done() and call not in self.acks:
@@ -230,6 +245,15 @@ def _answered(call: asyncio.Future[Any]) -> bool:
     return call.done() and not call.cancelled() and call.exception() is None
 
 
+def _refused(call: asyncio.Future[Any]) -> bool:
+    """Whether a hop answered that it would not run the step (refused, busy, no such
+    session), rather than the route failing (a timeout, an unreachable hop, a bad answer)."""
+    if not _answered(call):
+        return False
+    answer = call.result()
+    return isinstance(answer, ChainBroken) and answer.code not in (TIMEOUT, UNREACHABLE, BAD_ANSWER)
+
+
 def _why(call: asyncio.Future[Any]) -> str:
     if not call.done():
         return "no answer in time"
@@ -266,6 +290,7 @@ async def chained_step(
     """Run a step through every stage as one chain; the last stage's hidden states, or None
     when the chain broke (the session then runs the step the star way)."""
     assert session.chains is not None
+    session.chain_excused = False
     addrs = getattr(session.router, "addrs", {})
     route = [
         StepHop(s.peer, s.key, s.sid, hop_addrs(s.peer, addrs.get(s.peer, [])))
@@ -282,6 +307,7 @@ async def chained_step(
         )
     except (ChainFailed, P2PError) as exc:
         log.info("session %s: a chained step broke (%s); the star way", session.id, exc)
+        session.chain_excused = isinstance(exc, ChainFailed) and exc.excused
         return None
     session.commitments.add(result.commitments)
     out = result.outputs.get("hidden_states_out")

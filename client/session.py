@@ -124,6 +124,7 @@ class GenerationSession:
         self.mux = mux  # shared by a client's sessions: their steps to a provider go together
         self.chains = chains  # this host's chained steps (None: every step the star way)
         self.chain_strikes = 0  # chained steps that broke with every provider still serving
+        self.chain_excused = False  # the last broke for what may be another session's step
         self.chained = 0  # steps that went as chains
         self.client = stages
         self.router = router
@@ -185,8 +186,8 @@ class GenerationSession:
                 else:
                     hidden = await self._step(pos, stage, feeds, expect)
                 stage.history.append(feeds)
-            if try_chain and self.failovers == failovers:  # broken, yet everyone serves
-                self.chain_strikes += 1
+            if try_chain and self.failovers == failovers and not self.chain_excused:
+                self.chain_strikes += 1  # broken, yet everyone serves
         self.past += ids.shape[1]
         self.last_step = time.monotonic()
         self.fed += tokens

@@ -115,6 +115,8 @@ async def _generate(
             tokens.append(token)
             if len(tokens) == hooks.get("kill_at"):
                 swarm.net.kill(session.stages[hooks.get("victim", 1)].peer or "")
+            if "on_token" in hooks:
+                hooks["on_token"](session, len(tokens))
     finally:
         await session.close()
     session.tokens = tokens  # type: ignore[attr-defined]
@@ -228,6 +230,34 @@ async def test_generations_running_together_chain_their_steps_together(swarm: Sw
         assert same_as_alone(s.tokens, want, gaps), s.tokens  # type: ignore[attr-defined]
         assert s.failovers == 1 and s.stages[1].peer == swarm.holders[1][1]
     assert not inbox.waiting
+
+
+async def test_a_step_refused_in_a_chain_of_several_counts_against_none(swarm: Swarm) -> None:
+    """A provider drops one session of two chaining together: their shared chain breaks
+    (that session's row is refused), both run the step the star way, the dropped one is
+    opened again and replayed, and neither counts a broken route against its chains."""
+    import asyncio
+
+    want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
+    dropped: list[str] = []
+
+    def drop(session: GenerationSession, count: int) -> None:
+        stage = session.stages[1]
+        if count == 5 and not dropped and stage.peer is not None:
+            server = swarm.servers[stage.peer]
+            key = next(k for k in server.sessions if k[2] == stage.sid)
+            server._dropped(server._taken([key]))
+            dropped.append(session.id)
+
+    async with swarm.net.host() as client:
+        inbox, mux = ChainInbox(client), StepMux(client)
+        sessions = await asyncio.gather(
+            *(_generate(swarm, client, inbox, mux=mux, on_token=drop) for _ in range(2))
+        )
+    assert len(dropped) == 1
+    for s in sessions:
+        assert same_as_alone(s.tokens, want, gaps), s.tokens  # type: ignore[attr-defined]
+        assert s.chain_strikes == 0 and s.chained >= NEW_TOKENS - 3
 
 
 async def test_a_forged_chain_of_several_sessions_is_refused(swarm: Swarm) -> None:
