@@ -114,72 +114,47 @@ class ChainInbox:
     def _flush(self, key: tuple[Any, ...]) -> None:
         asked = [a for a in self._pending.pop(key) if not a.future.done()]
         for start in range(0, len(asked), MAX_STEPS):
-            group = asked[start : start + MAX_STEPS]
-            task = asyncio.ensure_future(
-                self._one(group[0]) if len(group) == 1 else self._many(group)
-            )
+            task = asyncio.ensure_future(self._run(asked[start : start + MAX_STEPS]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _one(self, asked: _Asked) -> None:
-        chain = uuid.uuid4().hex
-        expires = time.time() + asked.timeout + 5.0
-        signed = step_route_bytes(chain, asked.route, asked.past, expires)
-        msg = ChainStep(
-            chain=chain,
-            origin=self.host.peer_id,
-            route=asked.route,
-            hop=0,
-            past=asked.past,
-            inputs=asked.inputs,
-            expires=expires,
-            signature=self.host.identity.sign(signed, domain=STEP_ROUTE_DOMAIN),
-        )
+    async def _run(self, asked: list[_Asked]) -> None:
+        """Send `asked` as one chained message (a `ChainStep` for one session, else a
+        `ChainSteps`) and hand each its outputs, or each the failure."""
+        chain, timeout = uuid.uuid4().hex, max(a.timeout for a in asked)
+        msg = self._message(chain, asked, time.time() + timeout + 5.0)
         try:
-            result = await self._send(chain, asked.route, msg, asked.timeout)
-            if not isinstance(result, ChainStepResult):
-                raise ChainFailed(f"it answered {type(result).__name__}")
+            results = _each(chain, asked, await self._send(chain, msg.route, msg, timeout))
         except BaseException as exc:
-            _fail([asked], exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        if not asked.future.done():
-            asked.future.set_result(result)
-
-    async def _many(self, asked: list[_Asked]) -> None:
-        chain = uuid.uuid4().hex
-        timeout = max(a.timeout for a in asked)
-        expires = time.time() + timeout + 5.0
-        route = [StepHop(h.peer, h.stage, "", h.addrs) for h in asked[0].route]
-        rows = [ChainRow([h.session for h in a.route], a.past, a.inputs) for a in asked]
-        signed = steps_route_bytes(chain, route, rows, expires)
-        msg = ChainSteps(
-            chain=chain,
-            origin=self.host.peer_id,
-            route=route,
-            rows=rows,
-            hop=0,
-            expires=expires,
-            signature=self.host.identity.sign(signed, domain=STEP_ROUTE_DOMAIN),
-        )
-        self.batched += 1
-        try:
-            result = await self._send(chain, route, msg, timeout)
-            if not isinstance(result, ChainStepsResult) or len(result.rows) != len(rows):
-                raise ChainFailed("the outputs came back unlike the steps sent")
-        except BaseException as exc:
-            if isinstance(exc, ChainFailed) and exc.refused:
+            if isinstance(exc, ChainFailed) and exc.refused and len(asked) > 1:
                 exc = ChainFailed(str(exc), refused=True, excused=True)
             _fail(asked, exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        for a, row in zip(asked, result.rows, strict=True):
-            mine = {(h.session, h.stage) for h in a.route}
-            commitments = [c for c in result.commitments if (c.session, c.stage) in mine]
+        for a, result in zip(asked, results, strict=True):
             if not a.future.done():
-                a.future.set_result(ChainStepResult(chain, row.outputs, row.past_len, commitments))
+                a.future.set_result(result)
+
+    def _message(self, chain: str, asked: list[_Asked], expires: float) -> ChainStep | ChainSteps:
+        """The signed message of one chained step of `asked`' sessions."""
+        sign = self.host.identity.sign
+        if len(asked) == 1:
+            (a,) = asked
+            signed = step_route_bytes(chain, a.route, a.past, expires)
+            return ChainStep(
+                chain=chain, origin=self.host.peer_id, route=a.route, hop=0, past=a.past,
+                inputs=a.inputs, expires=expires,
+                signature=sign(signed, domain=STEP_ROUTE_DOMAIN),
+            )  # fmt: skip
+        route = [StepHop(h.peer, h.stage, "", h.addrs) for h in asked[0].route]
+        rows = [ChainRow([h.session for h in a.route], a.past, a.inputs) for a in asked]
+        self.batched += 1
+        signed = steps_route_bytes(chain, route, rows, expires)
+        return ChainSteps(
+            chain=chain, origin=self.host.peer_id, route=route, rows=rows, hop=0,
+            expires=expires, signature=sign(signed, domain=STEP_ROUTE_DOMAIN),
+        )  # fmt: skip
 
     async def _send(
         self, chain: str, route: list[StepHop], msg: ChainStep | ChainSteps, timeout: float
@@ -233,6 +208,22 @@ class _Asked:
     past: int
     timeout: float
     future: asyncio.Future[ChainStepResult]
+
+
+def _each(
+    chain: str, asked: list[_Asked], result: ChainStepResult | ChainStepsResult
+) -> list[ChainStepResult]:
+    """Each session's outputs and commitments from what the chain's last hop pushed."""
+    if len(asked) == 1 and isinstance(result, ChainStepResult):
+        return [result]
+    if not isinstance(result, ChainStepsResult) or len(result.rows) != len(asked):
+        raise ChainFailed("the outputs came back unlike the steps sent")
+    out = []
+    for a, row in zip(asked, result.rows, strict=True):
+        mine = {(h.session, h.stage) for h in a.route}
+        commitments = [c for c in result.commitments if (c.session, c.stage) in mine]
+        out.append(ChainStepResult(chain, row.outputs, row.past_len, commitments))
+    return out
 
 
 def _fail(asked: list[_Asked], exc: BaseException) -> None:

@@ -161,6 +161,8 @@ class ChainSteps(Message, frozen=True, tag="ChainSteps/1"):
 
 
 class ChainRowResult(msgspec.Struct, frozen=True, array_like=True):
+    """One session's outputs of a `ChainSteps` at its last hop."""
+
     outputs: dict[str, Tensor]
     past_len: int
 

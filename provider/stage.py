@@ -53,10 +53,14 @@ class SharedRows:
     row_bytes: int  # bytes a row takes in all of `arrays`, padding included (what each
     # session's cache is counted as against the KV budget)
 
-    def row(self, i: int) -> dict[str, Array]:
-        """Row `i`'s cache on its own: (1, heads, its tokens, head_dim), contiguous copies."""
+    def view(self, i: int) -> dict[str, Array]:
+        """Row `i`'s cache: (1, heads, its tokens, head_dim), views of the shared arrays."""
         n = self.lengths[i]
-        return {k: np.ascontiguousarray(v[i : i + 1, :, :n]) for k, v in self.arrays.items()}
+        return {k: v[i : i + 1, :, :n] for k, v in self.arrays.items()}
+
+    def row(self, i: int) -> dict[str, Array]:
+        """Row `i`'s cache on its own (contiguous copies)."""
+        return {k: np.ascontiguousarray(v) for k, v in self.view(i).items()}
 
 
 @dataclass
@@ -102,9 +106,7 @@ class Session:
     def peek(self) -> dict[str, Array]:
         """Its cache's arrays to read from, without taking a shared row out (views)."""
         if self.shared is not None:
-            rows, i = self.shared
-            n = rows.lengths[i]
-            return {k: v[i : i + 1, :, :n] for k, v in rows.arrays.items()}
+            return self.shared[0].view(self.shared[1])
         return self.kv
 
 
