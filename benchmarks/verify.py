@@ -9,24 +9,28 @@ fp16, onnxruntime on one thread. Prints one JSON object:
     verify_cost_ratio   seconds to recompute a session's stage outputs in one prefill pass and
                         check its commitments, over seconds to generate it one token at a time
                         with them (median over --sessions sessions of --tokens new tokens)
-    latency_ratio       seconds per generated token with commitments made as a provider makes
-                        them (`provider.commitments.Ledger`: to each stage's inputs and
-                        outputs, signed, each chunk's worked out in the provider's commitment
-                        thread while the next tokens run), over without (the same sessions,
-                        each way first in turn)
-    latency_ratio_inline  the same with each chunk's commitments worked out on the step's path
-                        (in one process the commitment thread shares the stages' interpreter:
-                        these two are the commitments' compute over the tokens')
-    token_ms            milliseconds per generated token without them (the commitments' cost
-                        per 32 tokens is fixed: a larger model's ratio is smaller)
-    swarm_latency_ratio  per-token latency through a broker and a provider process a stage
-                        (the SDK generating, --swarm-rounds sessions each way) with the
-                        providers committing, over sessions opened as checks, for which they
-                        make none: the median over pairs of sessions run one after the other
-                        (either first in turn) of their mean gaps between tokens' ratio
-                        (`_p50`: of their p50 gaps'; `swarm_session_ratio`: of their whole
-                        generations' wall times, the close, which waits for the last
-                        commitments, included; `swarm_token_ms` and `_off`: the p50 gaps)
+    latency_ratio       per-token latency through a broker and one provider process a stage on
+                        this machine (the SDK's generation sessions, stepped greedily), with
+                        the providers committing, over without: in each of --swarm-rounds
+                        rounds, a session whose providers commit and one opened as a check
+                        (for which a provider makes none) over the same prompt, stepped in
+                        turn, token by token (either first in turn); the median over rounds of
+                        their mean step times' ratio (`_p50`: of their median step times';
+                        `session_ratio`: of their whole sessions, the close, which brings the
+                        last commitments, included; `token_ms` and `token_ms_off`: the median
+                        steps). Both must generate the same tokens, and the committing one
+                        must bring every chunk's commitment of both stages
+    latency_ratio_in_process  seconds per generated token with commitments made as a
+                        provider makes them (`provider.commitments.Ledger`: to each stage's
+                        inputs and outputs, signed, each chunk's worked out in the commitment
+                        thread), over without, in one process: the client, every stage and
+                        the commitment thread share one interpreter, so this is the
+                        commitments' compute against a token of this small decoder (the same
+                        sessions, each way first in turn; the chunk's cost is fixed: a larger
+                        model's ratio is smaller)
+    latency_ratio_in_process_inline  the same with each chunk's commitments worked out on
+                        the step's path
+    token_ms_in_process  milliseconds per generated token without them, in one process
     commitment_bytes_per_1k_tokens   the signed commitments of both provider stages as sent
                         (msgpack), per 1,000 tokens; `toploc_bytes_per_1k_tokens` their
                         TOPLOC polynomials of the outputs alone (258 bytes per 32 tokens)
@@ -82,7 +86,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--sessions", type=int, default=20)
     ap.add_argument("--honest", type=int, default=50)
-    ap.add_argument("--swarm-rounds", type=int, default=20, help="sessions each way")
+    ap.add_argument("--swarm-rounds", type=int, default=20, help="pairs of sessions")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -169,12 +173,12 @@ def main() -> None:
                 "tokens": args.tokens,
                 "sessions": args.sessions,
                 "verify_cost_ratio": round(cost, 4),
-                "latency_ratio": round(latency, 4),
-                "latency_ratio_inline": round(
+                **swarm,
+                "latency_ratio_in_process": round(latency, 4),
+                "latency_ratio_in_process_inline": round(
                     statistics.median(inline_s) / statistics.median(plain_s), 4
                 ),
-                "token_ms": round(statistics.median(plain_s) / args.tokens * 1e3, 3),
-                **swarm,
+                "token_ms_in_process": round(statistics.median(plain_s) / args.tokens * 1e3, 3),
                 "commitment_bytes_per_1k_tokens": wire,
                 "toploc_bytes_per_1k_tokens": round(stages * 258 * 1000 / CHUNK, 1),
                 "sampling_rate": rate,
@@ -183,8 +187,8 @@ def main() -> None:
                 "detection": detection,
                 "false_positives": false_positives,
                 "honest_sessions": args.honest,
-                "scope": "one process: the scheme on real stages; swarm_*: provider "
-                "processes on this machine",
+                "scope": "latency_ratio, session_ratio, token_ms: provider processes on "
+                "this machine; the rest in one process (the scheme on real stages)",
             }
         )
     )
@@ -205,57 +209,80 @@ def swarm_latency(
     tmp: Path, package: Path, name: str, tokens: int, rounds: int
 ) -> dict[str, float]:
     """Per-token latency through a broker and one provider process a stage on this machine,
-    the SDK generating: sessions whose providers commit, and sessions opened as checks (the
-    broker's and shadow steps' kind, for which a provider makes no commitments), alternated.
-    Gaps between a session's tokens, `rounds` sessions of each."""
+    the SDK's generation sessions stepping greedily: in each of `rounds` rounds, a session
+    whose providers commit and one opened as a check (the broker's and shadow steps' kind, for
+    which a provider makes no commitments) over the same prompt, stepped in turn, token by
+    token (either first in turn): this machine's speed, which drifts by tens of percent over
+    seconds, is then the same for both."""
     import asyncio
 
     from e2e import Swarm
 
-    import client.session as sessions
     from client import AsyncClient
-    from ir.manifest import ModelManifest as Manifest
+    from client.routing import HttpRouter
+    from client.session import GenerationSession
 
-    opening, stops = sessions.GenerationSession._opening, Manifest.stop_ids
     swarm = Swarm(tmp, "verify", 2)
-    gaps: dict[bool, list[list[float]]] = {True: [], False: []}
-    walls: dict[bool, list[float]] = {True: [], False: []}
+    times: dict[bool, list[list[float]]] = {True: [], False: []}  # per round, each token's
+    closes: dict[bool, list[float]] = {True: [], False: []}
+    chunks: list[int] = []  # commitments the committing sessions brought, per round
 
-    async def generate(http: str, name: str) -> None:
+    async def generate(http: str) -> None:
         async with AsyncClient(http, timeout=60, cache_dir=tmp / "sdk-cache") as fa:
             await fa.generate([1, 2, 3], 8, stream=False, model=name)  # warm
-            for i in range(2 * rounds):
-                on = i % 4 in (0, 3)  # (on, off, off, on, ...: neither always goes first)
-                sessions.GenerationSession._opening = (  # type: ignore[method-assign]
-                    opening if on else lambda s, st, sid, check=False: opening(s, st, sid, True)
-                )
-                prompt = [int(t) for t in np.random.default_rng(i // 2).integers(1, 200, 12)]
-                start = time.perf_counter()
-                done = await fa.generate(prompt, tokens, stream=False, model=name)
-                walls[on].append(time.perf_counter() - start)  # (the close's wait included)
-                assert len(done.tokens) == tokens, f"{len(done.tokens)} tokens, not {tokens}"
-                gaps[on].append(list(np.diff(done.token_times) * 1e3))
+            stages, route, host = await fa.stages(name), await fa.model(name), await fa._p2p()
+            keys = [s.key for s in route.stages]
+
+            def session(on: bool) -> GenerationSession:
+                s = GenerationSession(
+                    host, stages, keys, HttpRouter(fa, name), timeout=60, chains=fa._chains
+                )  # (no StepMux: it would hold each session's step for the other's)
+                if not on:  # (a check's sessions: the providers commit to nothing)
+                    opening = s._opening
+                    s._opening = lambda stage, sid, check=False: opening(stage, sid, True)  # type: ignore[method-assign]
+                return s
+
+            for r in range(rounds):
+                both = {True: session(True), False: session(False)}
+                prompt = [int(t) for t in np.random.default_rng(r).integers(1, 200, 12)]
+                fed = {on: [int(np.argmax(await s.feed(prompt)))] for on, s in both.items()}
+                taken: dict[bool, list[float]] = {True: [], False: []}
+                for i in range(tokens - 1):
+                    for on in (True, False) if (r + i) % 2 else (False, True):
+                        start = time.perf_counter()
+                        logits = await both[on].feed(fed[on][-1:])
+                        taken[on].append(time.perf_counter() - start)
+                        fed[on].append(int(np.argmax(logits)))
+                assert fed[True] == fed[False], "the same tokens with and without commitments"
+                for on, s in both.items():
+                    start = time.perf_counter()
+                    await s.close()  # (the committing one's brings its last commitments)
+                    closes[on].append(time.perf_counter() - start)
+                    times[on].append(taken[on])
+                got = both[True].commitments.sessions.values()
+                chunks.append(sum(len(o.chunks) for o in got))
+                assert not any(o.chunks for o in both[False].commitments.sessions.values())
 
     try:
-        Manifest.stop_ids = lambda self: set()  # type: ignore[method-assign]  # (every session
-        # runs its `tokens` tokens, as the in-process ones do: the demo decoder would stop early)
         swarm.add(package)
-        asyncio.run(generate(swarm.http, name))
+        asyncio.run(generate(swarm.http))
     finally:
-        sessions.GenerationSession._opening = opening  # type: ignore[method-assign]
-        Manifest.stop_ids = stops  # type: ignore[method-assign]
         swarm.stop()
+    expected = 2 * -(-(12 + tokens - 1) // CHUNK)  # two stages' chunks of the tokens fed
+    assert min(chunks) == expected, f"commitments of {chunks}, not {expected}, chunks"
 
-    def ratio(of: Any, runs: dict[bool, Any]) -> float:  # each with commitments against
-        pairs = [of(a) / of(b) for a, b in zip(runs[True], runs[False], strict=True)]
-        return round(float(statistics.median(pairs)), 4)  # the one without beside it
+    def ratio(of: Any) -> float:  # each round's committing session against the other
+        pairs = [of(a) / of(b) for a, b in zip(times[True], times[False], strict=True)]
+        return round(float(statistics.median(pairs)), 4)
 
+    whole = {on: [sum(t) + c for t, c in zip(times[on], closes[on], strict=True)] for on in times}
+    sessions = [a / b for a, b in zip(whole[True], whole[False], strict=True)]  # (the close in)
     return {
-        "swarm_token_ms": round(float(np.median(np.concatenate(gaps[True]))), 3),
-        "swarm_token_ms_off": round(float(np.median(np.concatenate(gaps[False]))), 3),
-        "swarm_latency_ratio": ratio(np.mean, gaps),
-        "swarm_latency_ratio_p50": ratio(np.median, gaps),
-        "swarm_session_ratio": ratio(float, walls),
+        "latency_ratio": ratio(np.mean),
+        "latency_ratio_p50": ratio(np.median),
+        "session_ratio": round(float(statistics.median(sessions)), 4),
+        "token_ms": round(float(np.median(np.concatenate(times[True]))) * 1e3, 3),
+        "token_ms_off": round(float(np.median(np.concatenate(times[False]))) * 1e3, 3),
     }
 
 

@@ -95,25 +95,6 @@ def bf16_bits(values: Array) -> Array:
     return rounded.astype(np.uint16)
 
 
-def _inverse(a: Array) -> Array:
-    """Modular inverses in GF(PRIME) (a != 0), from a table made once by Fermat: a^(PRIME-2)."""
-    return _inverses()[np.asarray(a, dtype=np.int64) % PRIME]
-
-
-@functools.cache
-def _inverses() -> Array:
-    out = np.ones(PRIME, dtype=np.uint32)
-    base, e = np.arange(PRIME, dtype=np.uint32), PRIME - 2
-    while e:  # (products of two values below PRIME < 2^16 fit in 32 bits)
-        if e & 1:
-            out = out * base % _P
-        base = base * base % _P
-        e >>= 1
-    table = out.astype(np.int64)
-    table.flags.writeable = False  # (shared by every call)
-    return table
-
-
 def _modulus(indices: Array) -> int:
     for m in range(PRIME, _SMALLEST_MODULUS, -1):
         if np.diff(np.sort(indices % m)).all():  # (distinct)
@@ -167,13 +148,29 @@ def top_k(size: int, k: int = K) -> int:
     return max(1, min(k, size // SPARSITY))
 
 
+def largest(flat: Array, k: int) -> Array:
+    """The indices of the `k` values of `flat` largest in magnitude (int64, in index order;
+    of values tied at the k-th, the first), for 0 < k <= flat.size: the k-th by a partition
+    of the magnitudes, then those above it (half an argpartition's time)."""
+    magnitudes = np.abs(flat)
+    if k >= magnitudes.size:
+        return np.arange(magnitudes.size, dtype=np.int64)
+    kth = np.partition(magnitudes, magnitudes.size - k)[magnitudes.size - k]
+    above = np.flatnonzero(magnitudes > kth)
+    if len(above) == k - 1:  # (the usual case: one value at the k-th)
+        at = np.flatnonzero(magnitudes == kth)[:1]
+    else:
+        at = np.flatnonzero(magnitudes == kth)[: k - len(above)]
+    return np.sort(np.concatenate([above, at])).astype(np.int64)
+
+
 def commit(chunk: Array, k: int = K) -> bytes:
     """The commitment to one chunk of hidden states (any shape: flattened)."""
     flat = np.asarray(chunk, dtype=np.float32).reshape(-1)
     if not np.isfinite(flat).all():
         raise CommitmentError("hidden states with NaN or infinity cannot be committed to")
     k = top_k(flat.size, k)
-    top = np.argpartition(-np.abs(flat), k - 1)[:k].astype(np.int64)
+    top = largest(flat, k)
     m = _modulus(top)
     coeffs = _interpolate(top % m, bf16_bits(flat[top]).astype(np.int64))
     return m.to_bytes(2, "big") + coeffs.astype(">u2").tobytes()
@@ -193,7 +190,7 @@ def commit_many(chunks: list[Array], k: int = K) -> list[bytes]:
     for size, members in groups.items():
         n = top_k(size, k)
         values = np.stack([flats[i] for i in members])  # (chunks, size)
-        top = np.argpartition(-np.abs(values), n - 1, axis=1)[:, :n].astype(np.int64)
+        top = np.stack([largest(row, n) for row in values])
         moduli = np.array([_modulus(t) for t in top], dtype=np.int64)
         bits = bf16_bits(np.take_along_axis(values, top, axis=1)).astype(np.int64)
         coeffs = _interpolate_many(top % moduli[:, None], bits)
@@ -206,26 +203,58 @@ def _interpolate_many(x: Array, y: Array) -> Array:
     """`_interpolate` of each row of x and y (chunks, n), through the polynomial's values at
     0 .. n - 1: with M = prod (t - x_i), Lagrange's form gives
     f(z) = M(z) sum_i y_i / (M'(x_i) (z - x_i)) where z is no x_i, and f(x_i) = y_i where it
-    is; the coefficients are then a fixed matrix (`_from_values`) times those values. Every
-    step is a pass over the (n, n) differences; a product of two values below PRIME fits in 32
-    bits, and a dot product of n of them is exact in float64 (`_mulmod`)."""
+    is; the coefficients are then a fixed matrix (`_from_values`) times those values. The
+    products M(z_j) and M'(x_i) are sums of discrete logarithms (`_tables`), and the sums over
+    i one matrix product, exact in float64 (`_mulmod`): each step is one pass over the (n, n)
+    differences, which are taken plus PRIME so that no step divides."""
     n = x.shape[1]
     x = np.asarray(x, dtype=np.int64) % PRIME
     y = np.asarray(y, dtype=np.int64) % PRIME
-    xu = x.astype(np.uint32)
-    z = np.arange(n, dtype=np.uint32)
-    d = _sub(z[None, :, None], xu[:, None, :])  # (chunks, j, i): z_j - x_i
-    e = _sub(xu[:, :, None], xu[:, None, :])  # x_i - x_k, 1 on the diagonal (left out)
-    e[:, np.arange(n), np.arange(n)] = 1
-    products = _row_products(np.concatenate([d, e], axis=1))  # (chunks, 2n)
-    at_z, slopes = products[:, :n], products[:, n:]  # M(z_j), M'(x_i) (never 0)
-    inverses = _inverses()
-    weights = y * inverses[slopes] % PRIME
-    sums = _mulmod(inverses[d], weights[:, :, None])[:, :, 0]  # (an x_i at z_j adds 0)
-    values = at_z.astype(np.int64) * sums % PRIME
+    exp, log, inverse = _tables()
+    neg = (PRIME - x).astype(np.int32)  # (chunks, n): PRIME - x_i, from 1 to PRIME
+    d = np.arange(n, dtype=np.int32)[None, :, None] + neg[:, None, :]  # z_j - x_i (+ PRIME)
+    e = x.astype(np.int32)[:, :, None] + neg[:, None, :]  # x_i - x_k (+ PRIME)
+    # (log 0 counts as 0: e's diagonal, the factor M' leaves out; and d where z_j = x_i,
+    # whose f(z_j) is y_i, set below)
+    at_z = exp[np.take(log, d).sum(axis=2, dtype=np.int64) % ORDER]  # M(z_j)
+    slopes = np.take(log, e).sum(axis=2, dtype=np.int64) % ORDER  # log M'(x_i)
+    weights = y * exp[(ORDER - slopes) % ORDER] % PRIME  # y_i / M'(x_i)
+    sums = _mulmod(np.take(inverse, d), weights[:, :, None])[:, :, 0]  # (1/0 counts as 0)
+    values = at_z * sums % PRIME
     row, i = np.nonzero(x < n)  # f(x_i) = y_i where x_i is one of 0 .. n - 1
     values[row, x[row, i]] = y[row, i]
     return _mulmod(values, _from_values(n))
+
+
+ORDER = PRIME - 1  # of GF(PRIME)'s multiplicative group
+
+
+@functools.cache
+def _tables() -> tuple[Array, Array, Array]:
+    """(exp, log, inverse) over GF(PRIME), from its least generator g: exp[k] = g^k for
+    k < ORDER; log[v] and inverse[v] (1/v) for v < 2 PRIME, taken modulo PRIME (log and
+    inverse of 0: 0), as uint16: 256 KB each, which stay in a core's cache between chunks."""
+    primes = [q for q in range(2, ORDER + 1) if ORDER % q == 0 and _prime(q)]
+    g = next(g for g in range(2, PRIME) if all(pow(g, ORDER // q, PRIME) != 1 for q in primes))
+    exp = np.empty(ORDER, dtype=np.int64)
+    exp[0] = 1
+    width, power = 1, g  # g^width
+    while width < ORDER:  # exp[w : 2w] = exp[:w] g^w
+        take = min(width, ORDER - width)
+        exp[width : width + take] = exp[:take] * power % PRIME
+        width, power = width + take, power * power % PRIME
+    log = np.zeros(PRIME, dtype=np.uint16)
+    log[exp] = np.arange(ORDER, dtype=np.uint16)
+    inverse = np.zeros(PRIME, dtype=np.uint16)
+    inverse[exp] = exp[(ORDER - np.arange(ORDER)) % ORDER]
+    tables = exp, np.concatenate([log, log]), np.concatenate([inverse, inverse])
+    for table in tables:
+        table.flags.writeable = False  # (shared by every call)
+    return tables
+
+
+def _prime(q: int) -> bool:
+    return q > 1 and all(q % r for r in range(2, int(q**0.5) + 1))
 
 
 def _sub(a: Array, b: Array) -> Array:
@@ -267,7 +296,8 @@ def _from_values(n: int) -> Array:
     ju = j.astype(np.uint32)
     differences = _sub(ju[:, None], ju[None, :]) + np.eye(n, dtype=np.uint32)  # (1: k = j)
     slopes = _row_products(differences)  # M'(j)
-    matrix = (basis * _inverse(slopes)[:, None] % PRIME).astype(np.float64)
+    inverses = _tables()[2][slopes].astype(np.int64)  # (slopes below PRIME)
+    matrix = (basis * inverses[:, None] % PRIME).astype(np.float64)
     matrix.flags.writeable = False  # (shared by every call)
     return matrix
 
@@ -290,7 +320,7 @@ def check(chunk: Array, commitment: bytes, k: int = K) -> Check:
     k = top_k(flat.size, k)
     if not np.isfinite(flat).all() or len(coeffs) != k:  # (not this chunk's commitment)
         return Check(max(k, len(coeffs)), 0, 0)
-    top = np.argpartition(-np.abs(flat), k - 1)[:k].astype(np.int64)
+    top = largest(flat, k)
     theirs = _evaluate(coeffs, top % m)
     ours = bf16_bits(flat[top]).astype(np.int64)
     head = (theirs >> 7) != (ours >> 7)  # sign and exponent

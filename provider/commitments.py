@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ir.toploc import CHUNK, CommitmentError, commit, commit_many, sequence_chunks
+from ir.toploc import CHUNK, CommitmentError, commit_many, sequence_chunks
 from proto.forward import BATCH_CHUNK, HopCommitment, hop_commitment_bytes
 from proto.session import Commitment, commitment_bytes
 
@@ -117,7 +117,7 @@ class Ledger:
     ) -> Commitment | None:
         given_rows = np.concatenate(given)
         try:
-            data, input_data = commit(np.concatenate(outputs)), commit(given_rows)
+            data, input_data = commit_many([np.concatenate(outputs), given_rows])  # (one pass)
             digest = hashlib.sha256(given_rows.tobytes()).digest()
             unsigned = Commitment(
                 self.session, self.stage, chunk, rows, digest, input_data, data, b""
