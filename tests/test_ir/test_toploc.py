@@ -32,6 +32,7 @@ from ir.toploc import (
     check_rows,
     commit,
     commit_many,
+    largest,
     parse,
     sequence_chunks,
 )
@@ -148,15 +149,28 @@ def test_a_commitment_per_chunk_as_rows_come() -> None:
 def test_the_polynomial_passes_through_every_committed_value() -> None:
     # (the interpolation is two matrix products in float64: exact only while every sum stays
     # below 2^53; checked here against plain integer arithmetic, degrees 0 to K - 1)
+    # (some points among 0 .. n - 1, where the interpolation takes the value as given)
     rng = np.random.default_rng(4)
-    for n in (1, 2, 3, 31, 64, 100, K):
-        x = rng.choice(PRIME, size=n, replace=False).astype(np.int64)
+    for n, low in ((1, 0), (2, 1), (3, 0), (31, 5), (64, 0), (100, 40), (K, 0), (K, 3)):
+        x = np.concatenate([rng.choice(n, size=low, replace=False), rng.choice(
+            np.arange(n, PRIME), size=n - low, replace=False)]).astype(np.int64)  # fmt: skip
         y = rng.integers(0, 2**16, size=n).astype(np.int64)
         coeffs = [int(c) for c in _interpolate(x, y)]
         assert len(coeffs) == n and all(0 <= c < PRIME for c in coeffs)
         for xi, yi in zip(x.tolist(), y.tolist(), strict=True):
             assert sum(c * pow(xi, e, PRIME) for e, c in enumerate(coeffs)) % PRIME == yi % PRIME
         assert _evaluate(np.array(coeffs), x).tolist() == (y % PRIME).tolist()
+
+
+def test_the_largest_values_are_those_of_a_full_sort() -> None:
+    rng = np.random.default_rng(6)
+    for size, k in ((4096, K), (200, 7), (5, 5), (5, 1)):
+        flat = rng.standard_normal(size).astype(np.float32)
+        expect = np.sort(np.argsort(-np.abs(flat), kind="stable")[:k])
+        assert largest(flat, k).tolist() == expect.tolist()
+    tied = np.array([3.0, -1.0, 1.0, 2.0, -1.0, 0.5], dtype=np.float32)
+    assert largest(tied, 3).tolist() == [0, 1, 3]  # (of the three tied at 1, the first)
+    assert largest(tied, 5).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_commitments_made_together_are_each_chunks_own() -> None:
