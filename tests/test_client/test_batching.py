@@ -56,7 +56,11 @@ async def _swarm_run(
     going: list[Any] = []  # each generation's result, filling in as its tokens come
     spread: list[int] = []  # each session's tokens when the provider was killed
 
-    async with AsyncClient(b.http, cache_dir=tmp_path / "cache", timeout=20) as fa:
+    # (each generation is then sent to the broker to be checked against the commitments its
+    # providers signed in shared runs and, after the kill, in the replacement's replay)
+    async with AsyncClient(
+        b.http, cache_dir=tmp_path / "cache", timeout=20, verify_share=1.0
+    ) as fa:
 
         async def one(prompt: list[int]) -> Any:
             stream = fa.generate(prompt, NEW_TOKENS, temperature=0, model=name)
@@ -96,6 +100,8 @@ async def test_sixteen_generations_share_provider_runs_through_a_provider_kill(
             tokens,
         )
         assert victim in {f.peer for f in result.failovers}  # every session moved
+        assert result.verified is True, result.verdict  # (honest batched runs and replays:
+        # no one accused)
     assert procs[victim].proc.poll() is not None
     # the providers that served the stages ran steps of several sessions at once
     survivors = [p for peer, p in procs.items() if peer != victim]
