@@ -11,9 +11,13 @@ provider's code, as if sent alone); a failure of the message itself (a timeout, 
 connection) fails each step in it. A provider that does not know `SessionSteps` (it answers
 `bad_request`) gets single steps from then on.
 
-Likewise one-token embeddings and heads of a model run as one batch in one worker thread
-(`embed`, `head`): rows of a batch come out as they would alone (the stages' matrix products
-compute each row on its own; an embedding is a lookup). An embedding waits a few milliseconds
+Likewise one-token embeddings and heads of a model run as one batch (`embed`, `head`): rows of
+a batch come out as they would alone (the stages' matrix products compute each row on its
+own; an embedding is a lookup). A batch runs in a worker thread, off the event loop, unless
+the last run of its kind took under `INLINE_S` a row times its rows: then it runs on the
+loop, where a small model's one-token embedding or head takes less time than the hand-off to
+a thread and back (two wake-ups, about half a millisecond of a token's time on a busy
+machine). An embedding waits a few milliseconds
 at most for the model's other active sessions, so that sessions that fell out of step (their
 prompts differ in length) come back in step and their steps travel together from then on.
 """
@@ -21,6 +25,7 @@ prompts differ in length) come back in step and their steps travel together from
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +47,7 @@ from proto.session import (
 Array = np.ndarray[Any, Any]
 GATHER_S = 0.005  # a one-token embedding waits at most this long for the other sessions'
 ACTIVE_S = 1.0  # a session that asked this recently is expected back, seconds
+INLINE_S = 0.0005  # a run expected to take less than this runs on the event loop, seconds
 
 
 @dataclass
@@ -70,9 +76,12 @@ class StepMux:
         self._tasks: set[asyncio.Task[None]] = set()
         self._runs: dict[tuple[int, str], _Run] = {}  # (id(stages), "embed" or "head")
         self._active: dict[int, dict[str, float]] = {}  # id(stages) -> session -> last embed
+        self._row_s: dict[tuple[int, str], float] = {}  # a run's seconds a row, the last run
+        # of each kind (none yet: the first runs in a thread)
+        self.inline = 0  # runs on the event loop (for figures and tests)
 
     async def embed(self, stages: ClientStages, ids: Array, positions: Array, who: str) -> Array:
-        """`stages.embed(ids, positions)` in a worker thread, one-token rows together: a
+        """`stages.embed(ids, positions)`, one-token rows together (see the module): a
         session's (`who`) waits up to `GATHER_S` for the model's other active sessions, so
         that their steps stay in step and travel together."""
         seen = self._active.setdefault(id(stages), {})
@@ -83,7 +92,7 @@ class StepMux:
         return await self._batched(stages, "embed", len(seen), stages.embed, ids, positions)
 
     async def head(self, stages: ClientStages, hidden: Array) -> Array:
-        """`stages.head(hidden, ones)` in a worker thread, one-token rows together."""
+        """`stages.head(hidden, ones)`, one-token rows together (see the module)."""
 
         def head(hidden: Array) -> Array:
             return stages.head(hidden, np.ones(hidden.shape[:2], dtype=np.int64))
@@ -124,20 +133,44 @@ class StepMux:
             return
         rows, fn = gathered.rows, gathered.fn
 
+        def timed(*columns: Array) -> Array:
+            start = time.perf_counter()
+            out = fn(*columns)
+            self._row_s[key] = (time.perf_counter() - start) / len(rows)
+            return out
+
+        def deliver(out: Array | None, exc: BaseException | None) -> None:
+            for i, (_, future) in enumerate(rows):
+                if future.done():
+                    continue
+                if exc is not None:
+                    future.set_exception(exc if isinstance(exc, Exception) else RuntimeError())
+                else:
+                    assert out is not None
+                    future.set_result(out[i : i + 1])
+
+        row_s = self._row_s.get(key)
+        if row_s is not None and row_s * len(rows) < INLINE_S:  # quicker than a thread
+            self.inline += 1
+            try:
+                columns = [np.concatenate(c) for c in zip(*(a for a, _ in rows), strict=True)]
+                out = timed(*columns)
+            except Exception as exc:
+                deliver(None, exc)
+            else:
+                deliver(out, None)
+            return
+
         async def run() -> None:
             try:
                 columns = [np.concatenate(c) for c in zip(*(a for a, _ in rows), strict=True)]
-                out = await asyncio.to_thread(fn, *columns)
+                out = await asyncio.to_thread(timed, *columns)
             except BaseException as exc:
-                for _, future in rows:
-                    if not future.done():
-                        future.set_exception(exc if isinstance(exc, Exception) else RuntimeError())
+                deliver(None, exc)
                 if not isinstance(exc, Exception):
                     raise
                 return
-            for i, (_, future) in enumerate(rows):
-                if not future.done():
-                    future.set_result(out[i : i + 1])
+            deliver(out, None)
 
         task = asyncio.ensure_future(run())
         self._tasks.add(task)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from client.stepmux import StepMux
+from ir.errors import ExecutorError
 from ir.executors.ort import OrtExecutor
 from ir.package import load_package
 from p2p import ErrorCode, Host, HostConfig, RemoteError, Tensor
@@ -95,3 +96,32 @@ async def test_steps_travel_together_and_an_earlier_provider_gets_them_one_by_on
     for a, b in zip(answers["current"][:4], answers["earlier"][:4], strict=True):
         x, y = a.outputs["hidden_states_out"].to_numpy(), b.outputs["hidden_states_out"].to_numpy()
         assert np.array_equal(x, y)  # the same answers, batched or one by one
+
+
+async def test_short_embeddings_and_heads_run_on_the_loop_with_the_rows_a_thread_gives(
+    llama3_packages: dict[str, Path],
+) -> None:
+    """The first run of each kind goes to a worker thread and is timed; a small model's later
+    one-token runs take less than a thread hand-off and run on the event loop, giving each
+    row what it gets alone."""
+    from client.stages import ClientStages
+
+    stages = ClientStages(llama3_packages["fp32"])
+    mux = StepMux(None)  # type: ignore[arg-type]  # (no steps sent: no host needed)
+    ids = [np.array([[t]], dtype=np.int64) for t in (5, 17, 300)]
+    positions = np.zeros((1, 1), dtype=np.int64)
+    alone = [stages.embed(i, positions) for i in ids]
+    for _ in range(2):
+        rows = await asyncio.gather(
+            *(mux.embed(stages, i, positions, f"s{n}") for n, i in enumerate(ids))
+        )
+        assert all(np.array_equal(r, a) for r, a in zip(rows, alone, strict=True))
+        heads = await asyncio.gather(*(mux.head(stages, r) for r in rows))
+        for h, r in zip(heads, rows, strict=True):
+            assert np.array_equal(h, stages.head(r, np.ones((1, 1), dtype=np.int64)))
+    assert mux.inline == 2  # the second round's embedding and head (this model's: well
+    # under INLINE_S a row)
+    bad = np.array([[10**6]], dtype=np.int64)  # an id outside the vocabulary: its error
+    with pytest.raises(ExecutorError):  # (as the stage raises it, on the loop too)
+        await mux.embed(stages, bad, positions, "s0")
+    assert mux.inline == 3
