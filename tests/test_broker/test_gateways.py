@@ -330,19 +330,25 @@ def test_two_hundred_streams_get_200_or_429_and_the_admitted_keep_their_pace(
     assert 1 <= len(serving) <= providers, model
     slots = max_batch * len(serving)
     run(4)  # sessions' first steps (warm-up) are not the reference's
-    statuses, paces_ref, done_ref = run(slots)
-    assert statuses == [200] * slots and done_ref == slots
+
+    def reference() -> float:  # the slots' pace alone
+        statuses, paces_ref, done_ref = run(slots)
+        assert statuses == [200] * slots and done_ref == slots
+        return statistics.median(paces_ref)
+
+    before = reference()
     statuses, paces, done = run(200)
     assert set(statuses) <= {200, 429}, sorted(set(statuses))
     admitted = statuses.count(200)
     assert admitted >= slots, admitted
     assert done == admitted  # every accepted stream completed
+    # The reference is taken before and after the burst, and the slower counts: this
+    # machine's other work (under `-n 2`, the other worker's test) can halve its speed for
+    # tens of seconds, which a reference taken at another moment does not see.
+    after = reference()
     # A stream's pace, not single gaps: chunks reach the client in uneven gaps (0, one step,
     # two steps) whose median flips between modes from run to run.
-    p50_ref, p50 = statistics.median(paces_ref), statistics.median(paces)
-    print(
-        json.dumps(
-            {"slots": slots, "admitted": admitted, "p50_ref_ms": p50_ref * 1e3, "p50_ms": p50 * 1e3}
-        )
-    )
-    assert p50 <= 1.5 * p50_ref, (p50, p50_ref)
+    p50_ref, p50 = max(before, after), statistics.median(paces)
+    print(json.dumps({"slots": slots, "admitted": admitted, "p50_ref_ms": [before * 1e3,
+        after * 1e3], "p50_ms": p50 * 1e3}))  # fmt: skip
+    assert p50 <= 1.5 * p50_ref, (p50, before, after)
