@@ -60,6 +60,9 @@ class BrokerRouter:
         self.parts = parts
         self.model = model
         self.load = load
+        # where the providers picked are: a chained step's hops dial the next by them when
+        # not yet connected to it (`client.chained`), as the SDK's router gives them
+        self.addrs: dict[str, list[str]] = {}
 
     async def pick(self, pos: int, avoid: set[str]) -> str:
         timeout = self.parts.config.request_timeout_s
@@ -68,6 +71,7 @@ class BrokerRouter:
             raise GenerationError(
                 f"no provider has served stage {pos} of {self.model} for {timeout:.0f} s"
             )
+        self.addrs[peer] = self.parts.serving.peer_info(peer).addrs
         return peer
 
     async def failed(self, pos: int, peer: str, reason: str) -> None:

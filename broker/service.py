@@ -204,7 +204,7 @@ class Broker:
         self.checks = CommitmentChecks(self.models, self.verifier, self.events)
         gateways = Gateways(leases, on_report=self.history.gateway)
         self.metrics.registry.register(gateways)
-        gateway = Gateway(
+        self.gateway = gateway = Gateway(  # (the OpenAI endpoints)
             BrokerBackend(GatewayParts(
                 self.config,
                 self.serving,

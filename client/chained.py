@@ -167,8 +167,9 @@ class ChainInbox:
         )
         try:
             await asyncio.wait({arrived, call}, timeout=timeout, return_when="FIRST_COMPLETED")
-            if not arrived.done() and _answered(call):  # (the push comes first, normally)
-                await asyncio.wait({arrived}, timeout=1.0)
+            broke = _answered(call) and isinstance(call.result(), ChainBroken)
+            if not arrived.done() and _answered(call) and not broke:  # (the push comes first,
+                await asyncio.wait({arrived}, timeout=1.0)  # normally; a broken route sends none)
             if arrived.done():
                 if not call.done():  # its answer travels back along the route meanwhile
                     self.acks.add(call)

@@ -108,3 +108,27 @@ async def test_answers_run_alone_with_client_batching_off(
         assert all(a["verification"][0]["verdict"]["ok"] for a in answers), answers
     finally:
         await s.close()
+
+
+async def test_the_endpoints_sessions_know_where_each_provider_is(
+    tmp_path: Path, llama_package: Path
+) -> None:
+    """The OpenAI endpoints' generation sessions name each provider picked with its announced
+    addresses, as the SDK's do: a chained step's hop not yet connected to the next dials it by
+    them (without, it answered "could not reach", and every session fell back to the star way
+    after a second's wait for a push that never came)."""
+    from broker.local_gateway import BrokerRouter
+
+    s = await swarm(tmp_path / "swarm")
+    try:
+        provider = await s.provider()
+        assert provider.host is not None
+        model = await s.add_model(llama_package)
+        await _served(s, model)
+        router = s.broker.gateway.backend.router(model)
+        assert isinstance(router, BrokerRouter)
+        peer = await router.pick(0, set())
+        assert peer == provider.host.peer_id
+        assert router.addrs == {peer: list(provider.host.addrs)} and router.addrs[peer]
+    finally:
+        await s.close()
