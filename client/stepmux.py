@@ -13,13 +13,13 @@ connection) fails each step in it. A provider that does not know `SessionSteps` 
 
 Likewise one-token embeddings and heads of a model run as one batch (`embed`, `head`): rows of
 a batch come out as they would alone (the stages' matrix products compute each row on its
-own; an embedding is a lookup). A batch runs in a worker thread, off the event loop, unless
-the last run of its kind took under `INLINE_S` a row times its rows: then it runs on the
-loop, where a small model's one-token embedding or head takes less time than the hand-off to
-a thread and back (two wake-ups, about half a millisecond of a token's time on a busy
-machine). An embedding waits a few milliseconds
-at most for the model's other active sessions, so that sessions that fell out of step (their
-prompts differ in length) come back in step and their steps travel together from then on.
+own; an embedding is a lookup). An embedding waits a few milliseconds at most for the model's
+other active sessions, so that sessions that fell out of step (their prompts differ in
+length) come back in step and their steps travel together from then on. A batch runs in a
+worker thread, off the event loop, unless the last run of its kind took under `INLINE_S` a
+row times its rows: then it runs on the loop, where a small model's one-token embedding or
+head takes less time than the hand-off to a thread and back (two wake-ups, about half a
+millisecond of a token's time on a busy machine).
 """
 
 from __future__ import annotations
@@ -149,12 +149,14 @@ class StepMux:
                     assert out is not None
                     future.set_result(out[i : i + 1])
 
+        def columns() -> list[Array]:
+            return [np.concatenate(c) for c in zip(*(a for a, _ in rows), strict=True)]
+
         row_s = self._row_s.get(key)
         if row_s is not None and row_s * len(rows) < INLINE_S:  # quicker than a thread
             self.inline += 1
             try:
-                columns = [np.concatenate(c) for c in zip(*(a for a, _ in rows), strict=True)]
-                out = timed(*columns)
+                out = timed(*columns())
             except Exception as exc:
                 deliver(None, exc)
             else:
@@ -163,8 +165,7 @@ class StepMux:
 
         async def run() -> None:
             try:
-                columns = [np.concatenate(c) for c in zip(*(a for a, _ in rows), strict=True)]
-                out = await asyncio.to_thread(timed, *columns)
+                out = await asyncio.to_thread(timed, *columns())
             except BaseException as exc:
                 deliver(None, exc)
                 if not isinstance(exc, Exception):

@@ -156,11 +156,8 @@ def largest(flat: Array, k: int) -> Array:
     if k >= magnitudes.size:
         return np.arange(magnitudes.size, dtype=np.int64)
     kth = np.partition(magnitudes, magnitudes.size - k)[magnitudes.size - k]
-    above = np.flatnonzero(magnitudes > kth)
-    if len(above) == k - 1:  # (the usual case: one value at the k-th)
-        at = np.flatnonzero(magnitudes == kth)[:1]
-    else:
-        at = np.flatnonzero(magnitudes == kth)[: k - len(above)]
+    above = np.flatnonzero(magnitudes > kth)  # (fewer than k)
+    at = np.flatnonzero(magnitudes == kth)[: k - len(above)]
     return np.sort(np.concatenate([above, at])).astype(np.int64)
 
 
