@@ -1,6 +1,7 @@
 """Many users at once: concurrent generations through a 3-stage swarm, batching on and off.
 
-    python benchmarks/concurrency.py [--tokens 64] [--sessions 1,4,16,64] [--no-gateway]
+    python benchmarks/concurrency.py [--tokens 64] [--sessions 1,4,16,64] [--rounds 3]
+                                     [--no-gateway]
 
 Prints one JSON object. The decoder is the e2e benchmark's (a random 8-block Llama, hidden
 256, no end-of-sequence token, so every generation runs `--tokens` tokens), cut into 3 provider
@@ -22,10 +23,13 @@ each an object keyed by the session count holding
     gateway_cpu_s_per_1k_tokens  the broker process's CPU seconds per 1,000 tokens (gateway),
 and the same with batching off (providers started with `--max-batch 1`, the broker with
 `--no-client-batching`, measured in the same run on a second swarm) under `tokens_s_off`,
-`token_ms_p50_off`, `token_ms_p99_off` (`gateway_cpu_s_per_1k_tokens_off`). The
-"1" entry's plain figures are the faster of on and off (`one_session_on_over_off` gives their
-ratio, target <= 1.1). `ratios` compares each count with the 1-session figures of the same
-run: the issue's target at 16 sessions is p50 <= 2 x one session's (aggregate >= 8 x).
+`token_ms_p50_off`, `token_ms_p99_off` (`gateway_cpu_s_per_1k_tokens_off`). Both swarms are
+up at once: each count's runs alternate between them, `--rounds` times (either first in
+turn), and every figure is the median of its rounds, so that this machine's drifting speed
+weighs on both alike. The "1" entry's plain figures are the faster of on and off
+(`one_session_on_over_off` gives their ratio, target <= 1.1). `ratios` compares each count
+with the 1-session figures of the same run: the issue's target at 16 sessions is p50 <= 2 x
+one session's (aggregate >= 8 x).
 
 The broker admits every session here (`--sessions-per-slot 1000`): by default it admits as
 many as its providers have batch slots and answers the rest 429 (`broker/leases.py`). It checks
@@ -149,35 +153,53 @@ async def run_gateway(http: str, n: int, tokens: int) -> dict[str, float]:
 def measure(
     tmp: Path,
     package: Path,
-    label: str,
     counts: list[int],
     tokens: int,
     gateway: bool,
     chain: bool | None,
-    *extra: str,
-    broker: tuple[str, ...] = (),
-) -> dict[str, dict[str, dict[str, float]]]:
+    rounds: int,
+) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """The figures of the batching-on swarm and the batching-off one ("on", "off"), both up
+    at once: each count's runs alternate between them (either first in turn), `rounds`
+    times, and each figure is the median of its rounds, so that this machine's speed, which
+    drifts by tens of percent over minutes, weighs on both alike."""
     # (admission off: every session is let in, as this measures what providers do with them;
     # no answer checked: the broker's reruns are not the gateway's client side, verify.py's)
-    args = ("--sessions-per-slot", "1000", "--verify-share", "0", *broker)
-    swarm = Swarm(tmp, label, STAGES, *extra, broker_args=args)
-    out: dict[str, dict[str, dict[str, float]]] = {"sdk": {}, "gateway": {}}
+    args = ("--sessions-per-slot", "1000", "--verify-share", "0")
+    swarms: dict[str, Swarm] = {}
+    got: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     try:
-        swarm.add(package)
-        broker = psutil.Process(swarm.broker.proc.pid)
+        swarms["on"] = Swarm(tmp, "on", STAGES, broker_args=args)
+        swarms["off"] = Swarm(
+            tmp, "off", STAGES, "--max-batch", "1", broker_args=(*args, "--no-client-batching")
+        )
+        for swarm in swarms.values():
+            swarm.add(package)
         for n in counts:
-            sdk = run_sdk(swarm.http, n, tokens, tmp / "cache", chain)
-            out["sdk"][str(n)] = asyncio.run(sdk)
-            if gateway:
-                c0 = broker.cpu_times()
-                figures = asyncio.run(run_gateway(swarm.http, n, tokens))
-                c1 = broker.cpu_times()
-                cpu = (c1.user - c0.user) + (c1.system - c0.system)
-                figures["gateway_cpu_s_per_1k_tokens"] = round(cpu / (n * tokens) * 1e3, 2)
-                out["gateway"][str(n)] = figures
-            print(f"{label} {n}: {out['sdk'][str(n)]}", file=sys.stderr, flush=True)
+            for r in range(rounds):
+                for label in ("on", "off") if (r + n) % 2 == 0 else ("off", "on"):
+                    swarm = swarms[label]
+                    sdk = run_sdk(swarm.http, n, tokens, tmp / "cache", chain)
+                    got.setdefault((label, "sdk", n), []).append(asyncio.run(sdk))
+                    if gateway:
+                        broker = psutil.Process(swarm.broker.proc.pid)
+                        c0 = broker.cpu_times()
+                        figures = asyncio.run(run_gateway(swarm.http, n, tokens))
+                        c1 = broker.cpu_times()
+                        cpu = (c1.user - c0.user) + (c1.system - c0.system)
+                        figures["gateway_cpu_s_per_1k_tokens"] = round(cpu / (n * tokens) * 1e3, 2)
+                        got.setdefault((label, "gateway", n), []).append(figures)
+                    print(f"{label} {n}: {got[label, 'sdk', n][-1]}", file=sys.stderr, flush=True)
     finally:
-        swarm.stop()
+        for swarm in swarms.values():
+            swarm.stop()
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {
+        label: {"sdk": {}, "gateway": {}} for label in ("on", "off")
+    }
+    for (label, face, n), runs in got.items():
+        out[label][face][str(n)] = {
+            k: round(float(np.median([r[k] for r in runs])), 2) for k in runs[0]
+        }
     return out
 
 
@@ -237,6 +259,9 @@ def main() -> int:
     parser.add_argument("--sessions", default="1,4,16,64", help="concurrent generations")
     parser.add_argument("--no-gateway", action="store_true", help="the SDK only")
     parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each count on each swarm (medians)"
+    )
+    parser.add_argument(
         "--star", action="store_true", help="the SDK's steps the star way, not chained"
     )
     args = parser.parse_args()
@@ -247,11 +272,8 @@ def main() -> int:
         package = build_decoder(tmp / "decoder")
         gateway = not args.no_gateway
         chain = False if args.star else None
-        on = measure(tmp, package, "on", counts, args.tokens, gateway, chain)
-        off = measure(
-            tmp, package, "off", counts, args.tokens, gateway, chain, "--max-batch", "1",
-            broker=("--no-client-batching",),
-        )  # fmt: skip
+        both = measure(tmp, package, counts, args.tokens, gateway, chain, args.rounds)
+        on, off = both["on"], both["off"]
         chained = chain_figures(tmp, args.tokens)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
