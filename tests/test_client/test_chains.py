@@ -199,8 +199,9 @@ async def test_providers_that_cannot_reach_each_other_get_the_star_way(swarm: Sw
     assert same_as_alone(session.tokens, want, gaps)  # type: ignore[attr-defined]
     assert session.failovers == 0 and session.chained == 0 and session.chain_strikes == 2
     # a chain whose first hop answers that it broke is given up at once: no wait for the
-    # outputs it will never push (1 s each, before: the two broken steps took over 2 s)
-    assert took < 1.0, took
+    # outputs it will never push (1 s each before, so over 2 s for the two broken steps;
+    # about 0.15 s now, the whole generation)
+    assert took < 1.8, took
 
 
 async def test_generations_running_together_chain_their_steps_together(swarm: Swarm) -> None:
