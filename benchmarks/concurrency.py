@@ -265,6 +265,8 @@ def main() -> int:
         "--star", action="store_true", help="the SDK's steps the star way, not chained"
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     counts = [int(n) for n in args.sessions.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="fusionai-concurrency-"))
     os.environ["FUSIONAI_CACHE_DIR"] = str(tmp / "cache")
