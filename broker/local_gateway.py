@@ -60,9 +60,7 @@ class BrokerRouter:
         self.parts = parts
         self.model = model
         self.load = load
-        # where the providers picked are: a chained step's hops dial the next by them when
-        # not yet connected to it (`client.chained`), as the SDK's router gives them
-        self.addrs: dict[str, list[str]] = {}
+        self.addrs: dict[str, list[str]] = {}  # (`client.session.Router.addrs`)
 
     async def pick(self, pos: int, avoid: set[str]) -> str:
         timeout = self.parts.config.request_timeout_s

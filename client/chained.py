@@ -167,9 +167,10 @@ class ChainInbox:
         )
         try:
             await asyncio.wait({arrived, call}, timeout=timeout, return_when="FIRST_COMPLETED")
-            broke = _answered(call) and isinstance(call.result(), ChainBroken)
-            if not arrived.done() and _answered(call) and not broke:  # (the push comes first,
-                await asyncio.wait({arrived}, timeout=1.0)  # normally; a broken route sends none)
+            answer = call.result() if _answered(call) else None
+            if not arrived.done() and answer is not None and not isinstance(answer, ChainBroken):
+                await asyncio.wait({arrived}, timeout=1.0)  # (the push comes first, normally;
+                # a route that broke sends none)
             if arrived.done():
                 if not call.done():  # its answer travels back along the route meanwhile
                     self.acks.add(call)
@@ -283,7 +284,7 @@ async def chained_step(
     when the chain broke (the session then runs the step the star way)."""
     assert session.chains is not None
     session.chain_excused = False
-    addrs = getattr(session.router, "addrs", {})
+    addrs = session.router.addrs
     route = [
         StepHop(s.peer, s.key, s.sid, hop_addrs(s.peer, addrs.get(s.peer, [])))
         for s in session.stages

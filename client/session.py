@@ -54,6 +54,9 @@ BUSY_WAIT_S = 0.2  # pause before asking again after a "busy" answer; seconds
 
 
 class Router(Protocol):
+    addrs: dict[str, list[str]]  # where each provider picked is (its announced addresses):
+    # a chained step's hops dial the next by them when not yet connected to it
+
     async def pick(self, pos: int, avoid: set[str]) -> str:
         """A provider serving provider stage `pos`, not in `avoid` if there is another;
         waits for one (raising `GenerationError` when none comes)."""

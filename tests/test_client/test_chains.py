@@ -59,6 +59,7 @@ class Swarm:
         self.servers: dict[str, Server] = {}
         self.client_stages = ClientStages(package)  # one per model, as in a client
         self.hosts: list[MemoryHost] = []
+        self.addrs: dict[str, list[str]] = {}  # (the in-memory network needs none)
 
     async def provider(self, *positions: int) -> str:
         host = self.net.host()
