@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import signal
 import sys
@@ -238,6 +237,7 @@ def start(args: argparse.Namespace) -> int:
     from broker.auth import KeyFileError, check_key, load_keys, self_signed
     from broker.config import BrokerConfig
     from broker.service import Broker, default_data_dir, status_line
+    from p2p import heap
 
     host, _, port = args.http.rpartition(":")
     if not host or not port.isdigit():
@@ -356,9 +356,8 @@ def start(args: argparse.Namespace) -> int:
             async with broker:
                 # What start-up built (modules, the app, the decision core) lives as long as
                 # the process: moved out of the collector's reach, a full collection no longer
-                # rescans it and stalls heartbeats for tens of milliseconds.
-                gc.collect()
-                gc.freeze()
+                # rescans it and stalls heartbeats and the gateway's streams.
+                heap.settle()
                 if not args.json:
                     print(f"broker {broker.peer_id}", flush=True)
                     for addr in broker.addrs:

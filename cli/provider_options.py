@@ -215,4 +215,5 @@ def config_from_args(args: argparse.Namespace) -> Any:
         batch_window_ms=args.batch_window_ms,
         fault=fault,
         step_aside=step_aside,
+        settle_heap=True,
     )

@@ -17,7 +17,7 @@ import msgspec
 
 from files.cache import ArtifactCache, human_bytes
 from files.private import redact
-from p2p import ConnectionLost, Host, P2PError, RemoteError, RequestTimeout
+from p2p import ConnectionLost, Host, P2PError, RemoteError, RequestTimeout, heap
 from proto.assign import STAGE_STATUS, Assign, AssignAck, Promote, StageStatus, Unassign
 from provider.config import ProviderConfig
 from provider.events import event, throttled_progress
@@ -148,7 +148,15 @@ class Assignments:
         if old is not None and old.info.sha256 != stage.info.sha256:
             self.cache.pinned.discard(old.info.sha256)
         self.server.add(stage)
-        event("stage_ready", key=stage.key, role=stage.role, load_s=round(stage.load_s, 3))
+        # (what the load made is there for good: later full collections skip it)
+        settled = heap.settle() if self.config.settle_heap else 0.0
+        event(
+            "stage_ready",
+            key=stage.key,
+            role=stage.role,
+            load_s=round(stage.load_s, 3),
+            heap_settle_ms=round(settled * 1e3, 1),
+        )
         await self._report(
             StageStatus(key=stage.key, state="ready", role=stage.role, load_s=stage.load_s)
         )

@@ -41,3 +41,6 @@ class ProviderConfig:
     status_every_s: float = 5.0  # live status line on a terminal, seconds (0: off)
     status_file_every_s: float = 2.0  # rewrite DATA_DIR/status.json this often, seconds
     step_aside: StepAside = field(default_factory=StepAside)  # when the owner needs the machine
+    settle_heap: bool = False  # freeze the heap once joined and after each load (`p2p.heap`),
+    # so that no full collection stalls the sessions: the daemon's command does; a provider
+    # run inside another program leaves that program's collector alone

@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from p2p import Host, P2PError
+from p2p import Host, P2PError, heap
 from p2p.reach import tcp_endpoint
 from p2p.relay import RelayClient, RelayError
 from proto.heartbeat import HEARTBEAT, Heartbeat
@@ -278,6 +278,7 @@ class Membership:
             return
         self.pool = reply.pool
         self.joined.set()
+        settled = heap.settle() if self.config.settle_heap else 0.0  # (what it holds for good)
         event(
             "joined",
             broker=self.broker_id,
@@ -285,6 +286,7 @@ class Membership:
             rtt_ms=round(rtt * 1e3, 2),
             up_mb_s=round(up / 1e6, 1),
             loaded=sorted(self.server.stages),
+            heap_settle_ms=round(settled * 1e3, 1),
         )
 
     async def heartbeat(self) -> None:

@@ -110,6 +110,9 @@ def test_sigkill_then_restart_reverifies_the_cache_and_drops_a_truncated_file(
     peer = _joined(broker, prov)
     broker.send({"cmd": "assign", "peer": peer, "key": "minilm/1", "stage": 1})
     assert broker.wait_for("status", lambda e: e["key"] == "minilm/1")["state"] == "ready"
+    # the daemon's heap was settled once up and after the load (`p2p.heap`)
+    assert prov.wait_for("joined")["heap_settle_ms"] > 0
+    assert prov.wait_for("stage_ready")["heap_settle_ms"] > 0
     prov.signal(signal.SIGKILL)
     prov.wait()
     sha = _stage_sha(minilm_package, 1)
