@@ -21,8 +21,11 @@ CPU, at its quota's pace, and each access link's way up and down a queue; the re
 
 The first token: the library's first step opens each stage in turn (ask the broker which
 provider, open a session there, send the prompt's hidden states and wait for them back), then
-the head; behind the queues the other sessions keep, or, in the first round, where the
-sessions start together, behind the first steps of those before it. A failover stall (a
+the head. A link is shared by the transfers on it (TCP's flows: processor sharing), a
+provider's CPU runs its requests one at a time (first come, first served): among running
+sessions the prompt's transfers are stretched by the others' on each link and its work waits
+for each CPU's queue; sessions that start together share a bottleneck link to the end (all
+finish when it has carried every first step) or queue at a bottleneck CPU. A failover stall (a
 provider killed mid-generation): see `Model.stall`; the tokens after it take the route with
 the victim's stages on their backups, and the first chained step connects the providers new
 to each other.
@@ -251,24 +254,41 @@ class Model:
 
     def first_token(self, prompt_tokens: int, sessions: int = 1, ahead: int | None = None) -> float:
         """The first step: each stage opened in turn (the broker's pick, an open, the prompt's
-        hidden states there and back), then the head. With other sessions running, each
-        provider's part waits behind the queue they keep there (the arrival theorem: the
-        queue that `sessions - 1` of them keep); with the sessions starting together, one
-        with `ahead` others before it waits at each stage's busiest queue for their steps."""
-        together = ahead is not None
-        _, queue = self.mva(0 if together else max(0, sessions - 1))
-        demand = {} if together else self.demands()
-        out = self.t.client_step_s
+        hidden states there and back), then the head; behind the other sessions.
+
+        A link shares itself among the transfers on it (TCP's flows), a provider's CPU runs
+        its requests one at a time. So with the other `sessions - 1` running, the prompt's
+        transfers on a link are stretched by the others there (1 + their mean number, the
+        arrival theorem of the mean-value analysis), and its work on a CPU waits for the
+        queue there. With the sessions starting together (`ahead`: those started before
+        this one), where a link is the first steps' bottleneck, they share it to the end and
+        all finish together: when it has carried every session's first step, or after one
+        session's demands when that is longer (the asymptotic bounds); where a CPU is, this
+        one's waits at each stage's busiest queue for the first steps of those ahead."""
+        alone = self.t.client_step_s
         for p in self.placed:
-            x = p.provider
-            out += self.broker_rtt() + self.opening(x) + self.star_step(x, prompt_tokens)
-            if together:
-                first = self.first_demands(x, prompt_tokens)
-                out += (ahead or 0) * max(first.values())
-                continue
-            # the work queued ahead at each queue the prompt's step passes
-            passed = (x, f"up:{CLIENT}", f"down:{x}", f"up:{x}", f"down:{CLIENT}")
-            out += sum(queue.get(k, 0.0) * demand.get(k, 0.0) for k in passed)
+            alone += (
+                self.broker_rtt()
+                + self.opening(p.provider)
+                + self.star_step(p.provider, prompt_tokens)
+            )
+        firsts = [(p.provider, self.first_demands(p.provider, prompt_tokens)) for p in self.placed]
+        total: dict[str, float] = {}
+        for _, first in firsts:
+            for k, d in first.items():
+                total[k] = total.get(k, 0.0) + d
+        if ahead is not None:
+            neck = max(total, key=lambda k: total[k])
+            if neck not in self.providers:  # a link: shared by all
+                served = sum(total.values())
+                return alone - served + max(served, sessions * total[neck])
+            return alone + ahead * sum(max(first.values()) for _, first in firsts)
+        _, queue = self.mva(max(0, sessions - 1))
+        demand = self.demands()
+        out = alone
+        for _, first in firsts:
+            for k, d in first.items():
+                out += queue.get(k, 0.0) * (demand.get(k, 0.0) if k in self.providers else d)
         return out
 
     def connect(self, a: str, b: str) -> float:

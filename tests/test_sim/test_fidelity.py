@@ -145,11 +145,27 @@ def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
     assert Model(s, CAL, after).token_alone() > m.token_alone()
 
 
-def test_sessions_starting_together_wait_for_each_others_first_steps() -> None:
+def test_sessions_starting_together_share_a_link_and_queue_at_a_cpu() -> None:
+    """First steps that start together: where a link is their bottleneck, they share it and
+    all finish when it has carried all of them (each later than alone, all together than one
+    after another); where a CPU is, they queue, the first in line waiting for none."""
     m, _ = predicted("fidelity-bandwidth")
+    alone = m.first_token(8, 1)
     firsts = [m.first_token(8, 6, ahead) for ahead in range(6)]
+    neck: dict[str, float] = {}
+    for p in m.placed:
+        for k, d in m.first_demands(p.provider, 8).items():
+            neck[k] = neck.get(k, 0.0) + d
+    link = max(neck.values())
+    assert max(neck, key=lambda k: neck[k]).startswith(("up:", "down:"))
+    assert len(set(firsts)) == 1 and firsts[0] > max(alone, 6 * link)
+    assert firsts[0] < alone + 5 * link
+    # among five decoding sessions, the prompt's transfers share the link with theirs
+    assert m.first_token(8, 6) > alone
+    m, _ = predicted("fidelity-compute")
+    firsts = [m.first_token(8, 4, ahead) for ahead in range(4)]
     assert firsts == sorted(firsts) and firsts[0] < firsts[-1]
-    assert firsts[0] == pytest.approx(m.first_token(8, 1))  # the first in line waits for none
+    assert firsts[0] == pytest.approx(m.first_token(8, 1))
 
 
 def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
