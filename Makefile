@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow test-lab lint demo bench chaos constraints clean browser dist
+.PHONY: install test test-slow test-lab test-fidelity lint demo bench chaos constraints clean browser dist
 
 # torch first, pinned: the CPU wheel is local; an unpinned torch pulls several GB of CUDA.
 $(STAMP): pyproject.toml constraints.txt
@@ -27,7 +27,7 @@ lint: $(STAMP)
 XDIST := -n 2
 
 test: lint browser
-	$(PY) -m pytest $(XDIST) -m "not slow and not lab" --durations=12
+	$(PY) -m pytest $(XDIST) -m "not slow and not lab and not fidelity" --durations=12
 
 # The dashboard test needs Debian's Chromium: installed here when we can (root with apt-get);
 # elsewhere that test is skipped, except under CI=true where it fails.
@@ -44,6 +44,11 @@ test-slow: $(STAMP)
 # iproute2, iptables, nftables and miniupnpd (`.ci/run` installs them on Debian).
 test-lab: $(STAMP)
 	$(PY) -m pytest -m lab --durations=12
+
+# The simulator's predictions of four lab scenarios against the lab, three runs each (root;
+# about 11 minutes here): `benchmarks/fidelity.py` and its bounds.
+test-fidelity: $(STAMP)
+	$(PY) -m pytest -m fidelity --durations=12
 
 # A broker and 5 providers, 100 mixed jobs, providers killed and frozen, one broker restart:
 # prints a JSON summary; fails unless every job succeeded with single-process output.

@@ -7,9 +7,12 @@ trips through the p2p stack, this machine's profile, the package's calls timed i
 then for each lab scenario predicts its figures (`fusionai sim --scenario`) and runs it in the
 lab `--runs` times (`python -m lab scenario`). Prints one JSON object: per scenario, each
 headline figure predicted, measured (median, with its [min, max]) and the relative error;
-`max_error` and `median_error` over all of them (targets: <= 0.15 and <= 0.07); and the
-`paper-claim` scenario's throughput ratios with the calibration and without. Without root the
-lab cannot run: it says so and skips.
+`max_error` and `median_error` over all of them (targets: <= 0.15 and <= 0.07); the
+placement contrast (`contrast`: the latency scenario run again with the broker's `--placement
+even`, one pipeline split evenly over every provider; the simulator predicts its throughput at
+less than half of the decision core's placement, and the lab's ratio must agree in sign and
+within 15 %); and the `paper-claim` scenario's throughput ratios with the calibration and
+without. Without root the lab cannot run: it says so and skips.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SCENARIOS = ("fidelity-latency", "fidelity-compute", "fidelity-bandwidth", "fidelity-churn")
+CONTRAST = "fidelity-latency"  # run again with an even split: the placements' ratio
+CONTRAST_FIGURE = "throughput_tokens_s"
 
 
 def paper_ratios(calibration: Path | None) -> dict[str, float]:
@@ -41,6 +48,51 @@ def paper_ratios(calibration: Path | None) -> dict[str, float]:
     results = {run.name: simulate(run) for run in runs}
     doc = study_json(study, results)
     return {c["name"]: c["throughput_ratio"] for c in doc["comparisons"]}
+
+
+def contrast(
+    ours: tuple[dict[str, Any], dict[str, Any]],
+    package: Path,
+    cal_path: Path,
+    runs: int | None,
+    work: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The contrast scenario with an even split: its figures predicted and measured, and the
+    two placements' ratio (ours over even) of `CONTRAST_FIGURE` on both sides. It agrees when
+    the simulator predicts a difference of at least 25 %, and the lab's ratio is on the same
+    side of 1 and within 15 % of the predicted one."""
+    import msgspec
+
+    from cli.sim_lab import compare, prediction, table
+    from lab.scenario import run
+    from sim.labscenario import load
+
+    s = load(CONTRAST)
+    even = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, placement="even"))
+    sim = prediction(even, package, cal_path)
+    lab = run(even, package, "story-llama", runs or s.lab.runs, say, cal_path)
+    (work / f"{CONTRAST}-even.lab.json").write_text(json.dumps(lab, indent=1))
+    c = compare(sim, lab)
+    say(table(c).replace(CONTRAST, f"{CONTRAST} (even split)", 1))
+    key = CONTRAST_FIGURE
+    predicted = ours[0]["figures"][key] / sim["figures"][key]
+    measured = ours[1]["figures"][key] / lab["figures"][key]
+    off = measured / predicted - 1
+    agrees = abs(predicted - 1) >= 0.25 and (predicted > 1) == (measured > 1) and abs(off) <= 0.15
+    say(
+        f"{CONTRAST}: {key} ours over an even split: predicted {predicted:.3f}, measured "
+        f"{measured:.3f} ({100 * off:+.1f} %): {'agrees' if agrees else 'DOES NOT AGREE'}"
+    )
+    return {
+        "scenario": CONTRAST,
+        "figure": key,
+        "predicted_ratio": round(predicted, 4),
+        "measured_ratio": round(measured, 4),
+        "ratio_error": round(off, 4),
+        "agrees": agrees,
+        "even": c,
+    }
 
 
 def main() -> int:
@@ -71,6 +123,7 @@ def main() -> int:
     out: dict[str, object] = {"calibration": json.loads(cal_path.read_text())}
     errors: list[float] = []
     rows = {}
+    ours: tuple[dict[str, Any], dict[str, Any]] | None = None  # the contrast's, as placed
     for name in args.scenario or SCENARIOS:
         s = load(name)
         sim = prediction(s, package, cal_path)
@@ -88,8 +141,16 @@ def main() -> int:
         c["lab_s"] = round(time.monotonic() - t, 1)
         rows[name] = c
         errors += [abs(r["error"]) for r in c["rows"] if r["error"] is not None]
+        if name == CONTRAST:
+            ours = (sim, lab)
     errors.sort()
     out["scenarios"] = rows
+    if ours is not None:
+        try:
+            out["contrast"] = contrast(ours, package, cal_path, args.runs, work, say)
+        except LabError as exc:
+            say(f"{CONTRAST} with an even split: the lab run failed: {exc}")
+            out["contrast"] = {"error": str(exc), "agrees": False}
     whole = bool(errors) and errors[-1] != float("inf")  # (a scenario that failed: none)
     out["max_error"] = round(errors[-1], 4) if whole else None
     out["median_error"] = round(errors[len(errors) // 2], 4) if whole else None
@@ -97,6 +158,8 @@ def main() -> int:
         "max_error <= 0.15": bool(errors) and errors[-1] <= 0.15,
         "median_error <= 0.07": bool(errors) and errors[len(errors) // 2] <= 0.07,
     }
+    if "contrast" in out:
+        out["targets_met"]["placement ratio agrees"] = bool(out["contrast"]["agrees"])  # type: ignore[index]
     out["paper_ratios_uncalibrated"] = paper_ratios(None)
     out["paper_ratios_calibrated"] = paper_ratios(cal_path)
     print(json.dumps(out, indent=2))

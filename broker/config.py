@@ -42,6 +42,8 @@ class BrokerConfig:
     missed_heartbeats: int = 3  # heartbeats missed in a row before a provider is dead
     queue_policy: str = "fifo"  # "fifo" or "sjf-bsbf"
     replicas: int | None = 1  # pipeline replicas per model (None: as many as pay)
+    placement: str = "ours"  # "ours" (the decision core's) or "even": one pipeline split evenly
+    # over every provider, the baseline ours is measured against (`broker.core.placement`)
     microbatch: int | None = None  # sequences per microbatch of a batch job that names none
     # (None: sized from the job and its route, `broker.core.microbatch`, at most 32)
     max_attempts: int = 5  # tries of one microbatch before its job fails
@@ -108,7 +110,10 @@ class BrokerConfig:
                 heartbeat_interval=self.heartbeat_s, missed_heartbeats=self.missed_heartbeats
             ),
             placement=PlacementConfig(
-                work=PLACEMENT_WORK, memory_fraction=1 / LOAD_OVERHEAD, max_replicas=self.replicas
+                work=PLACEMENT_WORK,
+                memory_fraction=1 / LOAD_OVERHEAD,
+                max_replicas=self.replicas,
+                strategy=self.placement,
             ),
             queue_policy=self.queue_policy,
             restart_grace_s=self.grace_s,

@@ -78,6 +78,13 @@ def add_parsers(sub: Any, dispatch: Any) -> None:
         help="the dashboard's charts: sample the swarm this often (an hour is kept)",
     )
     start.add_argument("--queue", choices=["fifo", "sjf-bsbf"], default="fifo")
+    start.add_argument(
+        "--placement",
+        choices=["ours", "even"],
+        default="ours",
+        help="where stages go: the decision core's choice, or one pipeline split evenly over "
+        "every provider (the baseline to measure it against)",
+    )
     start.add_argument("--replicas", type=int, default=1, help="pipelines per model (0: auto)")
     start.add_argument(
         "--microbatch",
@@ -316,6 +323,7 @@ def start(args: argparse.Namespace) -> int:
         missed_heartbeats=args.missed_heartbeats,
         metrics_every_s=args.metrics_every_s,
         queue_policy=args.queue,
+        placement=args.placement,
         replicas=args.replicas or None,
         microbatch=args.microbatch,
         in_flight=args.in_flight,

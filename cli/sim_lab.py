@@ -48,7 +48,12 @@ def prediction(s: LabScenario, package: Path, calibration: Path) -> dict[str, An
     if cal.package is not None and cal.package.model != manifest.name:
         raise ValueError(f"{calibration} timed {cal.package.model}, not {manifest.name}")
     # (as the lab's broker runs: it trusts the providers' profiles, `lab.scenario`)
-    core = BrokerConfig(data_dir=Path("."), heartbeat_s=s.lab.heartbeat_s, trust_claims=True).core
+    core = BrokerConfig(
+        data_dir=Path("."),
+        heartbeat_s=s.lab.heartbeat_s,
+        trust_claims=True,
+        placement=s.lab.placement,
+    ).core
     ids, generated = _lengths(
         package, prompt(s.lab.workload.prompt_words), s.lab.workload.output_tokens
     )

@@ -169,6 +169,7 @@ def run_once(
                     "broker", "start", "--listen", "/ip4/0.0.0.0/tcp/7370", "--http",
                     "0.0.0.0:7371", "--public-url", f"http://{BROKER_IP}:7371", "--data-dir",
                     str(work / "broker"), "--heartbeat-s", str(spec.heartbeat_s), "--json",
+                    "--placement", spec.placement,
                     # (the providers' profiles are the machine's scaled to their quotas; the
                     # join's check would time a short burst, which a quota throttles: it
                     # measured 11 GFLOP/s where 0.3 of the machine is 45 over time)

@@ -7,6 +7,8 @@ A scenario file is a study file (`sim/scenarios/*.toml`) with a `[lab]` table:
     name = "fidelity-latency"
     [lab]
     stages = 4                        # provider stages of the package it serves
+    placement = "ours"                # the broker's: "ours", or "even" (one pipeline split
+                                      # evenly over every provider, the baseline)
     client = { rate_mbit = 50, delay_ms = 5, nat = "cone" }
     [[lab.provider]]                  # at least one; each in its own home
     name = "a"
@@ -115,6 +117,7 @@ class LabSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workload: LabWorkload = LabWorkload()
     event: list[LabEvent] = []
     heartbeat_s: Annotated[float, msgspec.Meta(ge=0.2, le=10)] = 1.0
+    placement: Literal["ours", "even"] = "ours"  # the broker's (`fusionai broker --placement`)
     runs: Annotated[int, msgspec.Meta(ge=1, le=9)] = 3  # lab runs whose median is reported
 
 

@@ -41,6 +41,9 @@ class PlacementError(ValueError):
     """The model cannot be placed on these providers; the message says why."""
 
 
+STRATEGIES = ("ours", "even")
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
     work: Workload = field(default_factory=Workload)
@@ -48,6 +51,12 @@ class PlacementConfig:
     max_replicas: int | None = None  # None: as many as improve throughput
     backup_fraction: float = 0.1  # share of providers kept out of pipelines as backups, if possible
     search_points: int = 64  # target bottlenecks tried in the replica search
+    strategy: str = "ours"  # "ours" (`place`) or "even" (`equal_split`: the baseline ours is
+    # measured against, e.g. in the lab; one pipeline over every provider, no backups)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown placement {self.strategy!r}; use one of {list(STRATEGIES)}")
 
 
 @dataclass(frozen=True)
@@ -286,6 +295,23 @@ def _with_backups(replicas: tuple[Replica, ...], costs: _Costs, tokens: int) -> 
 
 
 # ---- baselines, for tests and benchmarks ----------------------------------------------------
+
+
+def placed(
+    model: ModelSpec,
+    providers: Mapping[str, HardwareProfile],
+    config: PlacementConfig | None = None,
+) -> Placement:
+    """The placement `config.strategy` chooses; raises `PlacementError` when nothing fits."""
+    config = config or PlacementConfig()
+    if config.strategy == "ours":
+        return place(model, providers, config)
+    split = equal_split(model, providers, config)
+    if split is None:
+        raise PlacementError(
+            f"{model.name} does not fit an even split over {len(providers)} providers"
+        )
+    return split
 
 
 def equal_split(

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from broker.core.actions import PlacementChanged, PromoteBackup, Replan
-from broker.core.placement import Placement, PlacementError, place
+from broker.core.placement import Placement, PlacementError, placed
 from broker.core.plans import Plan, placement_fields, range_key
 from broker.core.pool import PoolState, Status, promotion_order
 from broker.core.reconcile import Reconciler
@@ -125,10 +125,10 @@ class Planner(Reconciler):
         serve it, but not stand by for it."""
         config = self.config.placement
         try:
-            placement = place(plan.spec, self.candidates(plan), config)
+            placement = placed(plan.spec, self.candidates(plan), config)
         except PlacementError:
             try:
-                placement = place(plan.spec, self.candidates(plan, backups=False), config)
+                placement = placed(plan.spec, self.candidates(plan, backups=False), config)
             except PlacementError as exc:
                 reason = str(exc)
                 if reason != plan.waiting_reason:
@@ -250,9 +250,9 @@ class Planner(Reconciler):
         spare). Raises `PlacementError` when they cannot hold the model."""
         config = self.config.placement
         if self.config.observe_before_moving <= 0:
-            return place(plan.spec, profiles, config)
+            return placed(plan.spec, profiles, config)
         seen = {peer: profiles[peer] for peer in profiles if self.observed(plan, peer)}
-        candidate = place(plan.spec, seen, config)
+        candidate = placed(plan.spec, seen, config)
         for peer in profiles:
             if peer not in seen:
                 candidate = on_join(candidate, peer, plan.spec, profiles, config)

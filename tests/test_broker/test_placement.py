@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -314,3 +315,28 @@ def test_a_placement_is_rescored_with_the_profiles_as_now_measured() -> None:
     assert now.throughput < placed.throughput
     gone = {k: v for k, v in swarm.items() if k != slow}  # its stages keep their old times
     assert rescored(placed, LLAMA2_13B, gone, config) == placed
+
+
+def test_the_even_strategy_splits_one_pipeline_evenly_over_every_provider() -> None:
+    """`--placement even` (the baseline the lab measures ours against): every provider one
+    share of the blocks, in one pipeline, none standing by; where it cannot fit, it says so;
+    an unknown strategy is refused."""
+    from broker.config import BrokerConfig
+    from broker.core.placement import placed
+
+    swarm = random_swarm(4, 3, {"rtx3060": (51e12, 12e9, 360e9), "rtx3080": (119e12, 10e9, 760e9)})
+    config = PlacementConfig(work=WORK, strategy="even")
+    even = placed(LLAMA2_13B, swarm, config)
+    check_valid(LLAMA2_13B, swarm, config, even)
+    assert len(even.replicas) == 1 and not even.backups
+    assert sorted(s.provider for s in even.replicas[0].stages) == sorted(swarm)
+    assert {s.layers for s in even.replicas[0].stages} == {LLAMA2_13B.n_layers // 4}
+    ours = placed(LLAMA2_13B, swarm, replace(config, strategy="ours"))
+    assert ours == place(LLAMA2_13B, swarm, replace(config, strategy="ours"))
+    assert ours.throughput >= even.throughput
+    with pytest.raises(PlacementError, match="does not fit an even split over 1 providers"):
+        placed(LLAMA2_70B, dict(list(swarm.items())[:1]), config)
+    with pytest.raises(ValueError, match="unknown placement 'best'"):
+        PlacementConfig(strategy="best")
+    core = BrokerConfig(data_dir=Path("."), placement="even").core
+    assert core.placement.strategy == "even"

@@ -211,3 +211,16 @@ def test_a_tied_placement_is_unstable_and_the_bandwidth_scenario_s_is_not() -> N
     tied = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=alike))
     assert route(place(tied, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)) == ("c", "d")
     assert stable(tied) < 0.1
+
+
+def test_the_lab_scenarios_are_small_swarms_behind_routers_on_links_of_their_own() -> None:
+    """What the fidelity test compares: four scenarios, each of at least 4 providers behind
+    their own routers on links unlike each other's, three lab runs each, one of them a kill."""
+    names = ("fidelity-latency", "fidelity-compute", "fidelity-bandwidth", "fidelity-churn")
+    for name in names:
+        s = load(name)
+        links = [(p.link.rate_mbit, p.link.delay_ms) for p in s.lab.provider]
+        assert len(links) >= 4 and len(set(links)) == len(links), (name, links)
+        assert all(p.link.nat in ("cone", "symmetric", "upnp") for p in s.lab.provider)
+        assert s.lab.runs == 3 and s.lab.placement == "ours"
+    assert [e.action for e in load("fidelity-churn").lab.event] == ["kill"]
