@@ -1,5 +1,6 @@
-"""The simulator against the lab (`make test-fidelity`, 15 minutes at most): the fidelity
-benchmark as a user runs it (`python benchmarks/fidelity.py`, root), and its bounds.
+"""The simulator against the lab (`make test-fidelity`, 15 minutes at most; not yet run by
+`.ci/run`: see the Makefile): the fidelity benchmark as a user runs it (`python
+benchmarks/fidelity.py`, root), and its bounds.
 
 It calibrates the simulator from micro-measurements, predicts the four lab scenarios, runs
 each in the lab three times (4 providers, each behind its own NAT router on a link of its
