@@ -8,11 +8,11 @@ Prints one JSON line per generation: when it started (Unix time), its time to th
 the gaps between the tokens after it, and its failovers (stage, peer, the stall: the gap the
 failover fell in). `--warmup` first runs a two-token generation, not reported, so connections
 are open (its second step goes the chained way: the providers' connections to each other too)
-and the model's client stages loaded; then the process settles its heap (`p2p.heap`). `--wait S` first waits up to S seconds for the
-model to be served (`--backups`: with a backup for every stage; `--backup-stage N`, repeatable:
-for stage N, 1 the first) and prints its route;
-`--go-on-stdin` then waits for a line on stdin before the timed rounds (so that several clients
-start together). Greedy decoding: every round is the same text.
+and the model's client stages loaded; then the process settles its heap (`p2p.heap`).
+`--wait S` first waits up to S seconds for the model to be served (`--backups`: with a
+backup for every stage; `--backup-stage N`, repeatable: for stage N, 1 the first) and prints
+its route; `--go-on-stdin` then waits for a line on stdin before the timed rounds (so that
+several clients start together). Greedy decoding: every round is the same text.
 """
 
 from __future__ import annotations

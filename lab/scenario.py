@@ -195,6 +195,7 @@ def run_once(
                     "provider", "start", "--broker", addr, "--data-dir", str(work / p.name),
                     "--executor", "ort", "--max-memory", "2", "--listen",
                     "/ip4/0.0.0.0/tcp/4800", "--json",
+                    "--batch-window-ms", str(spec.batch_window_ms),
                 )  # fmt: skip
                 # (the cgroup first: `ip netns exec` mounts its own /sys, without cgroups)
                 wrapped = f'echo $$ > {quota.procs} && exec ip netns exec "$@"'

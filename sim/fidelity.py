@@ -17,7 +17,8 @@ quota costs the factor measured for it, and its part of a token runs at the quot
 first slice (`QUOTA_SLICE_S`) at full speed, the rest at its share (measured with busy loops:
 8 ms of work took 23.3 ms at 0.3 of a core and 43.4 ms at 0.15). Sessions at once: exact
 mean-value analysis of the closed network they form (each client one session; each provider's
-CPU, at its quota's pace, and each access link's way up and down a queue; the rest pure delay).
+CPU, at its quota's pace, and each access link's way up and down a queue; the rest pure delay,
+with the time each stage step waits for the other sessions to join its batch, `Model.gather`).
 
 The first token: the library's first step opens each stage in turn (ask the broker which
 provider, open a session there, send the prompt's hidden states and wait for them back), then
@@ -195,16 +196,30 @@ class Model:
         # a provider serves its CPU demand at its quota's pace
         return {k: self.stretch(k, d) if k in self.providers else d for k, d in out.items()}
 
+    def gather(self, sessions: int, period: float) -> float:
+        """What a token's stage steps wait for each other's sessions (`provider.batching`): a
+        step that finds no run gathering leads one and waits the window for the stage's
+        other recently active sessions; those arriving in it (each of the others with the
+        window's share of its token's period) join it and wait the rest, half on average."""
+        if sessions <= 1:
+            return 0.0
+        window = self.s.lab.batch_window_ms / 1e3
+        joining = (sessions - 1) * min(1.0, window / period)
+        return len(self.placed) * (window + joining * window / 2) / (1 + joining)
+
     def mva(self, sessions: int) -> tuple[float, dict[str, float]]:
         """Exact mean-value analysis of `sessions` closed loops: (tokens per second of all,
-        the mean queue at each queue)."""
+        the mean queue at each queue); the batches' gathering a delay at each population."""
         demand = self.demands()
         delay = max(0.0, self.token_alone() - sum(demand.values()))
         queue = dict.fromkeys(demand, 0.0)
-        x = 0.0
+        x, cap = 0.0, 1 / max(demand.values())  # (no more than the busiest queue serves)
         for n in range(1, sessions + 1):
             resid = {k: d * (1 + queue[k]) for k, d in demand.items()}
-            x = n / (delay + sum(resid.values()))
+            cycle = delay + sum(resid.values())
+            for _ in range(4):  # (the wait depends on the period it lengthens: a fixed point)
+                cycle = delay + sum(resid.values()) + self.gather(n, cycle)
+            x = min(n / cycle, cap)
             queue = {k: x * r for k, r in resid.items()}
         return x, queue
 

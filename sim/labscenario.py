@@ -117,6 +117,7 @@ class LabSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     workload: LabWorkload = LabWorkload()
     event: list[LabEvent] = []
     heartbeat_s: Annotated[float, msgspec.Meta(ge=0.2, le=10)] = 1.0
+    batch_window_ms: Annotated[float, msgspec.Meta(ge=0, le=100)] = 2.0  # the providers' own
     placement: Literal["ours", "even"] = "ours"  # the broker's (`fusionai broker --placement`)
     runs: Annotated[int, msgspec.Meta(ge=1, le=9)] = 3  # lab runs whose median is reported
 

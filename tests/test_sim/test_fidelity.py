@@ -224,3 +224,17 @@ def test_the_lab_scenarios_are_small_swarms_behind_routers_on_links_of_their_own
         assert all(p.link.nat in ("cone", "symmetric", "upnp") for p in s.lab.provider)
         assert s.lab.runs == 3 and s.lab.placement == "ours"
     assert [e.action for e in load("fidelity-churn").lab.event] == ["kill"]
+
+
+def test_batched_steps_wait_for_the_other_sessions_up_to_the_window() -> None:
+    """`provider.batching`: a step that leads a run waits the window for the stage's other
+    active sessions; one that arrives in it joins and waits the rest. Alone, nobody waits."""
+    m, _ = predicted("fidelity-compute")
+    window, stages = m.s.lab.batch_window_ms / 1e3, len(m.placed)
+    assert m.gather(1, 0.05) == 0.0
+    assert stages * window * 0.9 < m.gather(4, 0.05) < stages * window  # most steps lead
+    assert m.gather(4, window) == pytest.approx(stages * (window + 3 * window / 2) / 4)
+    lab = msgspec.structs.replace(m.s.lab, batch_window_ms=0.0)
+    unbatched = Model(msgspec.structs.replace(m.s, lab=lab), CAL, m.placed)
+    assert unbatched.token(1) == pytest.approx(m.token(1))
+    assert unbatched.token(4)[0] < m.token(4)[0] <= unbatched.token(4)[0] + stages * window
