@@ -294,9 +294,6 @@ def _with_backups(replicas: tuple[Replica, ...], costs: _Costs, tokens: int) -> 
     return Placement(replicas, backups, tuple(costs.ids[i] for i in spares), tokens)
 
 
-# ---- baselines, for tests and benchmarks ----------------------------------------------------
-
-
 def placed(
     model: ModelSpec,
     providers: Mapping[str, HardwareProfile],
@@ -312,6 +309,9 @@ def placed(
             f"{model.name} does not fit an even split over {len(providers)} providers"
         )
     return split
+
+
+# ---- baselines, for tests and benchmarks ----------------------------------------------------
 
 
 def equal_split(
