@@ -27,8 +27,3 @@ def settle() -> float:
     gc.collect()
     gc.freeze()
     return time.perf_counter() - started
-
-
-def frozen() -> int:
-    """How many objects the last `settle()` froze (and collections skip)."""
-    return gc.get_freeze_count()

@@ -216,9 +216,9 @@ class Model:
         x, cap = 0.0, 1 / max(demand.values())  # (no more than the busiest queue serves)
         for n in range(1, sessions + 1):
             resid = {k: d * (1 + queue[k]) for k, d in demand.items()}
-            cycle = delay + sum(resid.values())
+            cycle = base = delay + sum(resid.values())
             for _ in range(4):  # (the wait depends on the period it lengthens: a fixed point)
-                cycle = delay + sum(resid.values()) + self.gather(n, cycle)
+                cycle = base + self.gather(n, cycle)
             x = min(n / cycle, cap)
             queue = {k: x * r for k, r in resid.items()}
         return x, queue
@@ -287,9 +287,9 @@ class Model:
                 + self.opening(p.provider)
                 + self.star_step(p.provider, prompt_tokens)
             )
-        firsts = [(p.provider, self.first_demands(p.provider, prompt_tokens)) for p in self.placed]
+        firsts = [self.first_demands(p.provider, prompt_tokens) for p in self.placed]
         total: dict[str, float] = {}
-        for _, first in firsts:
+        for first in firsts:
             for k, d in first.items():
                 total[k] = total.get(k, 0.0) + d
         if ahead is not None:
@@ -297,11 +297,11 @@ class Model:
             if neck not in self.providers:  # a link: shared by all
                 served = sum(total.values())
                 return alone - served + max(served, sessions * total[neck])
-            return alone + ahead * sum(max(first.values()) for _, first in firsts)
+            return alone + ahead * sum(max(first.values()) for first in firsts)
         _, queue = self.mva(max(0, sessions - 1))
         demand = self.demands()
         out = alone
-        for _, first in firsts:
+        for first in firsts:
             for k, d in first.items():
                 out += queue.get(k, 0.0) * (demand.get(k, 0.0) if k in self.providers else d)
         return out
