@@ -29,7 +29,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SCENARIOS = ("fidelity-latency", "fidelity-compute", "fidelity-bandwidth", "fidelity-churn")
+# The compute-bound scenario first, nearest the calibration: its figures follow the providers'
+# CPU per token, which on a shared machine drifts by tens of percent within minutes (the
+# same provider read 3.75 and 2.85 ms a token in two lab runs eleven minutes apart).
+SCENARIOS = ("fidelity-compute", "fidelity-latency", "fidelity-bandwidth", "fidelity-churn")
 CONTRAST = "fidelity-latency"  # run again with an even split: the placements' ratio
 CONTRAST_FIGURE = "throughput_tokens_s"
 

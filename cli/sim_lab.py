@@ -121,7 +121,7 @@ def table(c: dict[str, Any]) -> str:
                  f"{'the same' if c['placement_same'] else 'differs'}")  # fmt: skip
     if (stable := c.get("placement_stability")) is not None:
         doubt = "" if stable >= 0.9 else ": the lab's broker may choose another"
-        lines.append(f"the predicted route holds in {100 * stable:.0f} % of placements on "
+        lines.append(f"the predicted route and split hold in {100 * stable:.0f} % of placements on "
                      f"profiles off by the lab's measurement noise{doubt}")  # fmt: skip
     return "\n".join(lines)
 

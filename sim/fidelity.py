@@ -18,7 +18,8 @@ first slice (`QUOTA_SLICE_S`) at full speed, the rest at its share (measured wit
 8 ms of work took 23.3 ms at 0.3 of a core and 43.4 ms at 0.15). Sessions at once: exact
 mean-value analysis of the closed network they form (each client one session; each provider's
 CPU, at its quota's pace, and each access link's way up and down a queue; the rest pure delay,
-with the time each stage step waits for the other sessions to join its batch, `Model.gather`).
+with the time each stage step waits for the other sessions to join its batch, `Model.gather`;
+a link shares itself among its transfers, a CPU serves one at a time: `Model.mva`).
 
 The first token: the library's first step opens each stage in turn (ask the broker which
 provider, open a session there, send the prompt's hidden states and wait for them back), then
@@ -208,19 +209,26 @@ class Model:
         return len(self.placed) * (window + joining * window / 2) / (1 + joining)
 
     def mva(self, sessions: int) -> tuple[float, dict[str, float]]:
-        """Exact mean-value analysis of `sessions` closed loops: (tokens per second of all,
-        the mean queue at each queue); the batches' gathering a delay at each population."""
+        """Mean-value analysis of `sessions` closed loops: (tokens per second of all, the
+        mean queue at each queue); the batches' gathering a delay at each population. A link
+        shares itself among its transfers (processor sharing: exact). A provider's CPU serves
+        one request at a time, each about as long as the last (first come, first served,
+        constant service): one arriving while another is served waits for the rest of that
+        one, half a demand on average, where the exponential analysis charges a whole one
+        (the residual-time correction for such queues)."""
         demand = self.demands()
         delay = max(0.0, self.token_alone() - sum(demand.values()))
         queue = dict.fromkeys(demand, 0.0)
+        busy = dict.fromkeys(demand, 0.0)  # a CPU's utilisation
         x, cap = 0.0, 1 / max(demand.values())  # (no more than the busiest queue serves)
         for n in range(1, sessions + 1):
-            resid = {k: d * (1 + queue[k]) for k, d in demand.items()}
+            resid = {k: d * (1 + queue[k] - busy[k] / 2) for k, d in demand.items()}
             cycle = base = delay + sum(resid.values())
             for _ in range(4):  # (the wait depends on the period it lengthens: a fixed point)
                 cycle = base + self.gather(n, cycle)
             x = min(n / cycle, cap)
             queue = {k: x * r for k, r in resid.items()}
+            busy = {k: x * d if k in self.providers else 0.0 for k, d in demand.items()}
         return x, queue
 
     def token(self, sessions: int) -> tuple[float, float]:

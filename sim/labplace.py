@@ -12,16 +12,17 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from broker.config import LOAD_OVERHEAD, PLACEMENT_WORK
 from broker.core import CoreConfig
 from broker.core.actions import AssignStage
 from broker.core.events import ModelAdded, ProviderJoined
-from dag.cost import HardwareProfile
+from dag.cost import HardwareProfile, layer_memory, stage_workspace
 from dag.model import ModelSpec
 from sim.calibration import Calibration, quota_factor
 from sim.driver import Driver
 from sim.labscenario import QUOTA_SLICE_S, LabProvider, LabScenario
 
-MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2
+MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2 (but `most_stages`)
 # How much what the lab's broker measures of a provider varies from run to run (its `seen`:
 # uplinks at 100 Mbit/s read 108 to 122, at 50 read 51 to 53; round trips 8.4 to 14.5 ms
 # against 8 to 14 predicted): the spread `stability` tries placements over.
@@ -44,10 +45,26 @@ def paced(work: float, share: float) -> float:
     return QUOTA_SLICE_S + (work - QUOTA_SLICE_S) / share
 
 
-def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
-    """What the broker sees of `p`: the calibrated executor at `p`'s CPU share, and the
-    round trip `p` measures to the broker (a ping: the link's delay both ways, the broker's
-    two message ends, and `p`'s two at its quota's pace)."""
+def holding(spec: ModelSpec, stages: int, most: int) -> int:
+    """A provider memory limit (bytes) in which the broker places `most` of the model's
+    `stages` equal stages and not one more (`broker.core.placement`'s accounting: the
+    workspace, then each stage's layers, within its share of the limit)."""
+    layers = spec.n_layers / stages
+    need = stage_workspace(spec, PLACEMENT_WORK)
+    need += (most + 0.5) * layers * layer_memory(spec, PLACEMENT_WORK)
+    return int(LOAD_OVERHEAD * need)
+
+
+def memory_limit(p: LabProvider, spec: ModelSpec, stages: int) -> int:
+    """The memory limit (bytes) `p`'s provider runs with: room for all `stages`, or for its
+    `most_stages` of them."""
+    return MEMORY_BYTES if p.most_stages is None else holding(spec, stages, p.most_stages)
+
+
+def hardware(p: LabProvider, cal: Calibration, memory: int = MEMORY_BYTES) -> HardwareProfile:
+    """What the broker sees of `p`: the calibrated executor at `p`'s CPU share, its memory
+    limit, and the round trip `p` measures to the broker (a ping: the link's delay both
+    ways, the broker's two message ends, and `p`'s two at its quota's pace)."""
     share, cpu = p.share, min(p.cpu, 1.0)
     costs = cal.provider_costs()
     end = cal.call_s if costs is None else costs[1] * quota_factor(costs[2], cpu)
@@ -55,7 +72,7 @@ def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
     return HardwareProfile(
         name=p.name,
         flops={k: v * share for k, v in cal.profile.flops.items()},
-        memory_bytes=float(MEMORY_BYTES),
+        memory_bytes=float(memory),
         mem_bandwidth=cal.profile.mem_bandwidth * share,
         net_bandwidth=p.link.bytes_s,
         rtt=2 * p.delay_ms / 1e3 + 2 * cal.call_s + own,  # (the broker's link: no delay)
@@ -71,9 +88,12 @@ def place(
     the scenario's order)."""
     driver = Driver(core)
     if seen is None:
-        seen = {p.name: hardware(p, cal) for p in s.lab.provider}
+        seen = {
+            p.name: hardware(p, cal, memory_limit(p, spec, len(indices))) for p in s.lab.provider
+        }
     for name, profile in seen.items():
-        driver.handle(ProviderJoined(name, profile, 0.0, executor="ort", memory_bytes=MEMORY_BYTES))
+        memory = int(profile.memory_bytes)
+        driver.handle(ProviderJoined(name, profile, 0.0, executor="ort", memory_bytes=memory))
     keys = tuple(f"{model}/{i}" for i in indices)
     actions = driver.handle(ModelAdded(model, spec, keys, 0.0))
     active: dict[int, str] = {}
@@ -91,6 +111,11 @@ def route(placed: Sequence[Placed]) -> tuple[str, ...]:
     return tuple(x for x, _ in itertools.groupby(p.provider for p in placed))
 
 
+def split(placed: Sequence[Placed]) -> tuple[tuple[str, int], ...]:
+    """The route with how many stages each provider on it runs in a row."""
+    return tuple((x, len(list(g))) for x, g in itertools.groupby(p.provider for p in placed))
+
+
 def stability(
     s: LabScenario, model: str, spec: ModelSpec, indices: Sequence[int], cal: Calibration,
     core: CoreConfig, placed: list[Placed] | None = None, trials: int = STABILITY_TRIALS,
@@ -99,17 +124,18 @@ def stability(
     the broker would see with every provider's uplink and round trip off by up to what the
     lab's broker measured of them varies from run to run (`UPLINK_NOISE`, `RTT_NOISE`,
     uniformly), heard of in a random order (ties go by it: the lab's peer ids are random),
-    whose route (`route`), and where the scenario stops a provider its stages' backups, are
-    the nominal placement's; seeded. Below about 0.9 the lab's broker may well choose
+    whose route and split of the stages over it (`split`: the first token's star steps and
+    each provider's load depend on it), and where the scenario stops a provider its stages'
+    backups, are the nominal placement's; seeded. Below about 0.9 the lab's broker may well choose
     another placement than the prediction's: the scenario then measures the decision's
     noise, not the simulator. `placed`: the nominal placement, if already made."""
 
-    def key(placed: list[Placed]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
-        return route(placed), tuple(p.backup for p in placed) if s.lab.event else ()
+    def key(placed: list[Placed]) -> tuple[tuple[tuple[str, int], ...], tuple[str | None, ...]]:
+        return split(placed), tuple(p.backup for p in placed) if s.lab.event else ()
 
     nominal = key(placed or place(s, model, spec, indices, cal, core))
     rng = random.Random(0)
-    base = [(p.name, hardware(p, cal)) for p in s.lab.provider]
+    base = [(p.name, hardware(p, cal, memory_limit(p, spec, len(indices)))) for p in s.lab.provider]
     same = 0
     for _ in range(trials):
         rng.shuffle(base)

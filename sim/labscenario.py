@@ -73,6 +73,9 @@ class LabProvider(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rate_mbit: Mbit = 20.0
     delay_ms: Delay = 25.0
     nat: Literal["cone", "symmetric", "upnp"] = "upnp"
+    # the most of the package's stages its memory holds (its `--max-memory` set so, in the
+    # broker's accounting: `sim.labplace.memory_limit`); None: room for them all
+    most_stages: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
 
     @property
     def link(self) -> Link:

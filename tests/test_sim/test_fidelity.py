@@ -15,7 +15,7 @@ from broker.core import CoreConfig
 from dag.model import ModelSpec
 from sim.calibration import Calibration, MeasuredProfile, PackageTimes, quota_factor
 from sim.fidelity import CLIENT, Model, predict, promoted
-from sim.labplace import Placed, place, route, stability
+from sim.labplace import MEMORY_BYTES, Placed, memory_limit, place, route, split, stability
 from sim.labscenario import (
     FIGURES,
     QUOTA_SLICE_S,
@@ -122,6 +122,35 @@ def test_a_lone_token_is_the_chained_trip_and_sessions_queue_on_the_quotas() -> 
     assert max(m.demands().items(), key=lambda kv: kv[1])[0].startswith(("up:", "down:"))  # a link
 
 
+def test_a_cpu_serves_one_step_at_a_time_and_a_link_shares_itself() -> None:
+    """The mean-value analysis: a provider's CPU (constant service, one at a time) charges
+    a step arriving while another is served half that one's demand, where exponential
+    service would charge all of it; a link (processor sharing) keeps the exact analysis.
+    Either way no faster than the busiest queue allows, nor than a session alone."""
+
+    def exponential(m: Model, sessions: int) -> float:  # (every queue as the links are)
+        demand = m.demands()
+        delay = max(0.0, m.token_alone() - sum(demand.values()))
+        queue, x = dict.fromkeys(demand, 0.0), 0.0
+        for n in range(1, sessions + 1):
+            resid = {k: d * (1 + queue[k]) for k, d in demand.items()}
+            cycle = base = delay + sum(resid.values())
+            for _ in range(4):
+                cycle = base + m.gather(n, cycle)
+            x = min(n / cycle, 1 / max(demand.values()))
+            queue = {k: x * r for k, r in resid.items()}
+        return sessions / x
+
+    m, _ = predicted("fidelity-compute")  # a quota is the bottleneck
+    busiest = max(d for k, d in m.demands().items() if k in m.providers)
+    assert max(m.demands(), key=lambda k: m.demands()[k]) in m.providers
+    assert m.token(1)[0] == pytest.approx(exponential(m, 1))  # (alone: no one to wait for)
+    token = m.token(4)[0]
+    assert max(4 * busiest, m.token_alone()) <= token < 0.95 * exponential(m, 4)
+    m, _ = predicted("fidelity-bandwidth")  # a link is: its CPUs are nearly idle
+    assert m.token(6)[0] == pytest.approx(exponential(m, 6), rel=0.02)
+
+
 def test_a_kill_costs_a_stall_only_where_a_backup_stands_by() -> None:
     m, _ = predicted("fidelity-churn")
     for p in m.placed:
@@ -211,6 +240,31 @@ def test_a_tied_placement_is_unstable_and_the_bandwidth_scenario_s_is_not() -> N
     tied = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=alike))
     assert route(place(tied, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)) == ("c", "d")
     assert stable(tied) < 0.1
+
+
+def test_a_provider_holds_no_more_stages_than_its_memory_limit_allows() -> None:
+    """`most_stages`: the memory limit its provider runs with holds that many stages in the
+    broker's accounting and not one more. The latency scenario caps its two nearest
+    providers at two stages each: on their equal uplinks the throughput objective is flat
+    in how the four stages split between them (a block's compute is 4 % of a microbatch's
+    send time), so the lab's noise picked 3 + 1, 2 + 2 or 1 + 3, and with them the first
+    token's star trips; capped, the split is 2 + 2 whatever the noise."""
+    core = BrokerConfig(data_dir=Path("."), trust_claims=True).core
+    s = load("fidelity-latency")
+    assert [p.most_stages for p in s.lab.provider] == [2, 2, None, None]
+    placed = place(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)
+    assert split(placed) == (("a", 2), ("b", 2))
+    assert stability(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, core, placed) == 1.0
+    free = [msgspec.structs.replace(p, most_stages=None) for p in s.lab.provider]
+    loose = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=free))
+    assert stability(loose, "story-llama", SPEC, [1, 2, 3, 4], CAL, core) < 0.9
+    for most in (1, 2, 3):
+        one = [msgspec.structs.replace(p, most_stages=most if p.name == "a" else 1)
+               for p in s.lab.provider]  # fmt: skip
+        capped = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=one))
+        held = [p.provider for p in place(capped, "story-llama", SPEC, [1, 2, 3, 4], CAL, core)]
+        assert held.count("a") == most, (most, held)
+    assert memory_limit(s.lab.provider[2], SPEC, 4) == MEMORY_BYTES
 
 
 def test_the_lab_scenarios_are_small_swarms_behind_routers_on_links_of_their_own() -> None:
