@@ -28,14 +28,10 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from broker.models import model_spec
-from dag.model import ModelSpec
-from ir.manifest import ModelManifest
 from lab.net import LabError
 from lab.topology import BROKER_IP, ROOT, Lab
 from sim.calibration import load as load_calibration
 from sim.cgroup import Quota, cpu_s
-from sim.labplace import memory_limit
 from sim.labscenario import LabScenario, LabSpec, figures, prompt, summarize
 
 
@@ -136,12 +132,6 @@ def _prefetched(package: Path, into: Path) -> Path:
     return into / "artifacts"
 
 
-def _model(package: Path) -> tuple[int, ModelSpec]:
-    """The package's provider stages and its model's size (`broker.models.model_spec`)."""
-    manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
-    return sum(1 for st in manifest.stages if st.placement == "provider"), model_spec(manifest)
-
-
 def _fusionai(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
@@ -192,7 +182,6 @@ def run_once(
             peers: dict[str, str] = {}  # peer id -> scenario name
             events: dict[str, Events] = {}
             seed = _prefetched(package, work / "prefetched")
-            stages, model_size = _model(package)
             for i, p in enumerate(spec.provider):
                 (work / p.name).mkdir(mode=0o700)
                 (work / p.name / "profile.json").write_bytes(profiles[p.name])
@@ -204,8 +193,7 @@ def run_once(
                 quotas.append(quota)
                 cmd = _fusionai(
                     "provider", "start", "--broker", addr, "--data-dir", str(work / p.name),
-                    "--executor", "ort", "--max-memory",
-                    f"{memory_limit(p, model_size, stages) / 1024**3:.6f}", "--listen",
+                    "--executor", "ort", "--max-memory", str(p.memory_gib or 2), "--listen",
                     "/ip4/0.0.0.0/tcp/4800", "--json",
                     "--batch-window-ms", str(spec.batch_window_ms),
                 )  # fmt: skip

@@ -12,17 +12,15 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from broker.config import LOAD_OVERHEAD, PLACEMENT_WORK
 from broker.core import CoreConfig
 from broker.core.actions import AssignStage
 from broker.core.events import ModelAdded, ProviderJoined
-from dag.cost import HardwareProfile, layer_memory, stage_workspace
+from dag.cost import HardwareProfile
 from dag.model import ModelSpec
 from sim.calibration import Calibration, quota_factor
 from sim.driver import Driver
 from sim.labscenario import QUOTA_SLICE_S, LabProvider, LabScenario
 
-MEMORY_BYTES = 2 * 1024**3  # the lab's providers run with --max-memory 2 (but `most_stages`)
 # How much what the lab's broker measures of a provider varies from run to run (its `seen`:
 # uplinks at 100 Mbit/s read 108 to 122, at 50 read 51 to 53; round trips 8.4 to 14.5 ms
 # against 8 to 14 predicted): the spread `stability` tries placements over.
@@ -45,23 +43,7 @@ def paced(work: float, share: float) -> float:
     return QUOTA_SLICE_S + (work - QUOTA_SLICE_S) / share
 
 
-def holding(spec: ModelSpec, stages: int, most: int) -> int:
-    """A provider memory limit (bytes) in which the broker places `most` of the model's
-    `stages` equal stages and not one more (`broker.core.placement`'s accounting: the
-    workspace, then each stage's layers, within its share of the limit)."""
-    layers = spec.n_layers / stages
-    need = stage_workspace(spec, PLACEMENT_WORK)
-    need += (most + 0.5) * layers * layer_memory(spec, PLACEMENT_WORK)
-    return int(LOAD_OVERHEAD * need)
-
-
-def memory_limit(p: LabProvider, spec: ModelSpec, stages: int) -> int:
-    """The memory limit (bytes) `p`'s provider runs with: room for all `stages`, or for its
-    `most_stages` of them."""
-    return MEMORY_BYTES if p.most_stages is None else holding(spec, stages, p.most_stages)
-
-
-def hardware(p: LabProvider, cal: Calibration, memory: int = MEMORY_BYTES) -> HardwareProfile:
+def hardware(p: LabProvider, cal: Calibration) -> HardwareProfile:
     """What the broker sees of `p`: the calibrated executor at `p`'s CPU share, its memory
     limit, and the round trip `p` measures to the broker (a ping: the link's delay both
     ways, the broker's two message ends, and `p`'s two at its quota's pace)."""
@@ -72,7 +54,7 @@ def hardware(p: LabProvider, cal: Calibration, memory: int = MEMORY_BYTES) -> Ha
     return HardwareProfile(
         name=p.name,
         flops={k: v * share for k, v in cal.profile.flops.items()},
-        memory_bytes=float(memory),
+        memory_bytes=float(p.memory_bytes),
         mem_bandwidth=cal.profile.mem_bandwidth * share,
         net_bandwidth=p.link.bytes_s,
         rtt=2 * p.delay_ms / 1e3 + 2 * cal.call_s + own,  # (the broker's link: no delay)
@@ -88,9 +70,7 @@ def place(
     the scenario's order)."""
     driver = Driver(core)
     if seen is None:
-        seen = {
-            p.name: hardware(p, cal, memory_limit(p, spec, len(indices))) for p in s.lab.provider
-        }
+        seen = {p.name: hardware(p, cal) for p in s.lab.provider}
     for name, profile in seen.items():
         memory = int(profile.memory_bytes)
         driver.handle(ProviderJoined(name, profile, 0.0, executor="ort", memory_bytes=memory))
@@ -135,7 +115,7 @@ def stability(
 
     nominal = key(placed or place(s, model, spec, indices, cal, core))
     rng = random.Random(0)
-    base = [(p.name, hardware(p, cal, memory_limit(p, spec, len(indices)))) for p in s.lab.provider]
+    base = [(p.name, hardware(p, cal)) for p in s.lab.provider]
     same = 0
     for _ in range(trials):
         rng.shuffle(base)

@@ -73,13 +73,17 @@ class LabProvider(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rate_mbit: Mbit = 20.0
     delay_ms: Delay = 25.0
     nat: Literal["cone", "symmetric", "upnp"] = "upnp"
-    # the most of the package's stages its memory holds (its `--max-memory` set so, in the
-    # broker's accounting: `sim.labplace.memory_limit`); None: room for them all
-    most_stages: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    # its provider's `--max-memory` (GiB): what the broker places on it (None: 2, room for
+    # every stage of the lab's packages)
+    memory_gib: Annotated[float, msgspec.Meta(gt=0, le=1024)] | None = None
 
     @property
     def link(self) -> Link:
         return Link(self.rate_mbit, self.delay_ms, self.nat)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int((2.0 if self.memory_gib is None else self.memory_gib) * 1024**3)
 
     @property
     def share(self) -> float:
