@@ -46,9 +46,9 @@ test-lab: $(STAMP)
 	$(PY) -m pytest -m lab --durations=12
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
-# 10 to 12 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet:
-# it passed its last three runs here, one with a median error of 0.0697 against 0.07 (the
-# compute scenario's figures move by about 10 % with each calibration: README).
+# 11 to 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet:
+# it passed its last runs here, but the compute scenario's figures follow the providers' CPU
+# per token, which drifts by tens of percent within minutes on a shared machine (README).
 test-fidelity: $(STAMP)
 	$(PY) -m pytest -m fidelity --durations=12
 
