@@ -41,6 +41,9 @@ from sim.scenario import Scenario
 
 VERSION = 2
 QUOTA_PROBES = (0.15, 0.3, 0.45)  # CPU quotas (cores) a provider's cost is measured under
+# How far apart a provider's tokens come when it is measured idle before each (about a round
+# trip over home links): it then spends more CPU on each, as its caches and threads go cold.
+IDLE_GAP_S = 0.04
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
@@ -87,6 +90,8 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider_half_quota_token_cpu_s: dict[str, Seconds] = {}
     # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
     provider_session_cpu_s: Seconds | None = None
+    # and the first's CPU per token with its tokens `IDLE_GAP_S` apart (idle before each)
+    provider_idle_token_cpu_s: Seconds | None = None
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -130,6 +135,15 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if half > 0
         }
         return stage, end, factors, session
+
+    def idle_token_s(self) -> float:
+        """What a provider's CPU spends more on a token when it was idle before it (once a
+        token, whatever its stages; 0 where not measured): its idle tokens' CPU less its
+        back-to-back tokens', holding every stage."""
+        t = self.package
+        if t is None or t.provider_token_cpu_s is None or t.provider_idle_token_cpu_s is None:
+            return 0.0
+        return max(0.0, t.provider_idle_token_cpu_s - t.provider_token_cpu_s)
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""

@@ -198,6 +198,32 @@ def test_sessions_starting_together_share_a_link_and_queue_at_a_cpu() -> None:
     assert firsts[0] == pytest.approx(m.first_token(8, 1))
 
 
+def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
+    """Alone, every token finds each provider on its route idle and costs it what the
+    calibration measured more with tokens apart (once a token, at its quota's pace); with
+    sessions enough to keep the providers busy, hardly any does."""
+    assert CAL.package is not None and CAL.idle_token_s() == 0.0  # (not measured: none)
+    t = msgspec.structs.replace(
+        CAL.package, provider_stages=4, provider_token_cpu_s=4e-3,
+        provider_half_token_cpu_s=3e-3, provider_idle_token_cpu_s=5e-3,
+    )  # fmt: skip
+    idle_cal = msgspec.structs.replace(CAL, package=t)
+    assert idle_cal.idle_token_s() == pytest.approx(1e-3)
+    bare_cal = msgspec.structs.replace(CAL, package=msgspec.structs.replace(
+        t, provider_idle_token_cpu_s=None))  # fmt: skip
+    s = load("fidelity-churn")  # one provider on the route, at half a core
+    placed = place(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, CoreConfig())
+    idle, bare = Model(s, idle_cal, placed), Model(s, bare_cal, placed)
+    (x,) = {p.provider for p in placed}
+    assert idle.token_alone() - bare.token_alone() == pytest.approx(
+        1e-3 * quota_factor(idle.quota_factors, idle.share(x)) / idle.share(x), rel=1e-6
+    )
+    assert idle.token(1)[0] == pytest.approx(idle.token_alone())
+    busy = 64  # the provider's quota is the bottleneck: its steps queue, few find it idle
+    assert idle.token(busy)[1] > 0.99 * bare.token(busy)[1]
+    assert idle.token(busy)[1] > 1 / idle.demands()[x]  # (at its idle cost it would serve less)
+
+
 def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
     assert CAL.package is not None
     t = msgspec.structs.replace(
