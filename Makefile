@@ -47,8 +47,8 @@ test-lab: $(STAMP)
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
 # 11 to 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet:
-# it passed its last runs here, but the compute scenario's figures follow the providers' CPU
-# per token, which drifts by tens of percent within minutes on a shared machine (README).
+# it passed three of its last four runs here; the compute scenario's figures follow the
+# providers' CPU per token, which drifts by tens of percent within minutes here (README).
 test-fidelity: $(STAMP)
 	$(PY) -m pytest -m fidelity --durations=12
 
