@@ -134,9 +134,11 @@ def _provider_token_cpu(
     evenly: each one's CPU per generated token and per generation (`_provider_generations`:
     free, key 0.0, capped at each of `quotas` cores, keyed by it, and with `idle` its tokens
     apart, key `IDLE`)."""
+    import signal
     import tempfile
+    import threading
 
-    from cli.demo import STARTUP_TIMEOUT, Child, _cli
+    from cli.demo import STARTUP_TIMEOUT, Child, _cli, _raise_interrupt
     from ir.manifest import ModelManifest
     from sim.cgroup import Quota
 
@@ -146,6 +148,9 @@ def _provider_token_cpu(
     env = {**os.environ, "FUSIONAI_THREADS": "1"}
     children: list[Child] = []
     groups: dict[float, list[Quota]] = {q: [] for q in quotas}
+    # (a TERM stops the broker and providers and removes the quotas, as Ctrl-C does)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
     with tempfile.TemporaryDirectory(prefix="fusionai-calibrate-") as tmp:
         work = Path(tmp)
         try:
@@ -176,11 +181,15 @@ def _provider_token_cpu(
                 _provider_generations(started["http"], package, pids, each, groups, idle)
             )
         finally:
+            if main:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (while they stop)
             for child in reversed(children):
                 child.stop()
             for group in groups.values():
                 for quota in group:
                     quota.close()
+            if main:
+                signal.signal(signal.SIGTERM, previous)
 
 
 def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
