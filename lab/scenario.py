@@ -193,7 +193,7 @@ def run_once(
                 quotas.append(quota)
                 cmd = _fusionai(
                     "provider", "start", "--broker", addr, "--data-dir", str(work / p.name),
-                    "--executor", "ort", "--max-memory", str(p.memory_gib or 2), "--listen",
+                    "--executor", "ort", "--max-memory", str(p.max_memory_gib), "--listen",
                     "/ip4/0.0.0.0/tcp/4800", "--json",
                     "--batch-window-ms", str(spec.batch_window_ms),
                 )  # fmt: skip

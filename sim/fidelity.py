@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from broker.core import CoreConfig
 from dag.model import ModelSpec
 from sim.calibration import Calibration, PackageTimes, quota_factor
-from sim.labplace import Placed, paced, place, stability
+from sim.labplace import Placed, paced, place, split, stability
 from sim.labscenario import FIGURES, LabScenario, percentile
 
 CLIENT = "client"
@@ -133,13 +133,7 @@ class Model:
 
     def route(self) -> list[tuple[str, int]]:
         """The chain's providers in order, each with how many stages it runs in a row."""
-        out: list[tuple[str, int]] = []
-        for p in self.placed:
-            if out and out[-1][0] == p.provider:
-                out[-1] = (p.provider, out[-1][1] + 1)
-            else:
-                out.append((p.provider, 1))
-        return out
+        return list(split(self.placed))
 
     def pairs(self) -> list[tuple[str, str]]:
         """The providers next to each other on the chain (each sends the step to the next)."""

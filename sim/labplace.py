@@ -88,7 +88,7 @@ def place(
 
 def route(placed: Sequence[Placed]) -> tuple[str, ...]:
     """The providers a chained step passes, in order (a provider's stages in a row once)."""
-    return tuple(x for x, _ in itertools.groupby(p.provider for p in placed))
+    return tuple(x for x, _ in split(placed))
 
 
 def split(placed: Sequence[Placed]) -> tuple[tuple[str, int], ...]:

@@ -82,8 +82,13 @@ class LabProvider(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Link(self.rate_mbit, self.delay_ms, self.nat)
 
     @property
+    def max_memory_gib(self) -> float:
+        """Its provider's `--max-memory`."""
+        return 2.0 if self.memory_gib is None else self.memory_gib
+
+    @property
     def memory_bytes(self) -> int:
-        return int((2.0 if self.memory_gib is None else self.memory_gib) * 1024**3)
+        return int(self.max_memory_gib * 1024**3)
 
     @property
     def share(self) -> float:
