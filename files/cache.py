@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 PARTIAL_MAX_AGE_S = 7 * 24 * 3600.0  # a partial download untouched this long is dropped
 STRAY_AGE_S = 3600.0  # a file not named by its hash, this old, is a crashed write's leftover
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
+T = TypeVar("T")
 
 
 class ArtifactError(Exception):
@@ -291,7 +292,7 @@ class ArtifactCache:
                 f"attempts: {redact(str(exc))}; the partial file is kept and the next attempt "
                 "resumes it"
             ) from None
-        digest = await asyncio.to_thread(sha256_file, part)
+        digest = await _to_the_end(sha256_file, part)
         if digest != sha:
             _remove(part)
             raise ArtifactError(
@@ -299,7 +300,7 @@ class ArtifactCache:
                 f"a different or corrupt file; it was deleted"
             )
         # fsyncing gigabytes takes a while: not on the event loop
-        await asyncio.to_thread(move_atomic, part, self.objects / sha)
+        await _to_the_end(move_atomic, part, self.objects / sha)
 
     async def _resume(
         self,
@@ -402,6 +403,22 @@ class ArtifactCache:
                 f"no room for {size} more bytes in the artifact cache (limit {self.limit} "
                 f"bytes, {used} held by stages this provider has loaded); raise the cache size"
             )
+
+
+async def _to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread. A cancelled caller still waits for the thread to
+    finish before the cancellation goes on (and with it the artifact's lock): a thread left
+    behind would move or read `partial/<sha>` under the next fetch of the same artifact (a
+    stage assignment replaced while its download was being moved into place: the new load
+    found the partial file gone)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})  # (its result or error no longer matters to anyone)
+        if not work.cancelled():
+            work.exception()  # retrieved: not logged as never retrieved
+        raise
 
 
 def _private(path: str, flags: int) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,7 +13,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+import files.cache
+from files.atomic import move_atomic
 from files.cache import PARTIAL_MAX_AGE_S, ArtifactCache, ArtifactError
+from files.digest import sha256_file
 
 pytestmark = pytest.mark.timeout(60)
 BODY = os.urandom(1000)
@@ -66,6 +71,48 @@ async def test_other_partials_are_evicted_before_objects_and_pinned_objects_stay
     cache.pinned.add(SHA)
     with pytest.raises(ArtifactError, match="no room"):  # 500 + 1000 pinned: 900 more won't fit
         await cache.fetch(hashlib.sha256(other).hexdigest(), url, len(other))
+
+
+async def test_a_fetch_cancelled_while_its_file_moves_into_place_leaves_the_next_one_whole(
+    server: tuple[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage assignment replaced while its artifact was being moved into place (a slow
+    fsync) cancels that fetch; the next fetch of the same artifact waits for the move instead
+    of finding `partial/<sha>` taken from under it mid-way (it failed on FileNotFoundError)."""
+    url, ranges = server
+    cache = ArtifactCache(tmp_path)
+    moving, release, moved = threading.Event(), threading.Event(), threading.Event()
+
+    def held_move(source: Path, path: Path) -> None:  # the first move is slow
+        if not moving.is_set():
+            moving.set()
+            release.wait(10)
+            move_atomic(source, path)
+            moved.set()
+        else:
+            move_atomic(source, path)
+
+    hashes = 0
+
+    def hash_after_the_move(path: Path) -> str:  # a later hash runs while the first moves
+        nonlocal hashes
+        hashes += 1
+        if hashes > 1:
+            moved.wait(10)
+        return sha256_file(path)
+
+    monkeypatch.setattr(files.cache, "move_atomic", held_move)
+    monkeypatch.setattr(files.cache, "sha256_file", hash_after_the_move)
+    first = asyncio.create_task(cache.fetch(SHA, url, len(BODY)))
+    assert await asyncio.to_thread(moving.wait, 10)
+    first.cancel()
+    second = asyncio.create_task(cache.fetch(SHA, url, len(BODY)))
+    await asyncio.sleep(0.2)  # the second fetch goes as far as it may meanwhile
+    release.set()
+    assert (await asyncio.wait_for(second, 10)).read_bytes() == BODY
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert ranges == [""]  # downloaded once
 
 
 async def test_check_drops_altered_files_and_stale_partials(
