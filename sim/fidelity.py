@@ -285,13 +285,14 @@ class Model:
 
         A link shares itself among the transfers on it (TCP's flows), a provider's CPU runs
         its requests one at a time. So with the other `sessions - 1` running, the prompt's
-        transfers on a link are stretched by the others there (1 + their mean number, the
-        arrival theorem of the mean-value analysis), and its work on a CPU waits for the
-        queue there. With the sessions starting together (`ahead`: those started before
-        this one), where a link is the first steps' bottleneck, they share it to the end and
-        all finish together: when it has carried every session's first step, or after one
-        session's demands when that is longer (the asymptotic bounds); where a CPU is, this
-        one's waits at each stage's busiest queue for the first steps of those ahead."""
+        transfers on a link share it with the others there (`shared_stretch`; their mean
+        number there is the mean-value analysis's, by the arrival theorem), and its work on a
+        CPU waits for the queue there. With the sessions starting together (`ahead`: those
+        started before this one), where a link is the first steps' bottleneck, they share it
+        to the end and all finish together: when it has carried every session's first step,
+        or after one session's demands when that is longer (the asymptotic bounds); where a
+        CPU is, this one's waits at each stage's busiest queue for the first steps of those
+        ahead."""
         alone = self.t.client_step_s
         for p in self.placed:
             alone += (
@@ -310,12 +311,16 @@ class Model:
                 served = sum(total.values())
                 return alone - served + max(served, sessions * total[neck])
             return alone + ahead * sum(max(first.values()) for first in firsts)
-        _, queue = self.mva(max(0, sessions - 1))
+        others = max(0, sessions - 1)
+        _, queue = self.mva(others)
         demand = self.demands()
         out = alone
         for first in firsts:
             for k, d in first.items():
-                out += queue.get(k, 0.0) * (demand.get(k, 0.0) if k in self.providers else d)
+                if k in self.providers:
+                    out += queue.get(k, 0.0) * demand.get(k, 0.0)
+                else:
+                    out += (shared_stretch(others, queue.get(k, 0.0)) - 1) * d
         return out
 
     def connect(self, a: str, b: str) -> float:
@@ -368,6 +373,20 @@ class Model:
                 out += self.rtt(CLIENT, self.placed[i - 1].provider, self.t.open_bytes, width)
             out += self.opening(backup) + self.star_step(backup, history)
         return out + self.t.client_step_s
+
+
+def shared_stretch(others: int, mean: float) -> float:
+    """How much longer a long transfer takes on a link it shares with `others` sessions'
+    transfers, `mean` of them on it on average: each there with probability `mean / others`,
+    independently; while `k` are, it gets `1 / (1 + k)` of the link, so its time is stretched
+    by the inverse of the mean share, `1 / E[1 / (1 + K)]` over K ~ Binomial(others, p). (One
+    plus the mean number, the stretch of a transfer that saw the mean all along, overstates
+    it: the share is convex in K.)"""
+    if others <= 0 or mean <= 0:
+        return 1.0
+    p = min(1.0, mean / others)
+    share = (1 - (1 - p) ** (others + 1)) / ((others + 1) * p)
+    return 1 / share
 
 
 def promoted(placed: list[Placed], victim: str) -> list[Placed]:

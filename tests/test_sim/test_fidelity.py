@@ -5,6 +5,7 @@ scenarios with a calibration of round figures (the lab's own runs are `benchmark
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import msgspec
@@ -15,7 +16,7 @@ from broker.core import CoreConfig
 from dag.cost import blocks_that_fit
 from dag.model import ModelSpec
 from sim.calibration import Calibration, MeasuredProfile, PackageTimes, quota_factor
-from sim.fidelity import CLIENT, Model, predict, promoted
+from sim.fidelity import CLIENT, Model, predict, promoted, shared_stretch
 from sim.labplace import Placed, hardware, place, route, split, stability
 from sim.labscenario import (
     FIGURES,
@@ -196,6 +197,34 @@ def test_sessions_starting_together_share_a_link_and_queue_at_a_cpu() -> None:
     firsts = [m.first_token(8, 4, ahead) for ahead in range(4)]
     assert firsts == sorted(firsts) and firsts[0] < firsts[-1]
     assert firsts[0] == pytest.approx(m.first_token(8, 1))
+
+
+def test_a_prompt_sharing_a_link_is_stretched_by_the_inverse_of_its_mean_share() -> None:
+    """A long transfer among others' that come and go gets `1 / (1 + k)` of the link while
+    `k` are on it: it is stretched by the inverse of its mean share, less than one plus their
+    mean number (which it would be if the mean were there all along) and exactly that when
+    they always are."""
+    assert shared_stretch(0, 0.0) == shared_stretch(5, 0.0) == 1.0
+    assert shared_stretch(3, 3.0) == pytest.approx(4.0)  # always all there
+    for others, mean in [(1, 0.5), (5, 1.5), (5, 4.0), (8, 0.3)]:
+        p = mean / others
+        share = sum(
+            math.comb(others, k) * p**k * (1 - p) ** (others - k) / (1 + k)
+            for k in range(others + 1)
+        )
+        assert shared_stretch(others, mean) == pytest.approx(1 / share)
+        assert 1 < shared_stretch(others, mean) < 1 + mean
+    m, _ = predicted("fidelity-bandwidth")  # six sessions: a round-two prompt among five
+    _, queue = m.mva(5)
+    demand, extra, mean_there = m.demands(), 0.0, 0.0
+    for p in m.placed:
+        for k, d in m.first_demands(p.provider, 8).items():
+            cpu = k in m.providers
+            extra += queue[k] * demand[k] if cpu else (shared_stretch(5, queue[k]) - 1) * d
+            mean_there += queue[k] * (demand[k] if cpu else d)
+    alone = m.first_token(8, 1)
+    assert m.first_token(8, 6) == pytest.approx(alone + extra)
+    assert alone < m.first_token(8, 6) < alone + mean_there  # the old stretch: 1 + the mean
 
 
 def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
