@@ -285,14 +285,13 @@ class Model:
 
         A link shares itself among the transfers on it (TCP's flows), a provider's CPU runs
         its requests one at a time. So with the other `sessions - 1` running, the prompt's
-        transfers on a link share it with the others there (`shared_stretch`; their mean
-        number there is the mean-value analysis's, by the arrival theorem), and its work on a
-        CPU waits for the queue there. With the sessions starting together (`ahead`: those
-        started before this one), where a link is the first steps' bottleneck, they share it
-        to the end and all finish together: when it has carried every session's first step,
-        or after one session's demands when that is longer (the asymptotic bounds); where a
-        CPU is, this one's waits at each stage's busiest queue for the first steps of those
-        ahead."""
+        transfers on a link share it with the others there (`shared_stretch`, their mean
+        number there the mean-value analysis's: the arrival theorem), and its work on a CPU
+        waits for the queue there. With the sessions starting together (`ahead`: those started
+        before this one), where a link is the first steps' bottleneck, they share it to the end
+        and all finish together: when it has carried every session's first step, or after one
+        session's demands when that is longer (the asymptotic bounds); where a CPU is, this
+        one's waits at each stage's busiest queue for the first steps of those ahead."""
         alone = self.t.client_step_s
         for p in self.placed:
             alone += (
@@ -376,12 +375,10 @@ class Model:
 
 
 def shared_stretch(others: int, mean: float) -> float:
-    """How much longer a long transfer takes on a link it shares with `others` sessions'
-    transfers, `mean` of them on it on average: each there with probability `mean / others`,
-    independently; while `k` are, it gets `1 / (1 + k)` of the link, so its time is stretched
-    by the inverse of the mean share, `1 / E[1 / (1 + K)]` over K ~ Binomial(others, p). (One
-    plus the mean number, the stretch of a transfer that saw the mean all along, overstates
-    it: the share is convex in K.)"""
+    """How much longer a long transfer takes on a link shared with `others` sessions', `mean`
+    of them on it on average (each with probability `mean / others`, independently): it gets
+    `1 / (1 + k)` of the link while `k` are there, so `1 / E[1 / (1 + K)]`, K binomial. (One
+    plus the mean overstates it: the share is convex in K.)"""
     if others <= 0 or mean <= 0:
         return 1.0
     p = min(1.0, mean / others)
