@@ -19,6 +19,7 @@ Files in use are pinned and never evicted. Everything is owner-only (files 0600,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -292,7 +293,8 @@ class ArtifactCache:
                 f"attempts: {redact(str(exc))}; the partial file is kept and the next attempt "
                 "resumes it"
             ) from None
-        digest = await _to_the_end(sha256_file, part)
+        digest = await asyncio.to_thread(sha256_file, part)  # (left behind if cancelled: it
+        # only reads, and the next fetch hashes again)
         if digest != sha:
             _remove(part)
             raise ArtifactError(
@@ -407,17 +409,19 @@ class ArtifactCache:
 
 async def _to_the_end(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` in a worker thread. A cancelled caller still waits for the thread to
-    finish before the cancellation goes on (and with it the artifact's lock): a thread left
-    behind would move or read `partial/<sha>` under the next fetch of the same artifact (a
+    finish before the cancellation goes on (and with it the artifact's lock): a move left
+    behind would take `partial/<sha>` from under the next fetch of the same artifact (a
     stage assignment replaced while its download was being moved into place: the new load
     found the partial file gone)."""
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
-        await asyncio.wait({work})  # (its result or error no longer matters to anyone)
+        while not work.done():  # (a second cancellation waits too)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({work})
         if not work.cancelled():
-            work.exception()  # retrieved: not logged as never retrieved
+            work.exception()  # retrieved: its outcome no longer matters to anyone
         raise
 
 

@@ -77,8 +77,9 @@ async def test_a_fetch_cancelled_while_its_file_moves_into_place_leaves_the_next
     server: tuple[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stage assignment replaced while its artifact was being moved into place (a slow
-    fsync) cancels that fetch; the next fetch of the same artifact waits for the move instead
-    of finding `partial/<sha>` taken from under it mid-way (it failed on FileNotFoundError)."""
+    fsync) cancels that fetch (twice, here); the next fetch of the same artifact waits for the
+    move instead of finding `partial/<sha>` taken from under it mid-way (it failed on
+    FileNotFoundError)."""
     url, ranges = server
     cache = ArtifactCache(tmp_path)
     moving, release, moved = threading.Event(), threading.Event(), threading.Event()
@@ -107,7 +108,9 @@ async def test_a_fetch_cancelled_while_its_file_moves_into_place_leaves_the_next
     assert await asyncio.to_thread(moving.wait, 10)
     first.cancel()
     second = asyncio.create_task(cache.fetch(SHA, url, len(BODY)))
-    await asyncio.sleep(0.2)  # the second fetch goes as far as it may meanwhile
+    await asyncio.sleep(0.1)  # the second fetch goes as far as it may meanwhile
+    first.cancel()  # and again: the move is still waited for
+    await asyncio.sleep(0.1)
     release.set()
     assert (await asyncio.wait_for(second, 10)).read_bytes() == BODY
     with pytest.raises(asyncio.CancelledError):
