@@ -162,15 +162,15 @@ class Model:
         more for having been idle before it) at its quota."""
         path = [(a, b, n) for a, b, n, on in self.messages() if on]
         trips = sum(self.hop(a, b, n) for a, b, n in path)
-        work = {x: k * self.stage(x) + self.cpu(x, self.idle_s) for x, k in self.route()}
+        idle = {x: self.cpu(x, self.idle_s) for x, _ in self.route()}
+        work = {x: k * self.stage(x) + idle[x] for x, k in self.route()}
         for a, b, n in path:
             for x in (a, b):
                 if x != CLIENT:
                     work[x] += self.end(x, n)
         slowed = sum(self.stretch(x, w) - w for x, w in work.items())
         stages = sum(self.stage(p.provider) for p in self.placed)
-        idle = sum(self.cpu(x, self.idle_s) for x, _ in self.route())
-        return self.t.client_step_s + stages + idle + trips + slowed
+        return self.t.client_step_s + stages + sum(idle.values()) + trips + slowed
 
     def demands(self, idle: Mapping[str, float] | None = None) -> dict[str, float]:
         """Seconds per token each queue serves: each provider's CPU (its stage steps, its ends
