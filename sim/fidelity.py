@@ -208,16 +208,16 @@ class Model:
         joining = (sessions - 1) * min(1.0, window / period)
         return len(self.placed) * (window + joining * window / 2) / (1 + joining)
 
-    def mva(self, sessions: int) -> tuple[float, dict[str, float]]:
+    def mva(self, sessions: int) -> tuple[float, dict[str, float], dict[str, float]]:
         """Mean-value analysis of `sessions` closed loops: (tokens per second of all, the
-        mean queue at each queue); the batches' gathering a delay at each population. A link
-        shares itself among its transfers (processor sharing: exact). A provider's CPU serves
-        one request at a time, each about as long as the last (first come, first served,
-        constant service): one arriving while another is served waits for the rest of that
-        one, half a demand on average, where the exponential analysis charges a whole one
-        (the residual-time correction for such queues). A step finds its provider idle as
-        often as the provider is not busy with the others (the arrival theorem again), and
-        then costs it more (`Calibration.idle_token_s`)."""
+        mean queue at each queue, each CPU's utilisation); the batches' gathering a delay at
+        each population. A link shares itself among its transfers (processor sharing:
+        exact). A provider's CPU serves one request at a time, each about as long as the last
+        (first come, first served, constant service): one arriving while another is served
+        waits for the rest of that one, half a demand on average, where the exponential
+        analysis charges a whole one (the residual-time correction for such queues). A step
+        finds its provider idle as often as the provider is not busy with the others (the
+        arrival theorem again), and then costs it more (`Calibration.idle_token_s`)."""
         demand = self.demands()
         delay = max(0.0, self.token_alone() - sum(demand.values()))
         queue = dict.fromkeys(demand, 0.0)
@@ -233,12 +233,12 @@ class Model:
             x = min(n / cycle, cap)
             queue = {k: x * r for k, r in resid.items()}
             busy = {k: x * d if k in self.providers else 0.0 for k, d in demand.items()}
-        return x, queue
+        return x, queue, busy
 
     def token(self, sessions: int) -> tuple[float, float]:
         """(seconds per token of each session, tokens per second of all) with `sessions`
         running at once: no more tokens a second than each provider's quota allows."""
-        x, _ = self.mva(sessions)
+        x, _, _ = self.mva(sessions)
         return sessions / x, x
 
     # ---- the first token, a failover -------------------------------------------------------
@@ -286,12 +286,14 @@ class Model:
         A link shares itself among the transfers on it (TCP's flows), a provider's CPU runs
         its requests one at a time. So with the other `sessions - 1` running, the prompt's
         transfers on a link share it with the others there (`shared_stretch`, their mean
-        number there the mean-value analysis's: the arrival theorem), and its work on a CPU
-        waits for the queue there. With the sessions starting together (`ahead`: those started
-        before this one), where a link is the first steps' bottleneck, they share it to the end
-        and all finish together: when it has carried every session's first step, or after one
-        session's demands when that is longer (the asymptotic bounds); where a CPU is, this
-        one's waits at each stage's busiest queue for the first steps of those ahead."""
+        number there the mean-value analysis's: the arrival theorem), and its work waits at
+        each CPU, once for all its stages there, for the others' tokens there, the one in
+        service half done (as in `mva`). With the sessions starting together (`ahead`: those
+        started before this one), where a link is the first steps' bottleneck, they share it
+        to the end and all finish together: when it has carried every session's first step,
+        or after one session's demands when that is longer (the asymptotic bounds); where a
+        CPU is, this one's waits at each stage's busiest queue for the first steps of those
+        ahead."""
         alone = self.t.client_step_s
         for p in self.placed:
             alone += (
@@ -311,14 +313,11 @@ class Model:
                 return alone - served + max(served, sessions * total[neck])
             return alone + ahead * sum(max(first.values()) for first in firsts)
         others = max(0, sessions - 1)
-        _, queue = self.mva(others)
-        demand = self.demands()
-        out = alone
+        x, queue, busy = self.mva(others)
+        out = alone + sum(b / x * (queue[k] - b / 2) for k, b in busy.items() if b > 0)
         for first in firsts:
             for k, d in first.items():
-                if k in self.providers:
-                    out += queue.get(k, 0.0) * demand.get(k, 0.0)
-                else:
+                if k not in self.providers:
                     out += (shared_stretch(others, queue.get(k, 0.0)) - 1) * d
         return out
 

@@ -215,16 +215,46 @@ def test_a_prompt_sharing_a_link_is_stretched_by_the_inverse_of_its_mean_share()
         assert shared_stretch(others, mean) == pytest.approx(1 / share)
         assert 1 < shared_stretch(others, mean) < 1 + mean
     m, _ = predicted("fidelity-bandwidth")  # six sessions: a round-two prompt among five
-    _, queue = m.mva(5)
-    demand, extra, mean_there = m.demands(), 0.0, 0.0
+    _, queue, _ = m.mva(5)
+    on_cpus = cpu_wait(m, 5)
+    extra, mean_there = on_cpus, on_cpus
     for p in m.placed:
         for k, d in m.first_demands(p.provider, 8).items():
-            cpu = k in m.providers
-            extra += queue[k] * demand[k] if cpu else (shared_stretch(5, queue[k]) - 1) * d
-            mean_there += queue[k] * (demand[k] if cpu else d)
+            if k not in m.providers:
+                extra += (shared_stretch(5, queue[k]) - 1) * d
+                mean_there += queue[k] * d
     alone = m.first_token(8, 1)
     assert m.first_token(8, 6) == pytest.approx(alone + extra)
     assert alone < m.first_token(8, 6) < alone + mean_there  # the old stretch: 1 + the mean
+
+
+def cpu_wait(m: Model, others: int) -> float:
+    """What a prompt among `others` running sessions waits for at the CPUs of its route: at
+    each, once, for the others' tokens there, the one in service half done."""
+    _, queue, busy = m.mva(others)
+    demand = m.demands({k: 1 - busy[k] for k in m.providers if k in busy})
+    return sum(demand[k] * (queue[k] - busy[k] / 2) for k in {p.provider for p in m.placed})
+
+
+def test_a_prompt_among_sessions_waits_once_at_each_cpu_for_the_rest_of_their_tokens() -> None:
+    """At a CPU, a prompt among running sessions waits for the others' tokens there (their
+    mean number, the arrival theorem), of which the one being served is half done on average,
+    as a token does in the mean-value analysis; and once at a provider holding two of its
+    stages, since the mean number there counts tokens at either of them."""
+    m, _ = predicted("fidelity-compute")
+    held = [p.provider for p in m.placed]
+    assert len(set(held)) < len(held)  # a provider holds two stages
+    _, queue, busy = m.mva(3)
+    demand = m.demands({k: 1 - busy[k] for k in m.providers if k in busy})
+    links = sum(
+        (shared_stretch(3, queue[k]) - 1) * d
+        for p in m.placed
+        for k, d in m.first_demands(p.provider, 8).items()
+        if k not in m.providers
+    )
+    waited = m.first_token(8, 4) - m.first_token(8, 1) - links
+    assert waited == pytest.approx(cpu_wait(m, 3))
+    assert 0 < waited < sum(demand[k] * queue[k] for k in held)  # each stage a whole queue
 
 
 def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
