@@ -80,9 +80,26 @@ def available() -> str | None:
 
 
 def cpu_s(pid: int) -> float | None:
-    """CPU seconds process `pid` has used (all its threads), or None once it is gone."""
+    """CPU seconds process `pid` has used (all its threads), or None once it is gone: its
+    threads' run time to the nanosecond (`schedstat`); or the process's total in clock ticks
+    (`stat`) where that is more (its exited threads' time, which only the total keeps) or the
+    kernel keeps no `schedstat`. The total is cut down to whole ticks, 10 ms: in a reading of
+    a provider's CPU per token over some 60 tokens, a few percent."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    ticks = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    threads = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return ticks
+    for tid in tids:
+        try:
+            threads += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except FileNotFoundError:
+            continue  # (that thread has just exited)
+        except (OSError, ValueError, IndexError):
+            return ticks  # (no schedstat here)
+    return max(ticks, threads / 1e9)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from cli.sim_calibrate import calibrate
 from dag.cost import HardwareProfile, Workload, pipeline_metrics
 from dag.model import LLAMA2_7B
 from sim.calibration import Calibration, load, save
+from sim.cgroup import cpu_s
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,3 +85,29 @@ def load_profile() -> object:
     from sim.calibration import MeasuredProfile
 
     return MeasuredProfile("cpu", "ort", {"float32": 3e11}, 1.5e10, 2.5e10)
+
+
+def test_a_process_s_cpu_time_is_read_to_well_under_a_clock_tick() -> None:
+    """The calibration reads providers' CPU per token as differences of `cpu_s` over a few
+    dozen tokens: a child that has used a known CPU time, just over 6 ms past a whole tick,
+    reads within 2 ms of it (the ticks `/proc/PID/stat` keeps would read it 6 ms short), and
+    a gone process reads None."""
+    spin = (
+        "import sys, time\n"
+        "while not (time.process_time() > 0.15 and 0.0062 < time.process_time() % 0.01 < 0.0068):\n"
+        "    pass\n"
+        "print(time.process_time(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        used = float(child.stdout.readline())
+        read = cpu_s(child.pid)
+        assert read is not None and abs(read - used) < 0.002, (read, used)
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_s(child.pid) is None
