@@ -1,7 +1,8 @@
 """`fusionai sim calibrate --package`: what a provider daemon's work costs it, measured on
 real processes (a broker and providers on loopback, the SDK generating through them): its CPU
-per generated token holding every stage and half of them, under a CPU quota (root), and with
-its tokens apart, and its CPU per generation beyond its tokens (`sim.calibration.PackageTimes`)."""
+per generated token holding every stage, and two providers' holding more and fewer of them at
+once, under CPU quotas (root), and with its tokens apart, and its CPU per generation beyond
+its tokens (`sim.calibration.PackageTimes`)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ IDLE = "idle"  # the readings with tokens `IDLE_GAP_S` apart (the client waits b
 
 
 async def _provider_generations(
-    http: str, package: Path, pids: list[int], stages_each: int, quotas: dict[float, list[Any]],
-    idle: bool = False,
+    http: str, package: Path, pids: list[int], split: tuple[int, ...],
+    quotas: dict[float, list[Any]], idle: bool = False,
 ) -> dict[float | str, list[tuple[float, float]]]:  # fmt: skip
     """Each provider daemon's CPU seconds per generated token and per generation beyond its
-    tokens: the package added to the broker at `http`, served by the providers `pids`,
-    `stages_each` stages on each. A reading: the CPU each used over long generations less
+    tokens: the package added to the broker at `http`, served by the providers `pids`, each
+    holding its number of stages in `split`. A reading: the CPU each used over long generations less
     that over short ones (the opening, prefill and closing cancel) per extra token, and what
     the short ones used beyond their tokens, per generation; the median of the readings.
     With `quotas` (for each quota in cores, a `sim.cgroup.Quota` per provider) the readings
@@ -67,8 +68,12 @@ async def _provider_generations(
                 raise RuntimeError(f"the calibration's providers did not serve {name} in 120 s")
             await asyncio.sleep(0.2)
         held = [p.peer_id for s in model.stages for p in s.providers]
-        if sorted(held.count(p) for p in set(held)) != [stages_each] * len(pids):
-            raise RuntimeError(f"the calibration wanted {stages_each} stages on each provider")
+        counts = sorted((held.count(p) for p in set(held)), reverse=True)
+        if counts != sorted(split, reverse=True):
+            raise RuntimeError(
+                f"the calibration wanted {'+'.join(map(str, split))} stages on its providers; "
+                f"the broker placed {'+'.join(map(str, counts))}"
+            )
         await fa.generate(text, SHORT, model=name, stream=False)  # connections open, warm
         for i in range(PROVIDER_READINGS * len(modes)):
             mode = modes[i % len(modes)]
@@ -108,9 +113,9 @@ async def _provider_generations(
     return out
 
 
-def _split_memory(package: Path, stages_each: int) -> float:
-    """A provider memory limit (GiB) in which the broker places `stages_each` of the
-    package's provider stages and not one more (`broker.core.placement`'s accounting)."""
+def _split_memory(package: Path, held: int) -> float:
+    """A provider memory limit (GiB) in which the broker places `held` of the package's
+    provider stages and not one more (`broker.core.placement`'s accounting)."""
     from broker.config import LOAD_OVERHEAD, PLACEMENT_WORK
     from broker.models import model_spec
     from dag.cost import layer_memory, stage_workspace
@@ -121,17 +126,18 @@ def _split_memory(package: Path, stages_each: int) -> float:
     stages = sum(1 for st in manifest.stages if st.placement == "provider")
     layers = spec.n_layers / stages
     need = stage_workspace(spec, PLACEMENT_WORK)
-    need += (stages_each + 0.5) * layers * layer_memory(spec, PLACEMENT_WORK)
+    need += (held + 0.5) * layers * layer_memory(spec, PLACEMENT_WORK)
     return LOAD_OVERHEAD * need / 1024**3
 
 
 def _provider_token_cpu(
-    package: Path, profile: bytes, executor: str, providers: int = 1,
+    package: Path, profile: bytes, executor: str, split: tuple[int, ...] | None = None,
     quotas: tuple[float, ...] = (), idle: bool = False,
 ) -> dict[float | str, list[tuple[float, float]]]:  # fmt: skip
-    """A real broker and `providers` provider daemons (loopback, one compute thread each,
-    this machine's profile as measured here), sharing the provider stages of `package`
-    evenly: each one's CPU per generated token and per generation (`_provider_generations`:
+    """A real broker and provider daemons (loopback, one compute thread each, this machine's
+    profile as measured here), one holding each number of the provider stages of `package`
+    in `split` (by its memory limit; None: one holding them all): each one's CPU per
+    generated token and per generation (`_provider_generations`:
     free, key 0.0, capped at each of `quotas` cores, keyed by it, and with `idle` its tokens
     apart, key `IDLE`)."""
     import signal
@@ -143,8 +149,8 @@ def _provider_token_cpu(
     from sim.cgroup import Quota
 
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
-    each = sum(1 for st in manifest.stages if st.placement == "provider") // providers
-    memory = f"{_split_memory(package, each):.4f}" if providers > 1 else "2"
+    split = split or (sum(1 for st in manifest.stages if st.placement == "provider"),)
+    memory = [f"{_split_memory(package, k):.4f}" if len(split) > 1 else "2" for k in split]
     env = {**os.environ, "FUSIONAI_THREADS": "1"}
     children: list[Child] = []
     groups: dict[float, list[Quota]] = {q: [] for q in quotas}
@@ -161,14 +167,14 @@ def _provider_token_cpu(
             children.append(broker)
             started = broker.wait_for("broker_started", STARTUP_TIMEOUT)
             pids = []
-            for i in range(providers):
+            for i in range(len(split)):
                 data = work / f"provider-{i}"
                 data.mkdir(mode=0o700)
                 (data / "profile.json").write_bytes(profile)
                 cmd = _cli(
                     "provider", "start", "--broker", started["addrs"][0], "--data-dir",
                     str(data), "--listen", "/ip4/127.0.0.1/tcp/0", "--executor", executor,
-                    "--max-memory", memory, "--json",
+                    "--max-memory", memory[i], "--json",
                 )  # fmt: skip
                 for q in quotas:
                     groups[q].append(Quota(f"fusionai-calibrate-{os.getpid()}-{q:g}-{i}", q))
@@ -178,7 +184,7 @@ def _provider_token_cpu(
             for child in children[1:]:
                 child.wait_for("joined", STARTUP_TIMEOUT)
             return asyncio.run(
-                _provider_generations(started["http"], package, pids, each, groups, idle)
+                _provider_generations(started["http"], package, pids, split, groups, idle)
             )
         finally:
             if main:
@@ -193,9 +199,12 @@ def _provider_token_cpu(
 
 
 def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
-    """A provider daemon's CPU per token serving every stage, and serving half of them (two
-    providers: their mean), and the second again with each provider under CPU quotas
-    (`QUOTA_PROBES`, as the lab caps its providers; as root only)."""
+    """A provider daemon's CPU per token serving every stage; two providers', one serving
+    all the stages but one and the other that one (two stages each where there are only
+    two), measured together: the difference is the stages' alone, whatever this machine's
+    speed did meanwhile; and the two again under CPU quotas (`QUOTA_PROBES`, as the lab caps
+    its providers; as root only)."""
+    from ir.manifest import ModelManifest
     from sim.calibration import QUOTA_PROBES
     from sim.cgroup import available
 
@@ -206,14 +215,18 @@ def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, An
         "provider_idle_token_cpu_s": whole[IDLE][0][0],
         "provider_session_cpu_s": session,
     }
+    manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
+    n = sum(1 for st in manifest.stages if st.placement == "provider")
+    split = (n - 1, 1) if n > 2 else (1, 1)
     quotas = QUOTA_PROBES if available() is None else ()
     try:
-        half = _provider_token_cpu(package, profile, executor, 2, quotas)
+        if n < 2:
+            raise RuntimeError(f"{manifest.name} has one provider stage")
+        two = _provider_token_cpu(package, profile, executor, split, quotas)
     except RuntimeError as exc:  # (a package of one provider stage, or placed otherwise)
         print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
         return out
-    out["provider_half_token_cpu_s"] = statistics.mean(t for t, _ in half[0.0])
-    out["provider_half_quota_token_cpu_s"] = {
-        f"{q:g}": statistics.mean(t for t, _ in half[q]) for q in quotas
-    }
+    out["provider_split_stages"] = list(split)
+    out["provider_split_token_cpu_s"] = [t for t, _ in two[0.0]]
+    out["provider_split_quota_token_cpu_s"] = {f"{q:g}": [t for t, _ in two[q]] for q in quotas}
     return out

@@ -39,7 +39,7 @@ import msgspec
 
 from sim.scenario import Scenario
 
-VERSION = 2
+VERSION = 3  # (2: two providers measured apart from the one, half the stages each)
 QUOTA_PROBES = (0.15, 0.3, 0.45)  # CPU quotas (cores) a provider's cost is measured under
 # How far apart a provider's tokens come when it is measured idle before each (about a round
 # trip over home links): it then spends more CPU on each, as its caches and threads go cold.
@@ -80,18 +80,28 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     open_bytes: Bytes
     # a provider daemon's CPU seconds per generated token (from the CPU it used in long
     # generations less short ones), holding all `provider_stages` stages of the package (one
-    # hop: the step in, its answer, the outputs pushed to the client, the acceptance); one
-    # of two providers holding half the stages each (the same four messages each: the step
-    # in and its answer, the step on and its answer, or the push and the acceptance); and
-    # the latter under each CPU quota of `QUOTA_PROBES` (cores, keyed "0.3") in the lab's slices
+    # hop: the step in, its answer, the outputs pushed to the client, the acceptance); two
+    # providers' at once, holding `provider_split_stages` of them each (the same four
+    # messages each: the step in and its answer, the step on and its answer, or the push and
+    # the acceptance); and theirs under each CPU quota of `QUOTA_PROBES` (cores, keyed "0.3")
+    # in the lab's slices
     provider_token_cpu_s: Seconds | None = None
     provider_stages: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
-    provider_half_token_cpu_s: Seconds | None = None
-    provider_half_quota_token_cpu_s: dict[str, Seconds] = {}
+    provider_split_stages: list[Annotated[int, msgspec.Meta(ge=1, le=4096)]] = []
+    provider_split_token_cpu_s: list[Seconds] = []
+    provider_split_quota_token_cpu_s: dict[str, list[Seconds]] = {}
     # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
     provider_session_cpu_s: Seconds | None = None
     # and the first's CPU per token with its tokens `IDLE_GAP_S` apart (idle before each)
     provider_idle_token_cpu_s: Seconds | None = None
+
+    def __post_init__(self) -> None:
+        ks, n = self.provider_split_stages, len(self.provider_split_token_cpu_s)
+        figures = [n, *(len(v) for v in self.provider_split_quota_token_cpu_s.values())]
+        if any(f != len(ks) for f in figures):
+            raise ValueError("provider_split_*: one figure for each of provider_split_stages")
+        if ks and sum(ks) != self.provider_stages:
+            raise ValueError("provider_split_stages: the providers split provider_stages")
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,21 +128,27 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at
         its end of a message, the factor each lab quota measured puts on its CPU (`quota_factor`),
         a stage's session beyond its tokens: its opening, prompt and closing), or None if not
-        measured. With both provider measurements the first two solve k s + 4 e for the
-        whole package and half of it; with one, each message end costs `call_s`."""
+        measured. The first two solve k s + 4 e for the two providers measured together (k
+        their stages); where they hold as many, for the one holding every stage, measured
+        apart, and their mean. Without the two, each message end costs `call_s`."""
         t = self.package
         if t is None or t.provider_token_cpu_s is None:
             return None
-        n, whole, half = t.provider_stages, t.provider_token_cpu_s, t.provider_half_token_cpu_s
+        n, whole = t.provider_stages, t.provider_token_cpu_s
         session = (t.provider_session_cpu_s or 0.0) / n
-        if half is None or n < 2:
+        ks, cpus = t.provider_split_stages, t.provider_split_token_cpu_s
+        if not cpus:
             return max(0.0, whole - 4 * self.call_s) / n, self.call_s, {}, session
-        stage = max(0.0, whole - half) / (n - n // 2)
-        end = max(0.0, half - (n // 2) * stage) / 4
+        pairs = list(zip(ks, cpus, strict=True))
+        (k, more), (j, less) = max(pairs), min(pairs)
+        if k == j:
+            (k, more), less = (n, whole), sum(cpus) / len(cpus)
+        stage = max(0.0, more - less) / (k - j)
+        end = max(0.0, sum(c - i * stage for i, c in pairs) / len(pairs)) / 4
         factors = {
-            float(q): max(1.0, capped / half)
-            for q, capped in t.provider_half_quota_token_cpu_s.items()
-            if half > 0
+            float(q): max(1.0, sum(capped) / sum(cpus))
+            for q, capped in t.provider_split_quota_token_cpu_s.items()
+            if sum(cpus) > 0
         }
         return stage, end, factors, session
 
@@ -155,6 +171,10 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
+class _Versioned(msgspec.Struct):
+    version: int
+
+
 def load(path: Path | str) -> Calibration:
     """A calibration file, checked (a clear `ValueError` otherwise)."""
     try:
@@ -162,12 +182,15 @@ def load(path: Path | str) -> Calibration:
     except OSError as exc:
         raise ValueError(f"cannot read calibration {path}: {exc.strerror}") from None
     try:
-        out = msgspec.json.decode(raw, type=Calibration)
+        version = msgspec.json.decode(raw, type=_Versioned).version
+        if version != VERSION:
+            raise ValueError(
+                f"{path}: calibration version {version}; this reads {VERSION}: run "
+                "`fusionai sim calibrate` again"
+            )
+        return msgspec.json.decode(raw, type=Calibration)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(f"{path} is not a calibration file: {exc}") from None
-    if out.version != VERSION:
-        raise ValueError(f"{path}: calibration version {out.version}; this reads {VERSION}")
-    return out
 
 
 def save(calibration: Calibration, path: Path | str) -> None:

@@ -35,7 +35,7 @@ SPEC = ModelSpec(  # the demo decoder in 4 stages (`broker.models.model_spec`)
     layer_kv_bytes_per_token=512, hidden_bytes_per_token=512,
 )  # fmt: skip
 CAL = Calibration(
-    version=2, machine="test", measured_at=0.0, call_s=2e-4, frame_bytes=75.0, connect_s=0.25,
+    version=3, machine="test", measured_at=0.0, call_s=2e-4, frame_bytes=75.0, connect_s=0.25,
     wire_s_per_byte=4e-9,
     stage_call_s=1e-5, small_rtt_s=8e-4, large_rtt_s=0.05, large_bytes=1 << 22, samples=100,
     profile=MeasuredProfile("cpu", "ort", {"float32": 3.6e11, "float16": 3e11}, 1.46e10, 2.5e10),
@@ -263,8 +263,8 @@ def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
     sessions enough to keep the providers busy, hardly any does."""
     assert CAL.package is not None and CAL.idle_token_s() == 0.0  # (not measured: none)
     t = msgspec.structs.replace(
-        CAL.package, provider_stages=4, provider_token_cpu_s=4e-3,
-        provider_half_token_cpu_s=3e-3, provider_idle_token_cpu_s=5e-3,
+        CAL.package, provider_stages=4, provider_token_cpu_s=4e-3, provider_split_stages=[2, 2],
+        provider_split_token_cpu_s=[3e-3, 3e-3], provider_idle_token_cpu_s=5e-3,
     )  # fmt: skip
     idle_cal = msgspec.structs.replace(CAL, package=t)
     assert idle_cal.idle_token_s() == pytest.approx(1e-3)
@@ -283,31 +283,50 @@ def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
     assert idle.token(busy)[1] > 1 / idle.demands()[x]  # (at its idle cost it would serve less)
 
 
-def test_provider_costs_solve_the_whole_and_half_measurements() -> None:
+def test_provider_costs_solve_the_two_providers_measured_together() -> None:
+    """A stage's CPU and a message end's solve k s + 4 e for the two providers measured
+    together (three stages and one), whatever the one holding every stage read apart; where
+    the two hold as many, with that one; the quotas' factors on the two's CPU together."""
     assert CAL.package is not None
     t = msgspec.structs.replace(
-        CAL.package, provider_stages=4, provider_token_cpu_s=8e-3,
-        provider_half_token_cpu_s=6e-3,
-        provider_half_quota_token_cpu_s={"0.15": 9e-3, "0.3": 7.2e-3},
+        CAL.package, provider_stages=4, provider_token_cpu_s=9e-3,  # (read while slower)
+        provider_split_stages=[3, 1], provider_split_token_cpu_s=[7e-3, 5e-3],
+        provider_split_quota_token_cpu_s={"0.15": [10.5e-3, 7.5e-3], "0.3": [8.4e-3, 6e-3]},
         provider_session_cpu_s=20e-3,
     )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=t).provider_costs()
     assert costs is not None
     stage, end, factors, session = costs
-    # 4 s + 4 e = 8 ms and 2 s + 4 e = 6 ms
+    # 3 s + 4 e = 7 ms and s + 4 e = 5 ms
     assert stage == pytest.approx(1e-3) and end == pytest.approx(1e-3)
     assert factors == pytest.approx({0.15: 1.5, 0.3: 1.2}) and session == pytest.approx(5e-3)
     # between the quotas measured, and up to none at a whole core
     assert quota_factor(factors, 0.225) == pytest.approx(1.35)
     assert quota_factor(factors, 0.65) == pytest.approx(1.1)
     assert quota_factor(factors, 0.1) == pytest.approx(1.5) and quota_factor(factors, 1.0) == 1
-    only = msgspec.structs.replace(t, provider_half_token_cpu_s=None)
+    even = msgspec.structs.replace(  # 4 s + 4 e = 8 ms apart, 2 s + 4 e = 6 ms each
+        t, provider_token_cpu_s=8e-3, provider_split_stages=[2, 2],
+        provider_split_token_cpu_s=[6e-3, 6e-3], provider_split_quota_token_cpu_s={},
+    )  # fmt: skip
+    costs = msgspec.structs.replace(CAL, package=even).provider_costs()
+    assert costs is not None and costs[:3] == (pytest.approx(1e-3), pytest.approx(1e-3), {})
+    only = msgspec.structs.replace(
+        t, provider_split_stages=[], provider_split_token_cpu_s=[],
+        provider_split_quota_token_cpu_s={},
+    )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=only).provider_costs()
     assert costs is not None
     stage, end, factors, _ = costs
-    assert end == CAL.call_s and stage == pytest.approx((8e-3 - 4 * CAL.call_s) / 4)
+    assert end == CAL.call_s and stage == pytest.approx((9e-3 - 4 * CAL.call_s) / 4)
     assert factors == {}
     assert CAL.provider_costs() is None  # not measured: the model uses the in-process step
+    raw = msgspec.json.encode(t)
+    for bad, why in (
+        (raw.replace(b"[3,1]", b"[3]"), "one figure for each"),
+        (raw.replace(b"[3,1]", b"[2,1]"), "the providers split provider_stages"),
+    ):
+        with pytest.raises(msgspec.ValidationError, match=why):
+            msgspec.json.decode(bad, type=PackageTimes)
 
 
 def test_a_tied_placement_is_unstable_and_the_bandwidth_scenario_s_is_not() -> None:
