@@ -23,7 +23,9 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       and head for a token, and the encoded size of a chained step's
                       messages (what lab scenarios are predicted from); and a provider
                       process's CPU per generated token (a real broker and provider on
-                      loopback, the provider holding every stage: one hop of four messages)
+                      loopback, the provider holding every stage: one hop of four messages;
+                      with its tokens 40 ms apart; and two providers at once, one holding
+                      every stage but one, free and under CPU quotas)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
