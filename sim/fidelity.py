@@ -342,12 +342,13 @@ class Model:
         the client's own request to the victim fails the same way; it reports the failure
         (the broker promotes the backup), asks for the stage, connects to the backup, opens
         a session there and replays the history (a later stage first fetches its chained
-        inputs from the provider before it); each of the victim's further stages the same
+        inputs from the provider now serving the stage before it: the backup, where the
+        victim served that one too); each of the victim's further stages the same
         (no call to the victim again); the stages after them the star way."""
         stages = [i for i, p in enumerate(self.placed) if p.provider == victim]
         if not stages or self.placed[stages[0]].backup is None:
             return None
-        first = stages[0]
+        first, now = stages[0], promoted(self.placed, victim)
         if first == 0:
             out = self.delay(victim) + self.delay(CLIENT)
         else:
@@ -366,9 +367,9 @@ class Model:
             if backup not in done:
                 out += self.connect(CLIENT, backup)
                 done.add(backup)
-            if i > 0:  # its chained inputs, kept by the provider before it
+            if i > 0:  # its chained inputs, kept by the provider now before it
                 width = self.t.hidden_bytes_per_token * history
-                out += self.rtt(CLIENT, self.placed[i - 1].provider, self.t.open_bytes, width)
+                out += self.rtt(CLIENT, now[i - 1].provider, self.t.open_bytes, width)
             out += self.opening(backup) + self.star_step(backup, history)
         return out + self.t.client_step_s
 

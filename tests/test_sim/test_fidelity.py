@@ -165,6 +165,23 @@ def test_a_kill_costs_a_stall_only_where_a_backup_stands_by() -> None:
     assert out["figures"]["failover_stall_ms"] is None  # type: ignore[index]
 
 
+def test_a_stall_asks_the_backup_for_the_inputs_the_victim_kept() -> None:
+    """Where the victim served every stage, each later stage's replay fetches its inputs from
+    the backup, which has just replayed the stage before: the victim's link is crossed only
+    by its connection dropping and the dial that fails (three of its delays), not by those
+    fetches."""
+    s = load("fidelity-churn")  # (a serves every stage, b stands by, as in the lab)
+    placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
+    far = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=[
+        msgspec.structs.replace(p, delay_ms=p.delay_ms + 10) if p.name == "a" else p
+        for p in s.lab.provider
+    ]))  # fmt: skip
+    slower = Model(far, CAL, placed).stall("a", 12)
+    before = Model(s, CAL, placed).stall("a", 12)
+    assert slower is not None and before is not None
+    assert slower - before == pytest.approx(3 * 0.010)
+
+
 def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
     s = load("fidelity-churn")
     placed = [Placed(1, "a", "c"), Placed(2, "a", "c"), Placed(3, "b", "d"), Placed(4, "b", "d")]
