@@ -102,8 +102,8 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         figures = [n, *(len(v) for v in self.provider_split_quota_token_cpu_s.values())]
         if any(f != len(ks) for f in figures):
             raise ValueError("provider_split_*: one figure for each of provider_split_stages")
-        if ks and sum(ks) != self.provider_stages:
-            raise ValueError("provider_split_stages: the providers split provider_stages")
+        if ks and (len(ks) < 2 or sum(ks) != self.provider_stages):
+            raise ValueError("provider_split_stages: two or more providers split provider_stages")
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -340,7 +340,14 @@ def test_provider_costs_solve_the_two_providers_measured_together() -> None:
     raw = msgspec.json.encode(t)
     for bad, why in (
         (raw.replace(b"[3,1]", b"[3]"), "one figure for each"),
-        (raw.replace(b"[3,1]", b"[2,1]"), "the providers split provider_stages"),
+        (raw.replace(b"[3,1]", b"[2,1]"), "two or more providers split provider_stages"),
+        (
+            raw.replace(b"[3,1]", b"[4]")
+            .replace(b"[0.007,0.005]", b"[0.007]")
+            .replace(b"[0.0105,0.0075]", b"[0.0105]")
+            .replace(b"[0.0084,0.006]", b"[0.0084]"),
+            "two or more providers split provider_stages",
+        ),
     ):
         with pytest.raises(msgspec.ValidationError, match=why):
             msgspec.json.decode(bad, type=PackageTimes)
