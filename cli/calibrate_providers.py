@@ -21,14 +21,15 @@ IDLE = "idle"  # the readings with tokens `IDLE_GAP_S` apart (the client waits b
 
 
 async def _provider_generations(
-    http: str, package: Path, pids: list[int], split: tuple[int, ...],
+    http: str, package: Path, pids: list[int], peers: list[str], split: tuple[int, ...],
     quotas: dict[float, list[Any]], idle: bool = False,
 ) -> dict[float | str, list[tuple[float, float]]]:  # fmt: skip
     """Each provider daemon's CPU seconds per generated token and per generation beyond its
-    tokens: the package added to the broker at `http`, served by the providers `pids`, each
-    holding its number of stages in `split`. A reading: the CPU each used over long generations less
-    that over short ones (the opening, prefill and closing cancel) per extra token, and what
-    the short ones used beyond their tokens, per generation; the median of the readings.
+    tokens: the package added to the broker at `http`, served by the providers `pids` (their
+    peer ids `peers`), each holding its number of stages in `split`. A reading: the CPU each
+    used over long generations less that over short ones (the opening, prefill and closing
+    cancel) per extra token, and what the short ones used beyond their tokens, per
+    generation; the median of the readings.
     With `quotas` (for each quota in cores, a `sim.cgroup.Quota` per provider) the readings
     cycle through the providers free (key 0.0) and under each quota (its key); with `idle`,
     through readings of generations whose tokens come `IDLE_GAP_S` apart (key `IDLE`), as
@@ -68,8 +69,8 @@ async def _provider_generations(
                 raise RuntimeError(f"the calibration's providers did not serve {name} in 120 s")
             await asyncio.sleep(0.2)
         held = [p.peer_id for s in model.stages for p in s.providers]
-        counts = sorted((held.count(p) for p in set(held)), reverse=True)
-        if counts != sorted(split, reverse=True):
+        counts = [held.count(p) for p in peers]
+        if counts != list(split) or len(held) != sum(split):
             raise RuntimeError(
                 f"the calibration wanted {'+'.join(map(str, split))} stages on its providers; "
                 f"the broker placed {'+'.join(map(str, counts))}"
@@ -181,10 +182,13 @@ def _provider_token_cpu(
                 child = Child(f"provider {i}", cmd, work / f"provider-{i}.log", env)
                 children.append(child)
                 pids.append(child.proc.pid)
+            peers = [
+                child.wait_for("listening", STARTUP_TIMEOUT)["peer_id"] for child in children[1:]
+            ]
             for child in children[1:]:
                 child.wait_for("joined", STARTUP_TIMEOUT)
             return asyncio.run(
-                _provider_generations(started["http"], package, pids, split, groups, idle)
+                _provider_generations(started["http"], package, pids, peers, split, groups, idle)
             )
         finally:
             if main:
@@ -200,10 +204,10 @@ def _provider_token_cpu(
 
 def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
     """A provider daemon's CPU per token serving every stage; two providers', one serving
-    all the stages but one and the other that one (two stages each where there are only
-    two), measured together: the difference is the stages' alone, whatever this machine's
-    speed did meanwhile; and the two again under CPU quotas (`QUOTA_PROBES`, as the lab caps
-    its providers; as root only)."""
+    all the stages but one and the other that one, measured together: the difference is the
+    stages' alone, whatever this machine's speed did meanwhile (where there are only two
+    stages, one each, solved with the first, measured apart); and the two again under CPU
+    quotas (`QUOTA_PROBES`, as the lab caps its providers; as root only)."""
     from ir.manifest import ModelManifest
     from sim.calibration import QUOTA_PROBES
     from sim.cgroup import available

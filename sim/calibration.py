@@ -104,6 +104,13 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("provider_split_*: one figure for each of provider_split_stages")
         if ks and (len(ks) < 2 or sum(ks) != self.provider_stages):
             raise ValueError("provider_split_stages: two or more providers split provider_stages")
+        for quota in self.provider_split_quota_token_cpu_s:
+            try:
+                ok = 0 < float(quota) < 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"provider_split_quota_token_cpu_s: {quota!r} is not a quota")
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,7 +154,7 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (k, more), less = (n, whole), sum(cpus) / len(cpus)
         stage = max(0.0, more - less) / (k - j)
         end = max(0.0, sum(c - i * stage for i, c in pairs) / len(pairs)) / 4
-        factors = {
+        factors = {  # (the two's CPU together: the one holding more stages weighs more)
             float(q): max(1.0, sum(capped) / sum(cpus))
             for q, capped in t.provider_split_quota_token_cpu_s.items()
             if sum(cpus) > 0

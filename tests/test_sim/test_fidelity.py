@@ -341,6 +341,7 @@ def test_provider_costs_solve_the_two_providers_measured_together() -> None:
     for bad, why in (
         (raw.replace(b"[3,1]", b"[3]"), "one figure for each"),
         (raw.replace(b"[3,1]", b"[2,1]"), "two or more providers split provider_stages"),
+        (raw.replace(b'"0.15"', b'"soon"'), "'soon' is not a quota"),
         (
             raw.replace(b"[3,1]", b"[4]")
             .replace(b"[0.007,0.005]", b"[0.007]")
