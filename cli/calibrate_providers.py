@@ -1,7 +1,7 @@
 """`fusionai sim calibrate --package`: what a provider daemon's work costs it, measured on
 real processes (a broker and providers on loopback, the SDK generating through them): its CPU
-per generated token holding every stage, under CPU quotas (root) and with its tokens apart,
-and two providers' holding more and fewer of them at once, and its CPU per generation beyond
+per generated token holding every stage, and two providers' holding more and fewer of them at
+once, under CPU quotas (root), and with its tokens apart, and its CPU per generation beyond
 its tokens (`sim.calibration.PackageTimes`)."""
 
 from __future__ import annotations
@@ -203,39 +203,34 @@ def _provider_token_cpu(
 
 
 def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
-    """A provider daemon's CPU per token serving every stage, its tokens back to back, and
-    again under CPU quotas (`QUOTA_PROBES`, as the lab caps its providers; as root only)
-    and with its tokens apart; and two providers', one serving all the stages but one and
-    the other that one, measured together: the difference is the stages' alone, whatever this
-    machine's speed did meanwhile (where there are only two stages, one each, solved with the
-    first, measured apart). (The quotas are timed on the one: its tokens come back to back
-    under any quota, so what they cost it is the quota's alone. Each of the two waits for the
-    other's work before a token, at the quota's pace: 5 to 22 ms, a provider idle before a
-    token, which costs it more, `provider_idle_token_cpu_s`, and which the simulator charges
-    on its own.)"""
+    """A provider daemon's CPU per token serving every stage; two providers', one serving
+    all the stages but one and the other that one, measured together: the difference is the
+    stages' alone, whatever this machine's speed did meanwhile (where there are only two
+    stages, one each, solved with the first, measured apart); and the two again under CPU
+    quotas (`QUOTA_PROBES`, as the lab caps its providers; as root only)."""
     from ir.manifest import ModelManifest
     from sim.calibration import QUOTA_PROBES
     from sim.cgroup import available
 
-    quotas = QUOTA_PROBES if available() is None else ()
-    whole = _provider_token_cpu(package, profile, executor, quotas=quotas, idle=True)
+    whole = _provider_token_cpu(package, profile, executor, idle=True)
     token, session = whole[0.0][0]
     out: dict[str, Any] = {
         "provider_token_cpu_s": token,
-        "provider_quota_token_cpu_s": {f"{q:g}": whole[q][0][0] for q in quotas},
         "provider_idle_token_cpu_s": whole[IDLE][0][0],
         "provider_session_cpu_s": session,
     }
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
     n = sum(1 for st in manifest.stages if st.placement == "provider")
     split = (n - 1, 1) if n > 2 else (1, 1)
+    quotas = QUOTA_PROBES if available() is None else ()
     try:
         if n < 2:
             raise RuntimeError(f"{manifest.name} has one provider stage")
-        two = _provider_token_cpu(package, profile, executor, split)
+        two = _provider_token_cpu(package, profile, executor, split, quotas)
     except RuntimeError as exc:  # (a package of one provider stage, or placed otherwise)
         print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
         return out
     out["provider_split_stages"] = list(split)
     out["provider_split_token_cpu_s"] = [t for t, _ in two[0.0]]
+    out["provider_split_quota_token_cpu_s"] = {f"{q:g}": [t for t, _ in two[q]] for q in quotas}
     return out

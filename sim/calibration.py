@@ -24,8 +24,8 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       messages (what lab scenarios are predicted from); and a provider
                       process's CPU per generated token (a real broker and provider on
                       loopback, the provider holding every stage: one hop of four messages;
-                      under CPU quotas; with its tokens 40 ms apart; and two providers at
-                      once, one holding every stage but one)
+                      with its tokens 40 ms apart; and two providers at once, one holding
+                      every stage but one, free and under CPU quotas)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
@@ -82,16 +82,16 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     open_bytes: Bytes
     # a provider daemon's CPU seconds per generated token (from the CPU it used in long
     # generations less short ones), holding all `provider_stages` stages of the package (one
-    # hop: the step in, its answer, the outputs pushed to the client, the acceptance), and
-    # under each CPU quota of `QUOTA_PROBES` (cores, keyed "0.3") in the lab's slices, its
-    # tokens back to back; two providers' at once, holding `provider_split_stages` of them
-    # each (the same four messages each: the step in and its answer, the step on and its
-    # answer, or the push and the acceptance)
+    # hop: the step in, its answer, the outputs pushed to the client, the acceptance); two
+    # providers' at once, holding `provider_split_stages` of them each (the same four
+    # messages each: the step in and its answer, the step on and its answer, or the push and
+    # the acceptance); and theirs under each CPU quota of `QUOTA_PROBES` (cores, keyed "0.3")
+    # in the lab's slices
     provider_token_cpu_s: Seconds | None = None
     provider_stages: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
-    provider_quota_token_cpu_s: dict[str, Seconds] = {}
     provider_split_stages: list[Annotated[int, msgspec.Meta(ge=1, le=4096)]] = []
     provider_split_token_cpu_s: list[Seconds] = []
+    provider_split_quota_token_cpu_s: dict[str, list[Seconds]] = {}
     # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
     provider_session_cpu_s: Seconds | None = None
     # and the first's CPU per token with its tokens `IDLE_GAP_S` apart (idle before each)
@@ -99,17 +99,18 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         ks, n = self.provider_split_stages, len(self.provider_split_token_cpu_s)
-        if n != len(ks):
+        figures = [n, *(len(v) for v in self.provider_split_quota_token_cpu_s.values())]
+        if any(f != len(ks) for f in figures):
             raise ValueError("provider_split_*: one figure for each of provider_split_stages")
         if ks and (len(ks) < 2 or sum(ks) != self.provider_stages):
             raise ValueError("provider_split_stages: two or more providers split provider_stages")
-        for quota in self.provider_quota_token_cpu_s:
+        for quota in self.provider_split_quota_token_cpu_s:
             try:
                 ok = 0 < float(quota) < 1
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f"provider_quota_token_cpu_s: {quota!r} is not a quota")
+                raise ValueError(f"provider_split_quota_token_cpu_s: {quota!r} is not a quota")
 
 
 class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,31 +135,30 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def provider_costs(self) -> tuple[float, float, dict[float, float], float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at
-        its end of a message, the factor each lab quota measured puts on its CPU (`quota_factor`:
-        the one holding every stage, its tokens back to back), a stage's session beyond its
-        tokens: its opening, prompt and closing), or None if not measured. The first two solve
-        k s + 4 e for the two providers measured together (k their stages); where they hold
-        as many, for the one holding every stage, measured apart, and their mean. Without the
-        two, each message end costs `call_s`."""
+        its end of a message, the factor each lab quota measured puts on its CPU (`quota_factor`),
+        a stage's session beyond its tokens: its opening, prompt and closing), or None if not
+        measured. The first two solve k s + 4 e for the two providers measured together (k
+        their stages); where they hold as many, for the one holding every stage, measured
+        apart, and their mean. Without the two, each message end costs `call_s`."""
         t = self.package
         if t is None or t.provider_token_cpu_s is None:
             return None
         n, whole = t.provider_stages, t.provider_token_cpu_s
         session = (t.provider_session_cpu_s or 0.0) / n
-        factors = {
-            float(q): max(1.0, capped / whole)
-            for q, capped in t.provider_quota_token_cpu_s.items()
-            if whole > 0
-        }
         ks, cpus = t.provider_split_stages, t.provider_split_token_cpu_s
         if not cpus:
-            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, factors, session
+            return max(0.0, whole - 4 * self.call_s) / n, self.call_s, {}, session
         pairs = list(zip(ks, cpus, strict=True))
         (k, more), (j, less) = max(pairs), min(pairs)
         if k == j:
             (k, more), less = (n, whole), sum(cpus) / len(cpus)
         stage = max(0.0, more - less) / (k - j)
         end = max(0.0, sum(c - i * stage for i, c in pairs) / len(pairs)) / 4
+        factors = {  # (the two's CPU together: the one holding more stages weighs more)
+            float(q): max(1.0, sum(capped) / sum(cpus))
+            for q, capped in t.provider_split_quota_token_cpu_s.items()
+            if sum(cpus) > 0
+        }
         return stage, end, factors, session
 
     def idle_token_s(self) -> float:

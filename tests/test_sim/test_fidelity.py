@@ -303,13 +303,12 @@ def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
 def test_provider_costs_solve_the_two_providers_measured_together() -> None:
     """A stage's CPU and a message end's solve k s + 4 e for the two providers measured
     together (three stages and one), whatever the one holding every stage read apart; where
-    the two hold as many, with that one. The quotas' factors are that one's CPU under each
-    over its CPU free (its tokens back to back both ways), with the two or without them."""
+    the two hold as many, with that one; the quotas' factors on the two's CPU together."""
     assert CAL.package is not None
     t = msgspec.structs.replace(
         CAL.package, provider_stages=4, provider_token_cpu_s=9e-3,  # (read while slower)
-        provider_quota_token_cpu_s={"0.15": 13.5e-3, "0.3": 10.8e-3},
         provider_split_stages=[3, 1], provider_split_token_cpu_s=[7e-3, 5e-3],
+        provider_split_quota_token_cpu_s={"0.15": [10.5e-3, 7.5e-3], "0.3": [8.4e-3, 6e-3]},
         provider_session_cpu_s=20e-3,
     )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=t).provider_costs()
@@ -323,17 +322,20 @@ def test_provider_costs_solve_the_two_providers_measured_together() -> None:
     assert quota_factor(factors, 0.65) == pytest.approx(1.1)
     assert quota_factor(factors, 0.1) == pytest.approx(1.5) and quota_factor(factors, 1.0) == 1
     even = msgspec.structs.replace(  # 4 s + 4 e = 8 ms apart, 2 s + 4 e = 6 ms each
-        t, provider_token_cpu_s=8e-3, provider_quota_token_cpu_s={},
-        provider_split_stages=[2, 2], provider_split_token_cpu_s=[6e-3, 6e-3],
+        t, provider_token_cpu_s=8e-3, provider_split_stages=[2, 2],
+        provider_split_token_cpu_s=[6e-3, 6e-3], provider_split_quota_token_cpu_s={},
     )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=even).provider_costs()
     assert costs is not None and costs[:3] == (pytest.approx(1e-3), pytest.approx(1e-3), {})
-    only = msgspec.structs.replace(t, provider_split_stages=[], provider_split_token_cpu_s=[])
+    only = msgspec.structs.replace(
+        t, provider_split_stages=[], provider_split_token_cpu_s=[],
+        provider_split_quota_token_cpu_s={},
+    )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=only).provider_costs()
     assert costs is not None
     stage, end, factors, _ = costs
     assert end == CAL.call_s and stage == pytest.approx((9e-3 - 4 * CAL.call_s) / 4)
-    assert factors == pytest.approx({0.15: 1.5, 0.3: 1.2})
+    assert factors == {}
     assert CAL.provider_costs() is None  # not measured: the model uses the in-process step
     raw = msgspec.json.encode(t)
     for bad, why in (
@@ -341,7 +343,10 @@ def test_provider_costs_solve_the_two_providers_measured_together() -> None:
         (raw.replace(b"[3,1]", b"[2,1]"), "two or more providers split provider_stages"),
         (raw.replace(b'"0.15"', b'"soon"'), "'soon' is not a quota"),
         (
-            raw.replace(b"[3,1]", b"[4]").replace(b"[0.007,0.005]", b"[0.007]"),
+            raw.replace(b"[3,1]", b"[4]")
+            .replace(b"[0.007,0.005]", b"[0.007]")
+            .replace(b"[0.0105,0.0075]", b"[0.0105]")
+            .replace(b"[0.0084,0.006]", b"[0.0084]"),
             "two or more providers split provider_stages",
         ),
     ):
