@@ -124,8 +124,7 @@ def _split_memory(package: Path, held: int) -> float:
 
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
     spec = model_spec(manifest)
-    stages = sum(1 for st in manifest.stages if st.placement == "provider")
-    layers = spec.n_layers / stages
+    layers = spec.n_layers / len(manifest.provider_stages())
     need = stage_workspace(spec, PLACEMENT_WORK)
     need += (held + 0.5) * layers * layer_memory(spec, PLACEMENT_WORK)
     return LOAD_OVERHEAD * need / 1024**3
@@ -150,7 +149,7 @@ def _provider_token_cpu(
     from sim.cgroup import Quota
 
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
-    split = split or (sum(1 for st in manifest.stages if st.placement == "provider"),)
+    split = split or (len(manifest.provider_stages()),)
     memory = [f"{_split_memory(package, k):.4f}" if len(split) > 1 else "2" for k in split]
     env = {**os.environ, "FUSIONAI_THREADS": "1"}
     children: list[Child] = []
@@ -220,14 +219,16 @@ def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, An
         "provider_session_cpu_s": session,
     }
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
-    n = sum(1 for st in manifest.stages if st.placement == "provider")
+    n = len(manifest.provider_stages())
+    if n < 2:
+        print(f"calibrate: no two-provider measurement: {manifest.name} has one provider "
+              "stage", file=sys.stderr)  # fmt: skip
+        return out
     split = (n - 1, 1) if n > 2 else (1, 1)
     quotas = QUOTA_PROBES if available() is None else ()
     try:
-        if n < 2:
-            raise RuntimeError(f"{manifest.name} has one provider stage")
         two = _provider_token_cpu(package, profile, executor, split, quotas)
-    except RuntimeError as exc:  # (a package of one provider stage, or placed otherwise)
+    except RuntimeError as exc:  # (placed otherwise)
         print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
         return out
     out["provider_split_stages"] = list(split)

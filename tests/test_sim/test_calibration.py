@@ -96,9 +96,8 @@ def test_a_process_s_cpu_time_is_read_to_well_under_a_clock_tick() -> None:
     dozen tokens: a child that has used a known CPU time, just over 6 ms past a whole tick,
     reads within 2 ms of it (the ticks `/proc/PID/stat` keeps would read it 6 ms short), and
     a gone process reads None."""
-    if not Path("/proc/self/schedstat").exists() or Path(
-        "/proc/self/schedstat"
-    ).read_text().startswith("0 "):
+    schedstat = Path("/proc/self/schedstat")
+    if not schedstat.exists() or schedstat.read_text().startswith("0 "):
         pytest.skip("this kernel keeps no schedstat: the CPU time is read in clock ticks")
     spin = (
         "import sys, time\n"
