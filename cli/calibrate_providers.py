@@ -1,8 +1,8 @@
 """`fusionai sim calibrate --package`: what a provider daemon's work costs it, measured on
 real processes (a broker and providers on loopback, the SDK generating through them): its CPU
 per generated token holding every stage, and two providers' holding more and fewer of them at
-once, under CPU quotas (root), and with its tokens apart, and its CPU per generation beyond
-its tokens (`sim.calibration.PackageTimes`)."""
+once, free and under CPU quotas (root), and its CPU per generation beyond its tokens
+(`sim.calibration.PackageTimes`)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from typing import Any
 PROVIDER_ROUNDS = 3  # generations of each length in one reading of the providers' CPU
 PROVIDER_READINGS = 5  # readings (the median is kept); with a quota, alternately on and off
 SHORT, LONG = 2, 24  # the generations' lengths (tokens)
-IDLE = "idle"  # the readings with tokens `IDLE_GAP_S` apart (the client waits before each step)
 
 
 async def _provider_generations(
     http: str, package: Path, pids: list[int], peers: list[str], split: tuple[int, ...],
-    quotas: dict[float, list[Any]], idle: bool = False,
-) -> dict[float | str, list[tuple[float, float]]]:  # fmt: skip
+    quotas: dict[float, list[Any]],
+) -> dict[float, list[tuple[float, float]]]:  # fmt: skip
     """Each provider daemon's CPU seconds per generated token and per generation beyond its
     tokens: the package added to the broker at `http`, served by the providers `pids` (their
     peer ids `peers`), each holding its number of stages in `split`. A reading: the CPU each
@@ -31,14 +30,9 @@ async def _provider_generations(
     cancel) per extra token, and what the short ones used beyond their tokens, per
     generation; the median of the readings.
     With `quotas` (for each quota in cores, a `sim.cgroup.Quota` per provider) the readings
-    cycle through the providers free (key 0.0) and under each quota (its key); with `idle`,
-    through readings of generations whose tokens come `IDLE_GAP_S` apart (key `IDLE`), as
-    over home links, where the providers sit idle before each token: free CPU per token plus
-    the median of each idle reading's over the free reading just before it (this machine's
-    speed drifts by tens of percent within minutes: the pairs see the same)."""
+    cycle through the providers free (key 0.0) and under each quota (its key)."""
     from client.api import AsyncClient
     from ir.manifest import ModelManifest
-    from sim.calibration import IDLE_GAP_S
     from sim.cgroup import cpu_s
     from sim.labscenario import prompt
 
@@ -50,16 +44,11 @@ async def _provider_generations(
 
     name = ModelManifest.from_json((package / "manifest.json").read_bytes()).name
     text = prompt(8)  # (the lab scenarios' prompt length)
-    modes: list[float | str] = [0.0, *sorted(quotas), *([IDLE] if idle else [])]
-    readings: dict[float | str, list[list[tuple[float, float]]]] = {m: [] for m in modes}
+    modes = [0.0, *sorted(quotas)]
+    readings: dict[float, list[list[tuple[float, float]]]] = {m: [] for m in modes}
 
-    async def generated(n: int, apart: bool) -> int:
-        if not apart:
-            return len((await fa.generate(text, n, model=name, stream=False)).tokens)
-        stream = fa.generate(text, n, model=name)
-        async for _ in stream:
-            await asyncio.sleep(IDLE_GAP_S)
-        return len(stream.result.tokens)
+    async def generated(n: int) -> int:
+        return len((await fa.generate(text, n, model=name, stream=False)).tokens)
 
     async with AsyncClient(http, timeout=30.0) as fa:
         await fa.add_model(package)
@@ -79,7 +68,7 @@ async def _provider_generations(
         for i in range(PROVIDER_READINGS * len(modes)):
             mode = modes[i % len(modes)]
             for k, pid in enumerate(pids):
-                if isinstance(mode, float) and mode:
+                if mode:
                     quotas[mode][k].add(pid)
                 elif quotas:
                     next(iter(quotas.values()))[k].release(pid)
@@ -87,7 +76,7 @@ async def _provider_generations(
             for n in (SHORT, LONG):
                 before, tokens = [used_s(pid) for pid in pids], 0
                 for _ in range(PROVIDER_ROUNDS):
-                    tokens += await generated(n, mode == IDLE)
+                    tokens += await generated(n)
                 used[n] = [used_s(pid) - b for pid, b in zip(pids, before, strict=True)]
                 made[n] = tokens
             if made[LONG] <= made[SHORT]:
@@ -97,21 +86,13 @@ async def _provider_generations(
                 token = max(0.0, long - short) / extra
                 one.append((token, max(0.0, short - token * made[SHORT]) / PROVIDER_ROUNDS))
             readings[mode].append(one)
-    out = {
+    return {
         mode: [
             (statistics.median(r[k][0] for r in rs), statistics.median(r[k][1] for r in rs))
             for k in range(len(pids))
         ]
         for mode, rs in readings.items()
     }
-    if idle:  # free, plus the median of each idle reading over the free one just before it
-        pairs = list(zip(readings[0.0], readings[IDLE], strict=True))
-        out[IDLE] = [
-            (out[0.0][k][0] + statistics.median(b[k][0] - a[k][0] for a, b in pairs),
-             out[IDLE][k][1])
-            for k in range(len(pids))
-        ]  # fmt: skip
-    return out
 
 
 def _split_memory(package: Path, held: int) -> float:
@@ -132,14 +113,13 @@ def _split_memory(package: Path, held: int) -> float:
 
 def _provider_token_cpu(
     package: Path, profile: bytes, executor: str, split: tuple[int, ...] | None = None,
-    quotas: tuple[float, ...] = (), idle: bool = False,
-) -> dict[float | str, list[tuple[float, float]]]:  # fmt: skip
+    quotas: tuple[float, ...] = (),
+) -> dict[float, list[tuple[float, float]]]:  # fmt: skip
     """A real broker and provider daemons (loopback, one compute thread each, this machine's
     profile as measured here), one holding each number of the provider stages of `package`
     in `split` (by its memory limit; None: one holding them all): each one's CPU per
     generated token and per generation (`_provider_generations`:
-    free, key 0.0, capped at each of `quotas` cores, keyed by it, and with `idle` its tokens
-    apart, key `IDLE`)."""
+    free, key 0.0, and capped at each of `quotas` cores, keyed by it)."""
     import signal
     import tempfile
     import threading
@@ -187,7 +167,7 @@ def _provider_token_cpu(
             for child in children[1:]:
                 child.wait_for("joined", STARTUP_TIMEOUT)
             return asyncio.run(
-                _provider_generations(started["http"], package, pids, peers, split, groups, idle)
+                _provider_generations(started["http"], package, pids, peers, split, groups)
             )
         finally:
             if main:
@@ -211,13 +191,8 @@ def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, An
     from sim.calibration import QUOTA_PROBES
     from sim.cgroup import available
 
-    whole = _provider_token_cpu(package, profile, executor, idle=True)
-    token, session = whole[0.0][0]
-    out: dict[str, Any] = {
-        "provider_token_cpu_s": token,
-        "provider_idle_token_cpu_s": whole[IDLE][0][0],
-        "provider_session_cpu_s": session,
-    }
+    token, session = _provider_token_cpu(package, profile, executor)[0.0][0]
+    out: dict[str, Any] = {"provider_token_cpu_s": token, "provider_session_cpu_s": session}
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
     n = len(manifest.provider_stages())
     if n < 2:

@@ -24,8 +24,8 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       messages (what lab scenarios are predicted from); and a provider
                       process's CPU per generated token (a real broker and provider on
                       loopback, the provider holding every stage: one hop of four messages;
-                      with its tokens 40 ms apart; and two providers at once, one holding
-                      every stage but one, free and under CPU quotas)
+                      and two providers at once, one holding every stage but one, free and
+                      under CPU quotas)
 
 Nothing here is set by hand or fitted to a scenario: each figure is a measurement's median.
 """
@@ -41,11 +41,9 @@ import msgspec
 
 from sim.scenario import Scenario
 
-VERSION = 3  # (2: two providers measured apart from the one, half the stages each)
+VERSION = 4  # (3: with a provider's CPU per token with its tokens apart; 2: two providers
+# measured apart from the one, half the stages each)
 QUOTA_PROBES = (0.15, 0.3, 0.45)  # CPU quotas (cores) a provider's cost is measured under
-# How far apart a provider's tokens come when it is measured idle before each (about a round
-# trip over home links): it then spends more CPU on each, as its caches and threads go cold.
-IDLE_GAP_S = 0.04
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
@@ -94,8 +92,6 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider_split_quota_token_cpu_s: dict[str, list[Seconds]] = {}
     # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
     provider_session_cpu_s: Seconds | None = None
-    # and the first's CPU per token with its tokens `IDLE_GAP_S` apart (idle before each)
-    provider_idle_token_cpu_s: Seconds | None = None
 
     def __post_init__(self) -> None:
         ks, n = self.provider_split_stages, len(self.provider_split_token_cpu_s)
@@ -160,15 +156,6 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if sum(cpus) > 0
         }
         return stage, end, factors, session
-
-    def idle_token_s(self) -> float:
-        """What a provider's CPU spends more on a token when it was idle before it (once a
-        token, whatever its stages; 0 where not measured): its idle tokens' CPU less its
-        back-to-back tokens', holding every stage."""
-        t = self.package
-        if t is None or t.provider_token_cpu_s is None or t.provider_idle_token_cpu_s is None:
-            return 0.0
-        return max(0.0, t.provider_idle_token_cpu_s - t.provider_token_cpu_s)
 
     def apply(self, scenario: Scenario) -> Scenario:
         """`scenario` with the software's costs per hop and per call measured here."""

@@ -15,7 +15,13 @@ to spend it, `Calibration.provider_costs`; at the client `call_s`; both plus byt
 `wire_s_per_byte`); each stage a daemon's measured one-token step. A provider's CPU under a
 quota costs the factor measured for it, and its part of a token runs at the quota's pace: the
 first slice (`QUOTA_SLICE_S`) at full speed, the rest at its share (measured with busy loops:
-8 ms of work took 23.3 ms at 0.3 of a core and 43.4 ms at 0.15). Sessions at once: exact
+8 ms of work took 23.3 ms at 0.3 of a core and 43.4 ms at 0.15). Nothing is added for a
+provider that waited before a token: the calibration's readings come from a running pipeline,
+each provider waiting for the other before each of its tokens, so that cost is in them (a
+reading of one provider with its tokens 40 ms apart on an otherwise quiet machine put 0.6 to
+1.9 ms more on each token, which the lab's providers did not spend: in the latency scenario,
+tokens 140 ms apart, 3.9 to 5.3 ms a token with their sessions' openings and prompts, where
+the readings predict 3.8 to 4.6 without it and 5.5 to 6.0 with it). Sessions at once: exact
 mean-value analysis of the closed network they form (each client one session; each provider's
 CPU, at its quota's pace, and each access link's way up and down a queue; the rest pure delay,
 with the time each stage step waits for the other sessions to join its batch, `Model.gather`;
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from broker.core import CoreConfig
 from dag.model import ModelSpec
@@ -73,7 +79,6 @@ class Model:
         # quota adds to its CPU, where measured (else the in-process step and `call_s`)
         costs = cal.provider_costs() or (self.t.stage_step_s, cal.call_s, {}, 0.0)
         self.stage_s, self.provider_end_s, self.quota_factors, self.session_s = costs
-        self.idle_s = cal.idle_token_s()  # more CPU on a token a provider was idle before
 
     # ---- the parts -------------------------------------------------------------------------
 
@@ -158,25 +163,22 @@ class Model:
 
     def token_alone(self) -> float:
         """One decode step of a session alone on the swarm: the chained trip, each
-        provider's part of it (its stages, its ends of the step's messages, what it spends
-        more for having been idle before it) at its quota."""
+        provider's part of it (its stages, its ends of the step's messages) at its quota."""
         path = [(a, b, n) for a, b, n, on in self.messages() if on]
         trips = sum(self.hop(a, b, n) for a, b, n in path)
-        idle = {x: self.cpu(x, self.idle_s) for x, _ in self.route()}
-        work = {x: k * self.stage(x) + idle[x] for x, k in self.route()}
+        work = {x: k * self.stage(x) for x, k in self.route()}
         for a, b, n in path:
             for x in (a, b):
                 if x != CLIENT:
                     work[x] += self.end(x, n)
         slowed = sum(self.stretch(x, w) - w for x, w in work.items())
         stages = sum(self.stage(p.provider) for p in self.placed)
-        return self.t.client_step_s + stages + sum(idle.values()) + trips + slowed
+        return self.t.client_step_s + stages + trips + slowed
 
-    def demands(self, idle: Mapping[str, float] | None = None) -> dict[str, float]:
-        """Seconds per token each queue serves: each provider's CPU (its stage steps, its ends
-        of messages, and what it spends more when idle before the token, `idle` the chance
-        of that at each: None, always, as alone) and each access link's way up and down (the
-        bytes it carries, and the acknowledgements coming back)."""
+    def demands(self) -> dict[str, float]:
+        """Seconds per token each queue serves: each provider's CPU (its stage steps and its
+        ends of messages) and each access link's way up and down (the bytes it carries, and
+        the acknowledgements coming back)."""
         out: dict[str, float] = {}
 
         def add(key: str, seconds: float) -> None:
@@ -184,8 +186,6 @@ class Model:
 
         for p in self.placed:
             add(p.provider, self.stage(p.provider))
-        for x, _ in self.route():
-            add(x, self.cpu(x, self.idle_s) * (1.0 if idle is None else idle.get(x, 1.0)))
         for a, b, n, _ in self.messages():
             for x in (a, b):
                 if x != CLIENT:
@@ -215,16 +215,13 @@ class Model:
         exact). A provider's CPU serves one request at a time, each about as long as the last
         (first come, first served, constant service): one arriving while another is served
         waits for the rest of that one, half a demand on average, where the exponential
-        analysis charges a whole one (the residual-time correction for such queues). A step
-        finds its provider idle as often as the provider is not busy with the others (the
-        arrival theorem again), and then costs it more (`Calibration.idle_token_s`)."""
+        analysis charges a whole one (the residual-time correction for such queues)."""
         demand = self.demands()
         delay = max(0.0, self.token_alone() - sum(demand.values()))
         queue = dict.fromkeys(demand, 0.0)
         busy = dict.fromkeys(demand, 0.0)  # a CPU's utilisation
         x = 0.0
         for n in range(1, sessions + 1):
-            demand = self.demands({k: 1 - busy.get(k, 0.0) for k in self.providers})
             cap = 1 / max(demand.values())  # (no more than the busiest queue serves)
             resid = {k: d * (1 + queue[k] - busy[k] / 2) for k, d in demand.items()}
             cycle = base = delay + sum(resid.values())

@@ -16,7 +16,7 @@ from cli.main import main
 from cli.sim_calibrate import calibrate
 from dag.cost import HardwareProfile, Workload, pipeline_metrics
 from dag.model import LLAMA2_7B
-from sim.calibration import Calibration, load, save
+from sim.calibration import VERSION, Calibration, load, save
 from sim.cgroup import cpu_s
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,9 +36,9 @@ def test_calibrate_measures_the_stack_and_the_machine(tmp_path: Path) -> None:
     bad.write_text(json.dumps({**json.loads((tmp_path / "c.json").read_text()), "call_s": -1}))
     with pytest.raises(ValueError, match="not a calibration file"):
         load(bad)
-    old = {**json.loads((tmp_path / "c.json").read_text()), "version": 2, "gone": 1}
+    old = {**json.loads((tmp_path / "c.json").read_text()), "version": 3, "gone": 1}
     bad.write_text(json.dumps(old))  # (an older version's fields, here unknown)
-    with pytest.raises(ValueError, match="version 2; this reads 3: run `fusionai sim calibrate"):
+    with pytest.raises(ValueError, match="version 3; this reads 4: run `fusionai sim calibrate"):
         load(bad)
 
 
@@ -60,7 +60,7 @@ def test_every_hop_end_pays_the_software_costs() -> None:
 
 def test_the_simulator_charges_swarm_hops_not_nvlink(tmp_path: Path) -> None:
     fixed = Calibration(
-        version=3, machine="test", measured_at=0.0, call_s=1e-3, frame_bytes=75.0,
+        version=VERSION, machine="test", measured_at=0.0, call_s=1e-3, frame_bytes=75.0,
         connect_s=0.25, wire_s_per_byte=5e-9, stage_call_s=5e-4,
         small_rtt_s=4e-3, large_rtt_s=0.1, large_bytes=1 << 20, samples=40,
         profile=load_profile(),

@@ -15,7 +15,7 @@ from broker.config import BrokerConfig
 from broker.core import CoreConfig
 from dag.cost import blocks_that_fit
 from dag.model import ModelSpec
-from sim.calibration import Calibration, MeasuredProfile, PackageTimes, quota_factor
+from sim.calibration import VERSION, Calibration, MeasuredProfile, PackageTimes, quota_factor
 from sim.fidelity import CLIENT, Model, predict, promoted, shared_stretch
 from sim.labplace import Placed, hardware, place, route, split, stability
 from sim.labscenario import (
@@ -35,7 +35,7 @@ SPEC = ModelSpec(  # the demo decoder in 4 stages (`broker.models.model_spec`)
     layer_kv_bytes_per_token=512, hidden_bytes_per_token=512,
 )  # fmt: skip
 CAL = Calibration(
-    version=3, machine="test", measured_at=0.0, call_s=2e-4, frame_bytes=75.0, connect_s=0.25,
+    version=VERSION, machine="test", measured_at=0.0, call_s=2e-4, frame_bytes=75.0, connect_s=0.25,
     wire_s_per_byte=4e-9,
     stage_call_s=1e-5, small_rtt_s=8e-4, large_rtt_s=0.05, large_bytes=1 << 22, samples=100,
     profile=MeasuredProfile("cpu", "ort", {"float32": 3.6e11, "float16": 3e11}, 1.46e10, 2.5e10),
@@ -249,7 +249,7 @@ def cpu_wait(m: Model, others: int) -> float:
     """What a prompt among `others` running sessions waits for at the CPUs of its route: at
     each, once, for the others' tokens there, the one in service half done."""
     _, queue, busy = m.mva(others)
-    demand = m.demands({k: 1 - busy[k] for k in m.providers if k in busy})
+    demand = m.demands()
     return sum(demand[k] * (queue[k] - busy[k] / 2) for k in {p.provider for p in m.placed})
 
 
@@ -261,8 +261,8 @@ def test_a_prompt_among_sessions_waits_once_at_each_cpu_for_the_rest_of_their_to
     m, _ = predicted("fidelity-compute")
     held = [p.provider for p in m.placed]
     assert len(set(held)) < len(held)  # a provider holds two stages
-    _, queue, busy = m.mva(3)
-    demand = m.demands({k: 1 - busy[k] for k in m.providers if k in busy})
+    _, queue, _ = m.mva(3)
+    demand = m.demands()
     links = sum(
         (shared_stretch(3, queue[k]) - 1) * d
         for p in m.placed
@@ -274,30 +274,34 @@ def test_a_prompt_among_sessions_waits_once_at_each_cpu_for_the_rest_of_their_to
     assert 0 < waited < sum(demand[k] * queue[k] for k in held)  # each stage a whole queue
 
 
-def test_a_provider_idle_before_a_token_spends_more_on_it() -> None:
-    """Alone, every token finds each provider on its route idle and costs it what the
-    calibration measured more with tokens apart (once a token, at its quota's pace); with
-    sessions enough to keep the providers busy, hardly any does."""
-    assert CAL.package is not None and CAL.idle_token_s() == 0.0  # (not measured: none)
+def test_a_provider_s_cpu_a_token_is_what_the_pipeline_readings_say_at_any_load() -> None:
+    """A provider's CPU for a token is its stages' steps and its ends of the token's messages
+    as the calibration's two providers spent them in a running pipeline (each waiting for
+    the other before its tokens), times its quota's factor, run at its quota's pace: alone
+    and among many sessions alike, with nothing added for having waited before the token."""
     t = msgspec.structs.replace(
-        CAL.package, provider_stages=4, provider_token_cpu_s=4e-3, provider_split_stages=[2, 2],
-        provider_split_token_cpu_s=[3e-3, 3e-3], provider_idle_token_cpu_s=5e-3,
+        CAL.package, provider_stages=4, provider_token_cpu_s=4e-3, provider_split_stages=[3, 1],
+        provider_split_token_cpu_s=[5e-3, 3e-3],
+        provider_split_quota_token_cpu_s={"0.3": [6e-3, 3.6e-3]},
     )  # fmt: skip
-    idle_cal = msgspec.structs.replace(CAL, package=t)
-    assert idle_cal.idle_token_s() == pytest.approx(1e-3)
-    bare_cal = msgspec.structs.replace(CAL, package=msgspec.structs.replace(
-        t, provider_idle_token_cpu_s=None))  # fmt: skip
+    cal = msgspec.structs.replace(CAL, package=t)
     s = load("fidelity-churn")  # one provider on the route, at half a core
-    placed = place(s, "story-llama", SPEC, [1, 2, 3, 4], CAL, CoreConfig())
-    idle, bare = Model(s, idle_cal, placed), Model(s, bare_cal, placed)
+    placed = place(s, "story-llama", SPEC, [1, 2, 3, 4], cal, CoreConfig())
+    m = Model(s, cal, placed)
     (x,) = {p.provider for p in placed}
-    assert idle.token_alone() - bare.token_alone() == pytest.approx(
-        1e-3 * quota_factor(idle.quota_factors, idle.share(x)) / idle.share(x), rel=1e-6
-    )
-    assert idle.token(1)[0] == pytest.approx(idle.token_alone())
-    busy = 64  # the provider's quota is the bottleneck: its steps queue, few find it idle
-    assert idle.token(busy)[1] > 0.99 * bare.token(busy)[1]
-    assert idle.token(busy)[1] > 1 / idle.demands()[x]  # (at its idle cost it would serve less)
+    # 3 s + 4 e = 5 ms and s + 4 e = 3 ms: s = 1 ms, e = 0.5 ms; the factor 1.2 at 0.3 cores,
+    # and at half a core two sevenths of the way from there to none at a whole core
+    assert (m.stage_s, m.provider_end_s) == (pytest.approx(1e-3), pytest.approx(5e-4))
+    factor = 1.2 - 0.2 * 2 / 7
+    assert m.share(x) == 0.5 and quota_factor(m.quota_factors, 0.5) == pytest.approx(factor)
+    ends = sum(m.end(x, n) for a, b, n, _ in m.messages() for y in (a, b) if y == x)
+    cpu = factor * (4e-3 + sum((5e-4 + n * CAL.wire_s_per_byte) for a, b, n, _ in m.messages()
+                            for y in (a, b) if y == x))  # fmt: skip
+    assert 4 * m.stage(x) + ends == pytest.approx(cpu)
+    assert m.demands()[x] == pytest.approx(m.stretch(x, cpu))
+    assert m.token(1)[0] == pytest.approx(m.token_alone())
+    busy = 64  # the provider's quota is the bottleneck: no more tokens than it serves
+    assert m.token(busy)[1] == pytest.approx(1 / m.stretch(x, cpu), rel=1e-6)
 
 
 def test_provider_costs_solve_the_two_providers_measured_together() -> None:
