@@ -50,7 +50,10 @@ async def _round_trips(values: int, count: int) -> list[float]:
 
 
 class _Proxy:
-    """A TCP proxy on loopback to `port` that counts the bytes it passes."""
+    """A TCP proxy on loopback to `port` that counts the bytes it passes, and delays each
+    way by `delay_s` as a line does: each chunk leaves `delay_s` after it came, whatever
+    follows it (holding each chunk the delay before reading the next charged messages sent
+    back to back one delay each: a request on an open connection took two round trips)."""
 
     def __init__(self, port: int, delay_s: float = 0.0) -> None:
         self.port, self.moved, self.delay_s = port, 0, delay_s
@@ -65,13 +68,26 @@ class _Proxy:
         await asyncio.gather(self._pipe(reader, w2), self._pipe(r2, writer), return_exceptions=True)
 
     async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while data := await r.read(1 << 16):
-            self.moved += len(data)
-            if self.delay_s:  # one way's delay (the set-up's messages go one at a time)
-                await asyncio.sleep(self.delay_s)
-            w.write(data)
-            await w.drain()
-        w.close()
+        line: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await line.get()) is not None:
+                due, data = item
+                if (wait := due - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
+                w.write(data)
+                await w.drain()
+
+        out = asyncio.ensure_future(deliver())
+        try:
+            while data := await r.read(1 << 16):
+                self.moved += len(data)
+                line.put_nowait((time.monotonic() + self.delay_s, data))
+            line.put_nowait(None)
+            await out
+        finally:
+            out.cancel()
+            w.close()
 
     def close(self) -> None:
         self.server.close()
@@ -107,8 +123,9 @@ async def _transport(count: int) -> tuple[float, float]:
 
 
 async def _setups(delay: float) -> float:
-    """A new connection's set-up (the median of 3) through a proxy that delays every chunk
-    `delay` seconds each way."""
+    """A new connection's set-up as a session meets it (the median of 3) through a proxy
+    delaying `delay` seconds each way: the dial and its first request, less a request on
+    the open connection (the first request waits two more round trips than later ones)."""
     from p2p import Host
     from p2p.testing import ECHO_CONTROL, LOCAL, Echo, serve_test_protocols
 
@@ -121,10 +138,10 @@ async def _setups(delay: float) -> float:
             async with Host(LOCAL) as client:
                 start = time.perf_counter()
                 peer = await client.connect(addr)
-                out.append(time.perf_counter() - start)
-                # (used once before it closes: libp2p's identify exchange, which follows a
-                # connection, finishes instead of failing noisily)
                 await client.request(peer, ECHO_CONTROL, Echo(b"x"))
+                first = time.perf_counter()
+                await client.request(peer, ECHO_CONTROL, Echo(b"x"))
+                out.append(2 * first - start - time.perf_counter())
                 await asyncio.sleep(0.05 + 2 * delay)
         proxy.close()
     return statistics.median(out)
@@ -140,24 +157,52 @@ async def _connect_rtts(delay_s: float = 0.05) -> float:
 
 
 async def _dead_dial() -> float:
-    """How long a request to a peer that has gone takes to fail (its connection closed, a
-    dial refused): the p2p layer's own give-up time, on loopback."""
+    """How long a request to a peer that has gone takes to fail, as a session's client
+    meets it (the median of 3): the peer's process killed (its kernel closes its
+    connections), a stream to it broken (a chained step's), and the next request to it at
+    once (the star way's), on loopback. (A host that closes itself instead lets the p2p
+    layer drop the connection first: the request dials again and waits out the refusals,
+    0.7 s here, which a client whose peer was killed does not.)"""
+    import json
+    import signal
+    import subprocess
+
     from p2p import Host
     from p2p.errors import P2PError
-    from p2p.testing import ECHO_CONTROL, LOCAL, Echo, serve_test_protocols
+    from p2p.testing import ECHO_CONTROL, LOCAL, SINK, Chunk, Echo
 
-    async with Host(LOCAL) as client:
-        async with Host(LOCAL) as server:
-            serve_test_protocols(server)
-            peer = await client.connect(server.addrs[0])
-            await client.request(peer, ECHO_CONTROL, Echo(b"x"))
-        await asyncio.sleep(0.2)  # (the close seen)
-        start = time.perf_counter()
+    out = []
+    for _ in range(3):
+        server = subprocess.Popen(
+            [sys.executable, "-m", "p2p.testing"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+        )  # fmt: skip
         try:
-            await client.request(peer, ECHO_CONTROL, Echo(b"x"), timeout=30.0)
-        except P2PError:
-            return time.perf_counter() - start
-    raise RuntimeError("a request to a closed host succeeded")
+            assert server.stdout is not None
+            info = json.loads(server.stdout.readline())
+            async with Host(LOCAL) as client:
+                addr = info["addrs"][0]
+                peer = await client.connect(f"{addr}/p2p/{info['peer_id']}")
+                await client.request(peer, ECHO_CONTROL, Echo(b"x"))
+                stream = await client.open_stream(peer, SINK)
+                await stream.send(Chunk(seq=0, data=b"x"))
+                server.send_signal(signal.SIGKILL)
+                try:
+                    async with asyncio.timeout(30.0):
+                        await stream.recv()  # (the sink answers only at the stream's end)
+                except (P2PError, TimeoutError):
+                    pass
+                start = time.perf_counter()
+                try:
+                    await client.request(peer, ECHO_CONTROL, Echo(b"x"), timeout=30.0)
+                except P2PError:
+                    out.append(time.perf_counter() - start)
+                else:
+                    raise RuntimeError("a request to a killed host succeeded")
+        finally:
+            server.kill()
+            server.wait()
+    return statistics.median(out)
 
 
 def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Everything is torn down on exit, whatever happened (namespaces, their processes,
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 import subprocess
@@ -117,7 +118,31 @@ class Lab:
             raise LabError("the lab's STUN server did not start")
         for i, kind in enumerate(self.kinds, start=1):
             self._home(i, kind)
+        self._neighbours()
         return self
+
+    def _neighbours(self) -> None:
+        """Every host on the Internet segment knows every other's link address from the
+        start (permanent neighbour entries), as a home router on the real Internet sends
+        everything to its provider's gateway, resolved once. Without them, the first packet
+        between two homes waited for address resolution over both delayed access links: a
+        round trip more on a first connection between them (a failover's dial to a backup
+        took 377 ms where the same dial to a host already resolved took 315)."""
+        hosts = [(self.ns(role), "eth0") for role in ("broker", "relay", "stun")]
+        hosts += [(home.router, "wan") for home in self.homes]
+        addresses = {}  # namespace -> (its device, its MAC, its IPv4 addresses)
+        for ns, dev in hosts:
+            (link,) = json.loads(ip(ns, "-j", "addr", "show", "dev", dev))
+            ips = [a["local"] for a in link.get("addr_info", []) if a.get("family") == "inet"]
+            addresses[ns] = (dev, link["address"], ips)
+        with tempfile.TemporaryDirectory(prefix="fusionai-lab-") as tmp:
+            for ns, (dev, _, _) in addresses.items():
+                batch = Path(tmp) / f"{ns}.neigh"
+                batch.write_text("".join(
+                    f"neigh replace {a} lladdr {mac} dev {dev} nud permanent\n"
+                    for other, (_, mac, ips) in addresses.items() if other != ns for a in ips
+                ))  # fmt: skip
+                ip(ns, "-batch", str(batch))
 
     def link(self, i: int) -> tuple[float, float]:
         """Home `i`'s access link (from 1): (rate in Mbit/s each way, one-way delay in ms)."""

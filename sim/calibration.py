@@ -6,11 +6,13 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       on loopback: one round trip is two hops, four ends)
     frame_bytes       what the transport adds to a message on the wire (from the small round
                       trips' bytes through a counting proxy, less the messages' size)
-    connect_s         a new connection's set-up on loopback (TCP, multistream, Noise, yamux
-                      and the dialer's own wait: py-libp2p holds a dial 250 ms)
+    connect_s         a new connection's set-up on loopback, as a session meets it (TCP,
+                      multistream, Noise, yamux and the dialer's own wait: py-libp2p holds a
+                      dial 250 ms; then what its first request waits more than later ones)
     connect_rtts      the round trips of that set-up (through a loopback proxy delaying
                       each way 50 and then 100 ms: the difference over the added round trip)
-    dead_dial_s       a request to a peer that has gone, until it fails (on loopback)
+    dead_dial_s       a request to a peer whose process has gone, made as soon as a stream
+                      to it broke, until it fails (on loopback)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
                       few MiB, less the small ones')
     stage_call_s      one executor call's fixed time: onnxruntime running a 64 x 64 MatMul
@@ -41,8 +43,9 @@ import msgspec
 
 from sim.scenario import Scenario
 
-VERSION = 4  # (3: with a provider's CPU per token with its tokens apart; 2: two providers
-# measured apart from the one, half the stages each)
+VERSION = 4  # (3: with a provider's CPU per token with its tokens apart, a connection's set-up
+# without its first request, a dead peer's request after the p2p layer dropped it; 2: two
+# providers measured apart from the one, half the stages each)
 QUOTA_PROBES = (0.15, 0.3, 0.45)  # CPU quotas (cores) a provider's cost is measured under
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
@@ -125,7 +128,8 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     profile: MeasuredProfile
     package: PackageTimes | None = None
     # round trips a new connection's set-up takes (beyond the p2p layer's own least time,
-    # `connect_s`), and how long a request to a peer that has gone takes to fail
+    # `connect_s`), and how long a request to a peer that has gone takes to fail once a
+    # stream to it broke
     connect_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
     dead_dial_s: Seconds | None = None
 

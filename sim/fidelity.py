@@ -63,6 +63,9 @@ HEADER_BYTES = 52 + 14
 # router the public one it got there (a UPnP mapping, a relay port); its chained steps'
 # routes carry them, without its peer id or its loopback one (`proto.session.hop_addrs`).
 ANNOUNCED = 2
+# A promotion (`proto` `Promote`: a stage's key) and its answer: some 64 bytes each, whose
+# time on the wire is negligible beside a message end's.
+PROMOTE_BYTES = 64
 
 
 class Model:
@@ -326,22 +329,29 @@ class Model:
             return self.cal.connect_s + rtt
         return max(self.cal.connect_s, self.cal.connect_rtts * rtt)
 
-    def dead_dial(self, a: str, victim: str) -> float:
-        """`a`'s request to `victim` once it has gone: the p2p layer gives up after its own
-        time (`dead_dial_s`) and a refused dial's round trip."""
-        return (self.cal.dead_dial_s or 0.0) + 2 * (self.delay(a) + self.delay(victim))
+    def promotion(self, backup: str) -> float:
+        """The broker's request to `backup` to serve a stage it holds, and its answer: the
+        broker on the Internet (no access link of its own), `backup` at its quota's pace."""
+        ends = 2 * self.end(backup, PROMOTE_BYTES)
+        return 2 * self.delay(backup) + 2 * self.cal.call_s + self.stretch(backup, ends)
+
+    def dead_dial(self) -> float:
+        """A request to a killed provider from a peer that has seen its connection drop: it
+        fails where it is made, after the p2p layer's own time (`dead_dial_s`)."""
+        return self.cal.dead_dial_s or 0.0
 
     def stall(self, victim: str, history: int) -> float | None:
-        """The gap a kill of `victim` puts in a session's tokens (None: no backup). The
-        chained step breaks: where the victim is first on the route, the client sees its
-        connection drop; else the hop before it finds it gone (a dial that fails) and tells
-        the client. The step then goes the star way: the stages before the victim's, then
-        the client's own request to the victim fails the same way; it reports the failure
-        (the broker promotes the backup), asks for the stage, connects to the backup, opens
-        a session there and replays the history (a later stage first fetches its chained
-        inputs from the provider now serving the stage before it: the backup, where the
-        victim served that one too); each of the victim's further stages the same
-        (no call to the victim again); the stages after them the star way."""
+        """The gap a kill of `victim` puts in a session's tokens after the kill (None: no
+        backup). The chained step breaks: where the victim is first on the route, the client
+        sees its connection drop (the victim's kernel closes it); else the hop before it does,
+        its request to the victim fails, and it tells the client. The step then goes the star
+        way: the stages before the victim's, then the client's own request to the victim fails
+        the same way; it reports the failure (the broker promotes the backup), asks for the
+        stage, connects to the backup, opens a session there, replays the history (a later
+        stage first fetches its chained inputs from the provider now serving the stage before
+        it: the backup, where the victim served that one too) and sends the step; each of the
+        victim's further stages the same (no call to the victim again); the stages after them
+        the star way."""
         stages = [i for i, p in enumerate(self.placed) if p.provider == victim]
         if not stages or self.placed[stages[0]].backup is None:
             return None
@@ -350,17 +360,22 @@ class Model:
             out = self.delay(victim) + self.delay(CLIENT)
         else:
             before = self.placed[first - 1].provider
-            out = self.delay(victim) + self.delay(before) + self.dead_dial(before, victim)
+            out = self.delay(victim) + self.delay(before) + self.dead_dial()
             out += self.hop(before, CLIENT, self.t.answer_bytes)
         out += sum(self.star_step(p.provider, 1) for p in self.placed[:first])
-        out += self.dead_dial(CLIENT, victim) + self.broker_rtt()  # (and the report)
+        out += self.dead_dial() + self.broker_rtt()  # (and the report)
         done: set[str] = set()
+        promoted_at = self.delay(victim)  # (the broker sees the victim's connection drop)
+        way = self.delay(CLIENT) + self.cal.call_s  # the client to the broker, or back
         for i, p in enumerate(self.placed[first:], first):
             if p.provider != victim:
                 out += self.star_step(p.provider, 1)
                 continue
             backup = p.backup or victim
-            out += self.broker_rtt()
+            # the broker names the backup once it has confirmed the stage (one after
+            # another: its requests to a provider go in order)
+            promoted_at += self.promotion(backup)
+            out = max(out + way, promoted_at) + way
             if backup not in done:
                 out += self.connect(CLIENT, backup)
                 done.add(backup)
@@ -368,6 +383,7 @@ class Model:
                 width = self.t.hidden_bytes_per_token * history
                 out += self.rtt(CLIENT, now[i - 1].provider, self.t.open_bytes, width)
             out += self.opening(backup) + self.star_step(backup, history)
+            out += self.star_step(backup, 1)
         return out + self.t.client_step_s
 
 
@@ -427,6 +443,8 @@ def predict(
                     continue
                 if e.action == "freeze":  # no drop: the step's deadline passes first
                     stall += w.step_timeout_s - m.hop(victim, CLIENT, 64)
+                # (the gap it falls in began before it: by half a token, on average)
+                stall += gap / 2
                 gap, stalled = stall, True
                 stalls.append(stall)
                 after = Model(s, cal, promoted(m.placed, victim))

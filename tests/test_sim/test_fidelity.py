@@ -168,8 +168,8 @@ def test_a_kill_costs_a_stall_only_where_a_backup_stands_by() -> None:
 def test_a_stall_asks_the_backup_for_the_inputs_the_victim_kept() -> None:
     """Where the victim served every stage, each later stage's replay fetches its inputs from
     the backup, which has just replayed the stage before: the victim's link is crossed only
-    by its connection dropping and the dial that fails (three of its delays), not by those
-    fetches."""
+    by its connection dropping (one of its delays; the client's requests to it then fail
+    where they are made), not by those fetches."""
     s = load("fidelity-churn")  # (a serves every stage, b stands by, as in the lab)
     placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
     far = msgspec.structs.replace(s, lab=msgspec.structs.replace(s.lab, provider=[
@@ -179,7 +179,40 @@ def test_a_stall_asks_the_backup_for_the_inputs_the_victim_kept() -> None:
     slower = Model(far, CAL, placed).stall("a", 12)
     before = Model(s, CAL, placed).stall("a", 12)
     assert slower is not None and before is not None
-    assert slower - before == pytest.approx(3 * 0.010)
+    assert slower - before == pytest.approx(0.010)
+
+
+def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
+    """The victim served every stage: its connection drops, the client's request to it fails
+    at once, it reports the failure; then for each stage it asks the broker, which answers
+    once it has promoted the backup (it saw the victim's connection drop, and asked the
+    backup: a round trip), connects to the backup once (a new connection's set-up, its first
+    request's extra round trips in it), opens a session, fetches a later stage's inputs from
+    the backup, replays the history there and sends the step itself (as `client.session`
+    does; the lab's traces show each)."""
+    s = load("fidelity-churn")
+    placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
+    cal = msgspec.structs.replace(CAL, connect_rtts=7.5, dead_dial_s=0.004)
+    m, h = Model(s, cal, placed), 12
+    width = CAL.package.hidden_bytes_per_token * h  # type: ignore[union-attr]
+    way = m.delay(CLIENT) + CAL.call_s  # the client to the broker
+    seen = m.delay("a") + m.delay(CLIENT) + 0.004 + m.broker_rtt()  # the drop, the request, a report
+    promoted = m.delay("a") + m.promotion("b")
+    assert promoted > seen + way  # (b is farther from the broker than the client is)
+    parts = [
+        promoted + way,  # the first stage's pick, answered once b serves it
+        m.connect(CLIENT, "b"),
+        *(m.opening("b") + m.star_step("b", h) + m.star_step("b", 1) for _ in placed),
+        *(m.broker_rtt() + m.rtt(CLIENT, "b", CAL.package.open_bytes, width)  # type: ignore[union-attr]
+          for _ in placed[1:]),
+        CAL.package.client_step_s,  # type: ignore[union-attr]
+    ]  # fmt: skip
+    assert m.stall("a", h) == pytest.approx(sum(parts))
+    assert m.promotion("b") == pytest.approx(
+        2 * m.delay("b") + 2 * CAL.call_s + m.stretch("b", 2 * m.end("b", 64))
+    )
+    # a set-up over home links: the measured round trips, not the dialer's least time
+    assert m.connect(CLIENT, "b") == pytest.approx(7.5 * 2 * (m.delay(CLIENT) + m.delay("b")))
 
 
 def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
