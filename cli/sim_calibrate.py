@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sim.calibration import PackageTimes
 
 SMALL = 64  # float32 values of the small payload
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _round_trips(values: int, count: int) -> list[float]:
@@ -165,7 +166,6 @@ async def _dead_dial() -> float:
     0.7 s here, which a client whose peer was killed does not.)"""
     import json
     import signal
-    import subprocess
 
     from p2p import Host
     from p2p.errors import P2PError
@@ -173,13 +173,13 @@ async def _dead_dial() -> float:
 
     out = []
     for _ in range(3):
-        server = subprocess.Popen(
-            [sys.executable, "-m", "p2p.testing"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+        server = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "p2p.testing", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, cwd=ROOT,
         )  # fmt: skip
         try:
             assert server.stdout is not None
-            info = json.loads(server.stdout.readline())
+            info = json.loads(await server.stdout.readline())
             async with Host(LOCAL) as client:
                 addr = info["addrs"][0]
                 peer = await client.connect(f"{addr}/p2p/{info['peer_id']}")
@@ -200,8 +200,9 @@ async def _dead_dial() -> float:
                 else:
                     raise RuntimeError("a request to a killed host succeeded")
         finally:
-            server.kill()
-            server.wait()
+            if server.returncode is None:
+                server.kill()
+            await server.wait()
     return statistics.median(out)
 
 

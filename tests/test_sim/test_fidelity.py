@@ -196,7 +196,8 @@ def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
     m, h = Model(s, cal, placed), 12
     width = CAL.package.hidden_bytes_per_token * h  # type: ignore[union-attr]
     way = m.delay(CLIENT) + CAL.call_s  # the client to the broker
-    seen = m.delay("a") + m.delay(CLIENT) + 0.004 + m.broker_rtt()  # the drop, the request, a report
+    # the drop seen, the request to a failing where it is made, the report
+    seen = m.delay("a") + m.delay(CLIENT) + 0.004 + m.broker_rtt()
     promoted = m.delay("a") + m.promotion("b")
     assert promoted > seen + way  # (b is farther from the broker than the client is)
     parts = [
