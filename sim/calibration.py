@@ -6,11 +6,13 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       on loopback: one round trip is two hops, four ends)
     frame_bytes       what the transport adds to a message on the wire (from the small round
                       trips' bytes through a counting proxy, less the messages' size)
-    connect_s         a new connection's set-up on loopback, as a session meets it (TCP,
-                      multistream, Noise, yamux and the dialer's own wait: py-libp2p holds a
-                      dial 250 ms; then what its first request waits more than later ones)
+    connect_s         a new connection's set-up on loopback (TCP, multistream, Noise, yamux
+                      and the dialer's own wait: py-libp2p holds a dial 250 ms)
     connect_rtts      the round trips of that set-up (through a loopback proxy delaying
                       each way 50 and then 100 ms: the difference over the added round trip)
+    protocol_s        what a protocol's first request on a connection waits more than its
+                      next, on loopback (py-libp2p negotiates each protocol once)
+    protocol_rtts     and its round trips (as `connect_rtts`: two here)
     dead_dial_s       a request to a peer whose process has gone, made as soon as a stream
                       to it broke, until it fails (on loopback)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
@@ -43,9 +45,9 @@ import msgspec
 
 from sim.scenario import Scenario
 
-VERSION = 4  # (3: with a provider's CPU per token with its tokens apart, a connection's set-up
-# without its first request, a dead peer's request after the p2p layer dropped it; 2: two
-# providers measured apart from the one, half the stages each)
+VERSION = 4  # (3: with a provider's CPU per token with its tokens apart, no protocol's first
+# request, a dead peer's request after the p2p layer dropped it; 2: two providers measured
+# apart from the one, half the stages each)
 QUOTA_PROBES = (0.15, 0.3, 0.45)  # CPU quotas (cores) a provider's cost is measured under
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=10)]
 Positive = Annotated[float, msgspec.Meta(gt=0, le=1e18)]
@@ -132,6 +134,10 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # stream to it broke
     connect_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
     dead_dial_s: Seconds | None = None
+    # what a protocol's first request on a connection waits more than its next: on
+    # loopback, and its round trips
+    protocol_s: Seconds = 0.0
+    protocol_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0
 
     def provider_costs(self) -> tuple[float, float, dict[float, float], float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at

@@ -148,6 +148,22 @@ class Model:
         route = [x for x, _ in self.route()]
         return list(itertools.pairwise(route))
 
+    def rechain(self, before: Model) -> float:
+        """What the first chained step on this route takes more than the next, after steps
+        on `before`'s: each pair of providers new to each other on it connects (the sender
+        asks its peer for a punch too, a round trip) and negotiates the chain's protocol;
+        a new first hop's chain protocol from the client, and a new last hop's push of the
+        outputs to the client, are each a protocol's first request (`first_use`)."""
+        new = set(self.pairs()) - set(before.pairs())
+        out = sum(self.connect(a, b) + self.rtt(a, b, 64, 64) + self.first_use(a, b)
+                  for a, b in new)  # fmt: skip
+        first, last = self.route()[0][0], self.route()[-1][0]
+        if first != before.route()[0][0]:
+            out += self.first_use(CLIENT, first)
+        if last != before.route()[-1][0]:
+            out += self.first_use(last, CLIENT)
+        return out
+
     def messages(self) -> list[tuple[str, str, float, bool]]:
         """A chained step's messages: (from, to, bytes, on the token's path). The step goes
         along the route, the last hop pushes the outputs to the client, each hop's answer
@@ -329,6 +345,11 @@ class Model:
             return self.cal.connect_s + rtt
         return max(self.cal.connect_s, self.cal.connect_rtts * rtt)
 
+    def first_use(self, a: str, b: str) -> float:
+        """What `a`'s first request of a protocol to `b` waits more than its next (the p2p
+        layer negotiates each protocol on a connection once): its round trips and time."""
+        return self.cal.protocol_s + self.cal.protocol_rtts * 2 * (self.delay(a) + self.delay(b))
+
     def promotion(self, backup: str) -> float:
         """The broker's request to `backup` to serve a stage it holds, and its answer: the
         broker on the Internet (no access link of its own), `backup` at its quota's pace."""
@@ -376,8 +397,8 @@ class Model:
             # another: its requests to a provider go in order)
             promoted_at += self.promotion(backup)
             out = max(out + way, promoted_at) + way
-            if backup not in done:
-                out += self.connect(CLIENT, backup)
+            if backup not in done:  # (and the session protocol's first request there)
+                out += self.connect(CLIENT, backup) + self.first_use(CLIENT, backup)
                 done.add(backup)
             if i > 0:  # its chained inputs, kept by the provider now before it
                 width = self.t.hidden_bytes_per_token * history
@@ -448,10 +469,7 @@ def predict(
                 gap, stalled = stall, True
                 stalls.append(stall)
                 after = Model(s, cal, promoted(m.placed, victim))
-                # the next chained step: each pair of providers new to each other on the
-                # route connects, and the sender asks its peer for a punch (a round trip)
-                new = set(after.pairs()) - set(m.pairs())
-                rechain = sum(after.connect(a, b) + after.rtt(a, b, 64, 64) for a, b in new)
+                rechain = after.rechain(m)
                 m = after
             if not stalled:  # (the lab's token gaps leave the stalls out too)
                 gaps.append(gap)

@@ -31,10 +31,11 @@ def test_calibrate_measures_the_stack_and_the_machine(tmp_path: Path) -> None:
     assert 1e-6 < out.stage_call_s < 0.05
     assert out.profile.flops["float32"] > 1e8 and out.profile.mem_bandwidth > 1e8
     # a killed peer's request fails where it is made (a dial again would wait 0.7 s); a new
-    # connection's set-up as a session meets it is at least its protocols' round trips (TCP,
-    # multistream twice, Noise's one and a half) and its first request's two more
+    # connection's set-up takes at least its protocols' round trips (TCP, multistream twice,
+    # Noise's one and a half); a protocol's first request on it waits for its negotiation
     assert out.dead_dial_s is not None and 0 <= out.dead_dial_s < 0.1
-    assert out.connect_rtts is not None and 6 < out.connect_rtts < 12
+    assert out.connect_rtts is not None and 4 < out.connect_rtts < 9
+    assert 1 < out.protocol_rtts < 4 and 0 <= out.protocol_s < 0.1
     save(out, tmp_path / "c.json")
     assert load(tmp_path / "c.json") == out
     bad = tmp_path / "bad.json"

@@ -186,23 +186,25 @@ def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
     """The victim served every stage: its connection drops, the client's request to it fails
     at once, it reports the failure; then for each stage it asks the broker, which answers
     once it has promoted the backup (it saw the victim's connection drop, and asked the
-    backup: a round trip), connects to the backup once (a new connection's set-up, its first
-    request's extra round trips in it), opens a session, fetches a later stage's inputs from
-    the backup, replays the history there and sends the step itself (as `client.session`
-    does; the lab's traces show each)."""
+    backup: a round trip), connects to the backup once (a new connection's set-up, then the
+    session protocol's first request there, which waits for its negotiation), opens a
+    session, fetches a later stage's inputs from the backup, replays the history there and
+    sends the step itself (as `client.session` does; the lab's traces show each)."""
     s = load("fidelity-churn")
     placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
-    cal = msgspec.structs.replace(CAL, connect_rtts=7.5, dead_dial_s=0.004)
+    cal = msgspec.structs.replace(
+        CAL, connect_rtts=5.5, dead_dial_s=0.004, protocol_s=0.005, protocol_rtts=2.0
+    )
     m, h = Model(s, cal, placed), 12
     width = CAL.package.hidden_bytes_per_token * h  # type: ignore[union-attr]
     way = m.delay(CLIENT) + CAL.call_s  # the client to the broker
     # the drop seen, the request to a failing where it is made, the report
     seen = m.delay("a") + m.delay(CLIENT) + 0.004 + m.broker_rtt()
-    promoted = m.delay("a") + m.promotion("b")
-    assert promoted > seen + way  # (b is farther from the broker than the client is)
+    ready = m.delay("a") + m.promotion("b")
+    assert ready > seen + way  # (b is farther from the broker than the client is)
     parts = [
-        promoted + way,  # the first stage's pick, answered once b serves it
-        m.connect(CLIENT, "b"),
+        ready + way,  # the first stage's pick, answered once b serves it
+        m.connect(CLIENT, "b") + m.first_use(CLIENT, "b"),
         *(m.opening("b") + m.star_step("b", h) + m.star_step("b", 1) for _ in placed),
         *(m.broker_rtt() + m.rtt(CLIENT, "b", CAL.package.open_bytes, width)  # type: ignore[union-attr]
           for _ in placed[1:]),
@@ -213,7 +215,14 @@ def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
         2 * m.delay("b") + 2 * CAL.call_s + m.stretch("b", 2 * m.end("b", 64))
     )
     # a set-up over home links: the measured round trips, not the dialer's least time
-    assert m.connect(CLIENT, "b") == pytest.approx(7.5 * 2 * (m.delay(CLIENT) + m.delay("b")))
+    rtt = 2 * (m.delay(CLIENT) + m.delay("b"))
+    assert m.connect(CLIENT, "b") == pytest.approx(5.5 * rtt)
+    assert m.first_use(CLIENT, "b") == pytest.approx(0.005 + 2 * rtt)
+    # the first chained step after it: b's chain protocol from the client and b's push of
+    # the outputs to the client are each a protocol's first use between them
+    after = Model(s, cal, promoted(placed, "a"))
+    assert after.rechain(m) == pytest.approx(2 * (0.005 + 2 * rtt))
+    assert after.rechain(after) == 0.0
 
 
 def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
