@@ -46,10 +46,11 @@ test-lab: $(STAMP)
 	$(PY) -m pytest -m lab --durations=12
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
-# 11 to 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet:
-# it passed three of its last five runs here; the compute scenario's figures follow the
-# calibration's reading of the providers' CPU per token, which moves by tens of percent
-# between runs here, and its token time came out 7 to 22 % long in all five (README).
+# about 11 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet:
+# its last three runs here passed, each with its largest error 1 to 2 points inside the
+# bound (the failover's stall predicted 9 to 12 % short; the compute scenario's figures
+# follow the calibration's reading of the providers' CPU, which drifts with this machine's
+# speed: its token time 4 to 13 % short) (README).
 test-fidelity: $(STAMP)
 	$(PY) -m pytest -m fidelity --durations=12
 

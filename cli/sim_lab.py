@@ -34,7 +34,7 @@ def prediction(s: LabScenario, package: Path, calibration: Path) -> dict[str, An
     from broker.models import model_spec
     from ir.manifest import ModelManifest
     from sim.calibration import load
-    from sim.fidelity import predict
+    from sim.labpredict import predict
     from sim.labscenario import prompt
 
     try:

@@ -16,8 +16,9 @@ from broker.core import CoreConfig
 from dag.cost import blocks_that_fit
 from dag.model import ModelSpec
 from sim.calibration import VERSION, Calibration, MeasuredProfile, PackageTimes, quota_factor
-from sim.fidelity import CLIENT, Model, predict, promoted, shared_stretch
+from sim.fidelity import CLIENT, Model, promoted, shared_stretch
 from sim.labplace import Placed, hardware, place, route, split, stability
+from sim.labpredict import predict
 from sim.labscenario import (
     FIGURES,
     QUOTA_SLICE_S,
