@@ -384,17 +384,18 @@ class Model:
         out += sum(self.star_step(p.provider, 1) for p in self.placed[:first])
         out += self.dead_dial() + self.broker_rtt()  # (and the report)
         done: set[str] = set()
-        promoted_at = self.delay(victim)  # (the broker sees the victim's connection drop)
+        seen = self.delay(victim)  # (the broker sees the victim's connection drop)
+        ready: dict[str, float] = {}  # when the broker last promoted a stage on each backup
         way = self.delay(CLIENT) + self.cal.call_s  # the client to the broker, or back
         for i, p in enumerate(self.placed[first:], first):
             if p.provider != victim:
                 out += self.star_step(p.provider, 1)
                 continue
             backup = p.backup or victim
-            # the broker names the backup once it has confirmed the stage (one after
-            # another: its requests to a provider go in order)
-            promoted_at += self.promotion(backup)
-            out = max(out + way, promoted_at) + way
+            # the broker names the backup once it has confirmed the stage (its requests to a
+            # provider go one after another)
+            ready[backup] = ready.get(backup, seen) + self.promotion(backup)
+            out = max(out + way, ready[backup]) + way
             if backup not in done:  # (and the session protocol's first request there)
                 out += self.connect(CLIENT, backup) + self.first_use(CLIENT, backup)
                 done.add(backup)
