@@ -126,8 +126,8 @@ class Lab:
         start (permanent neighbour entries), as a home router on the real Internet sends
         everything to its provider's gateway, resolved once. Without them, the first packet
         between two homes waited for address resolution over both delayed access links: a
-        round trip more on a first connection between them (a failover's dial to a backup
-        took 377 ms where the same dial to a host already resolved took 315)."""
+        round trip more (a first UDP round trip over a 20 ms link took 81 ms, 41 with them; a
+        failover's dial to its backup 377 ms, 323 with them)."""
         hosts = [(self.ns(role), "eth0") for role in ("broker", "relay", "stun")]
         hosts += [(home.router, "wan") for home in self.homes]
         addresses = {}  # namespace -> (its device, its MAC, its IPv4 addresses)

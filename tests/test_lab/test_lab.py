@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lab.net import host_state, namespaces
-from lab.topology import BROKER_IP, STUN_IPS, Lab
+from lab.net import host_state, ip, namespaces
+from lab.topology import BROKER_IP, RELAY_IP, STUN_IPS, Lab
 from tests.test_lab.conftest import need_lab, probe, serve
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
@@ -27,6 +27,27 @@ def test_the_lab_leaves_this_machine_as_it_found_it() -> None:
     assert not mine & set(namespaces())
     assert all(p.poll() is not None for p in links)
     assert host_state() == before
+
+
+def test_a_first_packet_to_a_new_host_waits_for_no_address_resolution() -> None:
+    """As on the Internet, where a home router sends everything to its provider's gateway:
+    the lab's access links delay every frame, address resolution too, so without the
+    segment's hosts knowing each other's link addresses from the start the first packet to a
+    host not yet talked to waited a round trip more."""
+    need_lab()
+    first = (
+        "import socket, time, sys\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(5)\n"
+        "start = time.monotonic(); s.sendto(b'x', (sys.argv[1], 7004)); s.recvfrom(64)\n"
+        "print((time.monotonic() - start) * 1e3)\n"
+    )
+    with Lab(["cone"], delay_ms=20) as lab:
+        serve(lab, lab.relay, 7004)
+        table = json.loads(ip(lab.homes[0].router, "-j", "neigh", "show", "dev", "wan"))
+        known = {e["dst"] for e in table if "PERMANENT" in e.get("state", [])}
+        assert {BROKER_IP, RELAY_IP, *STUN_IPS} <= known
+        ms = float(lab.run(lab.homes[0].host, sys.executable, "-c", first, RELAY_IP))
+    assert 40 <= ms < 60  # its link's delay both ways, not a round trip more (80)
 
 
 def test_inbound_dials_fail_and_outbound_ones_leave_through_the_router(lab: Lab) -> None:
