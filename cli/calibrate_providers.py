@@ -187,26 +187,34 @@ def provider_costs(package: Path, profile: bytes, executor: str) -> dict[str, An
     stages' alone, whatever this machine's speed did meanwhile (where there are only two
     stages, one each, solved with the first, measured apart); and the two again under CPU
     quotas (`QUOTA_PROBES`, as the lab caps its providers; as root only)."""
+    token, session = _provider_token_cpu(package, profile, executor)[0.0][0]
+    out: dict[str, Any] = {"provider_token_cpu_s": token, "provider_session_cpu_s": session}
+    return {**out, **split_costs(package, profile, executor)}
+
+
+def split_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
+    """The two providers' part of `provider_costs` (its `provider_split_*` fields; none
+    where the package has one provider stage or the broker placed them otherwise): what a
+    benchmark reads again between lab runs, as this machine's speed drifts."""
     from ir.manifest import ModelManifest
     from sim.calibration import QUOTA_PROBES
     from sim.cgroup import available
 
-    token, session = _provider_token_cpu(package, profile, executor)[0.0][0]
-    out: dict[str, Any] = {"provider_token_cpu_s": token, "provider_session_cpu_s": session}
     manifest = ModelManifest.from_json((package / "manifest.json").read_bytes())
     n = len(manifest.provider_stages())
     if n < 2:
         print(f"calibrate: no two-provider measurement: {manifest.name} has one provider "
               "stage", file=sys.stderr)  # fmt: skip
-        return out
+        return {}
     split = (n - 1, 1) if n > 2 else (1, 1)
     quotas = QUOTA_PROBES if available() is None else ()
     try:
         two = _provider_token_cpu(package, profile, executor, split, quotas)
     except RuntimeError as exc:  # (placed otherwise)
         print(f"calibrate: no two-provider measurement: {exc}", file=sys.stderr)
-        return out
-    out["provider_split_stages"] = list(split)
-    out["provider_split_token_cpu_s"] = [t for t, _ in two[0.0]]
-    out["provider_split_quota_token_cpu_s"] = {f"{q:g}": [t for t, _ in two[q]] for q in quotas}
-    return out
+        return {}
+    return {
+        "provider_split_stages": list(split),
+        "provider_split_token_cpu_s": [t for t, _ in two[0.0]],
+        "provider_split_quota_token_cpu_s": {f"{q:g}": [t for t, _ in two[q]] for q in quotas},
+    }

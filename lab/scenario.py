@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -310,12 +311,16 @@ def run_once(
 def run(
     s: LabScenario, package: Path, model: str, runs: int, say: Any = print,
     calibration: Path | None = None, keep: bool = False,
+    before: Callable[[int], object] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """`runs` runs of `s`: the result `fusionai sim --compare` reads (medians, spreads).
-    `calibration`: the providers' profiles are its (`_profiles`); `keep`: `run_once`'s."""
+    `calibration`: the providers' profiles are its (`_profiles`); `keep`: `run_once`'s;
+    `before`: called with each run's index before it."""
     done = []
     profiles = _profiles(s.lab, calibration)
     for i in range(runs):
+        if before is not None:
+            before(i)
         t = time.monotonic()
         one = run_once(s, package, model, say, profiles, keep)
         say(f"{s.name}: run {i + 1}/{runs} in {time.monotonic() - t:.0f} s: {one['figures']}")

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -201,6 +202,33 @@ def load(path: Path | str) -> Calibration:
 
 def save(calibration: Calibration, path: Path | str) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(calibration)) + b"\n")
+
+
+def with_split_readings(cal: Calibration, readings: list[dict[str, Any]]) -> Calibration:
+    """`cal` with its two providers' CPU per token (`PackageTimes.provider_split_*`) the
+    median of `readings` (each `cli.calibrate_providers.split_costs`'s answer, taken at
+    another time: this machine's speed drifts), figure by figure; empty readings (none
+    measured) are left out."""
+    taken = [r for r in readings if r]
+    if cal.package is None or not taken:
+        return cal
+    splits = {tuple(r["provider_split_stages"]) for r in taken}
+    if len(splits) != 1:
+        raise ValueError(f"readings of different splits: {sorted(splits)}")
+
+    def median(values: list[list[float]]) -> list[float]:
+        return [statistics.median(v) for v in zip(*values, strict=True)]
+
+    quotas = taken[0]["provider_split_quota_token_cpu_s"]
+    times = msgspec.structs.replace(
+        cal.package,
+        provider_split_stages=list(taken[0]["provider_split_stages"]),
+        provider_split_token_cpu_s=median([r["provider_split_token_cpu_s"] for r in taken]),
+        provider_split_quota_token_cpu_s={
+            q: median([r["provider_split_quota_token_cpu_s"][q] for r in taken]) for q in quotas
+        },
+    )
+    return msgspec.structs.replace(cal, package=times)
 
 
 def quota_factor(factors: dict[float, float], share: float) -> float:

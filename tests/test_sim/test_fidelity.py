@@ -15,7 +15,14 @@ from broker.config import BrokerConfig
 from broker.core import CoreConfig
 from dag.cost import blocks_that_fit
 from dag.model import ModelSpec
-from sim.calibration import VERSION, Calibration, MeasuredProfile, PackageTimes, quota_factor
+from sim.calibration import (
+    VERSION,
+    Calibration,
+    MeasuredProfile,
+    PackageTimes,
+    quota_factor,
+    with_split_readings,
+)
 from sim.fidelity import CLIENT, Model, promoted, shared_stretch
 from sim.labplace import Placed, hardware, place, route, split, stability
 from sim.labpredict import predict
@@ -346,6 +353,29 @@ def test_a_provider_s_cpu_a_token_is_what_the_pipeline_readings_say_at_any_load(
     assert m.token(1)[0] == pytest.approx(m.token_alone())
     busy = 64  # the provider's quota is the bottleneck: no more tokens than it serves
     assert m.token(busy)[1] == pytest.approx(1 / m.stretch(x, cpu), rel=1e-6)
+
+
+def test_the_providers_cpu_read_again_between_runs_is_taken_figure_by_figure() -> None:
+    """A benchmark reads the two providers' CPU again before each of a scenario's lab runs
+    (the machine's speed drifts): the calibration then holds each figure's median, and an
+    empty reading (none measured) counts for nothing."""
+    assert CAL.package is not None
+    one = {"provider_split_stages": [3, 1], "provider_split_token_cpu_s": [7e-3, 5e-3],
+           "provider_split_quota_token_cpu_s": {"0.3": [8e-3, 6e-3]}}  # fmt: skip
+    slow = {**one, "provider_split_token_cpu_s": [9e-3, 4e-3],
+            "provider_split_quota_token_cpu_s": {"0.3": [11e-3, 5e-3]}}  # fmt: skip
+    fast = {**one, "provider_split_token_cpu_s": [6e-3, 6e-3],
+            "provider_split_quota_token_cpu_s": {"0.3": [7e-3, 7e-3]}}  # fmt: skip
+    cal = msgspec.structs.replace(
+        CAL, package=msgspec.structs.replace(CAL.package, provider_stages=4)
+    )
+    t = with_split_readings(cal, [one, {}, slow, fast]).package
+    assert t is not None and t.provider_split_stages == [3, 1]
+    assert t.provider_split_token_cpu_s == [7e-3, 5e-3]
+    assert t.provider_split_quota_token_cpu_s == {"0.3": [8e-3, 6e-3]}
+    assert with_split_readings(cal, [{}]) == cal
+    with pytest.raises(ValueError, match="different splits"):
+        with_split_readings(cal, [one, {**one, "provider_split_stages": [2, 2]}])
 
 
 def test_provider_costs_solve_the_two_providers_measured_together() -> None:
