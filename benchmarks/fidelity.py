@@ -6,14 +6,14 @@ Builds the demo decoder in 4 stages, calibrates (`fusionai sim calibrate --packa
 trips through the p2p stack, this machine's profile, the package's calls timed in-process),
 then for each lab scenario runs it in the lab `--runs` times (`python -m lab scenario`) and
 predicts its figures (`fusionai sim --scenario`); the compute-bound one from the two
-providers' CPU read again before each of its lab runs (their medians). Prints one JSON
-object: per scenario, each headline figure predicted, measured (median, with its [min, max]) and the relative error;
-`max_error` and `median_error` over all of them (targets: <= 0.15 and <= 0.07); the
-placement contrast (`contrast`: the latency scenario run again with the broker's `--placement
-even`, one pipeline split evenly over every provider; the simulator predicts its throughput at
-less than half of the decision core's placement, and the lab's ratio must agree in sign and
-within 15 %); and the `paper-claim` scenario's throughput ratios with the calibration and
-without. Without root the lab cannot run: it says so and skips.
+providers' CPU read again before each of its lab runs (their medians). Prints one JSON object:
+per scenario, each headline figure predicted, measured (median, with its [min, max]) and the
+relative error; `max_error` and `median_error` over all of them (targets: <= 0.15 and <=
+0.07); the placement contrast (`contrast`: the latency scenario run again with the broker's
+`--placement even`, one pipeline split evenly over every provider; the simulator predicts its
+throughput at less than half of the decision core's placement, and the lab's ratio must agree
+in sign and within 15 %); and the `paper-claim` scenario's throughput ratios with the
+calibration and without. Without root the lab cannot run: it says so and skips.
 """
 
 from __future__ import annotations
