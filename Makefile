@@ -47,10 +47,10 @@ test-lab: $(STAMP)
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
 # 11 to 12 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet:
-# four of its last five runs here passed; the fourth failed on the compute scenario, whose
+# five of its last six runs here passed; the fourth failed on the compute scenario, whose
 # figures follow the providers' CPU, which drifts with this machine's speed (its own three
-# lab runs 23 % apart). The fifth, the one run since that scenario's providers are read
-# again between its lab runs, passed with its largest error 9 % (README).
+# lab runs 23 % apart). The two runs since that scenario's providers are read again between
+# its lab runs passed with their largest errors 9.0 and 8.7 % (README).
 test-fidelity: $(STAMP)
 	$(PY) -m pytest -m fidelity --durations=12
 
