@@ -120,9 +120,10 @@ def interleaved(calibration: Path, readings: list[dict[str, Any]], out: Path) ->
     from sim.calibration import load, save, with_split_readings
 
     cal = load(calibration)
-    if not any(readings) or cal.package is None:
+    merged = with_split_readings(cal, readings)
+    if merged is cal:  # (nothing read)
         return calibration
-    save(with_split_readings(cal, readings), out)
+    save(merged, out)
     return out
 
 

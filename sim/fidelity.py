@@ -131,9 +131,14 @@ class Model:
     def rtt(self, a: str, b: str, there: float, back: float) -> float:
         return self.hop(a, b, there) + self.hop(b, a, back)
 
+    def to_broker(self, x: str) -> float:
+        """A small message between `x` and the broker, one way: the broker is on the
+        Internet (no access link of its own), the connection open."""
+        return self.delay(x) + self.cal.call_s
+
     def broker_rtt(self) -> float:
         """A small request to the broker and its answer (HTTP, the connection open)."""
-        return 2 * self.delay(CLIENT) + 2 * self.cal.call_s
+        return 2 * self.to_broker(CLIENT)
 
     # ---- a token ---------------------------------------------------------------------------
 
@@ -349,10 +354,10 @@ class Model:
         return self.cal.protocol_s + self.cal.protocol_rtts * 2 * (self.delay(a) + self.delay(b))
 
     def promotion(self, backup: str) -> float:
-        """The broker's request to `backup` to serve a stage it holds, and its answer: the
-        broker on the Internet (no access link of its own), `backup` at its quota's pace."""
+        """The broker's request to `backup` to serve a stage it holds, and its answer,
+        `backup`'s ends at its quota's pace."""
         ends = 2 * self.end(backup, PROMOTE_BYTES)
-        return 2 * self.delay(backup) + 2 * self.cal.call_s + self.stretch(backup, ends)
+        return 2 * self.to_broker(backup) + self.stretch(backup, ends)
 
     def dead_dial(self) -> float:
         """A request to a killed provider from a peer that has seen its connection drop: it
@@ -386,7 +391,7 @@ class Model:
         done: set[str] = set()
         seen = self.delay(victim)  # (the broker sees the victim's connection drop)
         ready: dict[str, float] = {}  # when the broker last promoted a stage on each backup
-        way = self.delay(CLIENT) + self.cal.call_s  # the client to the broker, or back
+        way = self.to_broker(CLIENT)
         for i, p in enumerate(self.placed[first:], first):
             if p.provider != victim:
                 out += self.star_step(p.provider, 1)
