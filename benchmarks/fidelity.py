@@ -2,8 +2,9 @@
 
     python benchmarks/fidelity.py [--runs 3] [--scenario fidelity-latency ...]
 
-Builds the demo decoder in 4 stages, calibrates (`fusionai sim calibrate --package`: round
-trips through the p2p stack, this machine's profile, the package's calls timed in-process),
+Builds the demo decoder in 4 stages, calibrates (`fusionai sim calibrate --package
+--lab-link`: round trips through the p2p stack, this machine's profile, the package's calls
+timed in-process, what one of the lab's links adds to its delay),
 then for each lab scenario runs it in the lab `--runs` times (`python -m lab scenario`) and
 predicts its figures (`fusionai sim --scenario`); the compute-bound one from the two
 providers' CPU read again before each of its lab runs (their medians). Prints one JSON object:
@@ -150,7 +151,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     package = build_decoder(work / "story-llama-4", 4)
     cal_path = work / "calibration.json"
-    save(calibrate(400, 4, "ort", package), cal_path)  # type: ignore[arg-type]
+    save(calibrate(400, 4, "ort", package, lab_link=True), cal_path)  # type: ignore[arg-type]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     out: dict[str, object] = {"calibration": json.loads(cal_path.read_text())}
     errors: list[float] = []

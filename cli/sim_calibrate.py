@@ -155,14 +155,17 @@ async def _setups(delay: float) -> tuple[float, float]:
     return statistics.median(connects), statistics.median(firsts)
 
 
-async def _connect_rtts(delay_s: float = 0.05) -> tuple[float, float]:
+async def _connect_rtts(delay_s: float = 0.05) -> tuple[float, float, float]:
     """How many round trips a new connection's set-up takes (TCP, multistream, Noise,
     yamux), and a protocol's first request more than its next: the medians through a proxy
     that delays every chunk `2 * delay_s` each way, less those through one delaying
     `delay_s`, over the round trip added (both long enough that the dialer's own least
-    wait, `connect_s`, is not what they measure)."""
+    wait, `connect_s`, is not what they measure); and the set-up's time beyond its round
+    trips (what they do not overlap: the two ends' handshake work)."""
     (connect, first), (connect2, first2) = await _setups(delay_s), await _setups(2 * delay_s)
-    return max(0.0, connect2 - connect) / (2 * delay_s), max(0.0, first2 - first) / (2 * delay_s)
+    rtts = max(0.0, connect2 - connect) / (2 * delay_s)
+    base = max(0.0, connect - rtts * 2 * delay_s)
+    return rtts, max(0.0, first2 - first) / (2 * delay_s), base
 
 
 async def _dead_dial() -> float:
@@ -364,8 +367,11 @@ def _package_times(package: Path, count: int) -> PackageTimes:
 
 
 def calibrate(
-    count: int = 400, mib: int = 4, executor: str | None = None, package: Path | None = None
-) -> object:
+    count: int = 400, mib: int = 4, executor: str | None = None, package: Path | None = None,
+    lab_link: bool = False,
+) -> object:  # fmt: skip
+    """The calibration (`sim.calibration.Calibration`); `lab_link`: one of the lab's access
+    links measured too (root, and the lab's tools)."""
     from provider.profile import measure
     from sim.calibration import VERSION, Calibration, MeasuredProfile
 
@@ -373,8 +379,13 @@ def calibrate(
     small_rtt = statistics.median(asyncio.run(_round_trips(SMALL, count)))
     large_rtt = statistics.median(asyncio.run(_round_trips(large, max(5, count // 20))))
     frame_bytes, connect_s, protocol_s = asyncio.run(_transport(min(count, 200)))
-    connect_rtts, protocol_rtts = asyncio.run(_connect_rtts())
+    connect_rtts, protocol_rtts, connect_base_s = asyncio.run(_connect_rtts())
     dead_dial_s = asyncio.run(_dead_dial())
+    link_extra_s = None
+    if lab_link:
+        from lab.topology import link_extra_s as lab_link_extra_s
+
+        link_extra_s = lab_link_extra_s()
     machine = measure(executor)
     e = machine.executors[0]
     profile = MeasuredProfile(
@@ -399,9 +410,11 @@ def calibrate(
         frame_bytes=frame_bytes,
         connect_s=connect_s,
         connect_rtts=connect_rtts,
+        connect_base_s=connect_base_s,
         protocol_s=protocol_s,
         protocol_rtts=protocol_rtts,
         dead_dial_s=dead_dial_s,
+        link_extra_s=link_extra_s,
         wire_s_per_byte=max(0.0, large_rtt - small_rtt) / (4 * large * 4),
         stage_call_s=statistics.median(_executor_calls(count)),
         small_rtt_s=small_rtt,
@@ -424,12 +437,19 @@ def run(args: argparse.Namespace) -> int:
     if package is not None and not (package / "manifest.json").is_file():
         print(f"error: {package} is not a model package (no manifest.json)", file=sys.stderr)
         return 2
-    out = calibrate(args.count, args.mib, args.executor, package)
+    if args.lab_link:
+        from lab.net import missing
+
+        if why := missing():
+            print(f"error: --lab-link: the lab cannot run here: {why}", file=sys.stderr)
+            return 2
+    out = calibrate(args.count, args.mib, args.executor, package, args.lab_link)
     assert isinstance(out, Calibration)
     save(out, Path(args.out))
+    link = "" if out.link_extra_s is None else f"; a lab link {out.link_extra_s * 1e3:.3f} ms a way"
     print(
         f"{args.out}: call_s {out.call_s * 1e3:.3f} ms a hop's end, "
         f"{out.wire_s_per_byte * 1e9:.3f} ns a byte, an executor call "
-        f"{out.stage_call_s * 1e3:.3f} ms ({out.profile.executor} on {out.machine})"
+        f"{out.stage_call_s * 1e3:.3f} ms ({out.profile.executor} on {out.machine}){link}"
     )
     return 0

@@ -301,3 +301,22 @@ table inet nat {
         self.names.clear()
         self.procs.clear()
         self.homes.clear()
+
+
+def link_extra_s(delay_ms: float = 10.0, count: int = 100) -> float:
+    """What one of the lab's access links adds to each way beyond its configured delay (its
+    frames forwarded by a process in user space, the router's NAT): half of the UDP round
+    trip from a home's host to the broker, less the link's delay both ways and the round trip
+    between two hosts on the Internet segment alone (the relay host to the broker: the
+    probes' own time); medians of `count` round trips each, in a lab of one home."""
+    with Lab(["cone"], links=[(100.0, delay_ms)]) as lab:
+        server = lab.spawn(
+            lab.broker, sys.executable, "-m", "lab.probe", "serve", "7003",
+            stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        if server.stdout is None or "ready" not in server.stdout.readline():
+            raise LabError("the lab's probe server did not start")
+        probe = (sys.executable, "-m", "lab.probe", "rtt", BROKER_IP, "7003", "-n", str(count))
+        base = json.loads(lab.run(lab.relay, *probe))["median_ms"]
+        home = json.loads(lab.run(lab.homes[0].host, *probe))["median_ms"]
+    return max(0.0, home - 2 * delay_ms - base) / 2 / 1e3

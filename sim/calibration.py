@@ -10,11 +10,17 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       and the dialer's own wait: py-libp2p holds a dial 250 ms)
     connect_rtts      the round trips of that set-up (through a loopback proxy delaying
                       each way 50 and then 100 ms: the difference over the added round trip)
+    connect_base_s    and its time beyond them (through the proxy delaying 50 ms: what its
+                      round trips do not overlap, the two ends' handshake work)
     protocol_s        what a protocol's first request on a connection waits more than its
                       next, on loopback (py-libp2p negotiates each protocol once)
     protocol_rtts     and its round trips (as `connect_rtts`: two here)
     dead_dial_s       a request to a peer whose process has gone, made as soon as a stream
                       to it broke, until it fails (on loopback)
+    link_extra_s      with `--lab-link` (root): what one of the lab's access links adds to
+                      each way beyond its configured delay (UDP round trips through it, less
+                      its delay and the probes' own time; the lab's predictions add it to
+                      each link's delay)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
                       few MiB, less the small ones')
     stage_call_s      one executor call's fixed time: onnxruntime running a 64 x 64 MatMul
@@ -134,11 +140,15 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # `connect_s`), and how long a request to a peer that has gone takes to fail once a
     # stream to it broke
     connect_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
+    connect_base_s: Seconds = 0.0  # (and the set-up's time beyond those round trips)
     dead_dial_s: Seconds | None = None
     # what a protocol's first request on a connection waits more than its next: on
     # loopback, and its round trips
     protocol_s: Seconds = 0.0
     protocol_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0
+    # what one of the lab's access links adds to each way beyond its configured delay
+    # (`lab.topology.link_extra_s`; None: not measured, as without root)
+    link_extra_s: Seconds | None = None
 
     def provider_costs(self) -> tuple[float, float, dict[float, float], float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at

@@ -84,8 +84,10 @@ class Model:
     # ---- the parts -------------------------------------------------------------------------
 
     def delay(self, x: str) -> float:
+        """One way through `x`'s access link: its configured delay, and what the lab's links
+        were measured to add to it (`Calibration.link_extra_s`)."""
         link = self.s.lab.client if x == CLIENT else self.providers[x].link
-        return link.delay_ms / 1e3
+        return link.delay_ms / 1e3 + (self.cal.link_extra_s or 0.0)
 
     def rate(self, x: str) -> float:
         return (self.s.lab.client if x == CLIENT else self.providers[x].link).bytes_s
@@ -341,12 +343,13 @@ class Model:
         return out
 
     def connect(self, a: str, b: str) -> float:
-        """A new connection from `a` to `b`: its set-up's round trips (`connect_rtts`), or
-        the p2p layer's own least set-up time (`connect_s`) where that is longer."""
+        """A new connection from `a` to `b`: its set-up's round trips (`connect_rtts`) and
+        its ends' work beyond them (`connect_base_s`), or the p2p layer's own least set-up
+        time (`connect_s`) where that is longer."""
         rtt = 2 * (self.delay(a) + self.delay(b))
         if self.cal.connect_rtts is None:
             return self.cal.connect_s + rtt
-        return max(self.cal.connect_s, self.cal.connect_rtts * rtt)
+        return max(self.cal.connect_s, self.cal.connect_base_s + self.cal.connect_rtts * rtt)
 
     def first_use(self, a: str, b: str) -> float:
         """What `a`'s first request of a protocol to `b` waits more than its next (the p2p

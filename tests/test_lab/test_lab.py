@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lab.net import host_state, ip, namespaces
-from lab.topology import BROKER_IP, RELAY_IP, STUN_IPS, Lab
+from lab.topology import BROKER_IP, RELAY_IP, STUN_IPS, Lab, link_extra_s
 from tests.test_lab.conftest import need_lab, probe, serve
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
@@ -48,6 +48,16 @@ def test_a_first_packet_to_a_new_host_waits_for_no_address_resolution() -> None:
         assert {BROKER_IP, RELAY_IP, *STUN_IPS} <= known
         ms = float(lab.run(lab.homes[0].host, sys.executable, "-c", first, RELAY_IP))
     assert 40 <= ms < 60  # its link's delay both ways, not a round trip more (80)
+
+
+def test_what_a_link_adds_to_its_delay_does_not_depend_on_the_delay() -> None:
+    """The calibration's reading of a lab link (`fusionai sim calibrate --lab-link`): what
+    forwarding its frames adds to each way, its configured delay taken out, is the same on a
+    link three times as long, and small beside a home's delays (milliseconds to tens)."""
+    need_lab()
+    short, long = link_extra_s(delay_ms=10.0, count=60), link_extra_s(delay_ms=30.0, count=60)
+    assert 0 < short < 0.003 and 0 < long < 0.003, (short, long)
+    assert long == pytest.approx(short, abs=0.0005), (short, long)
 
 
 def test_inbound_dials_fail_and_outbound_ones_leave_through_the_router(lab: Lab) -> None:

@@ -201,8 +201,9 @@ def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
     s = load("fidelity-churn")
     placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
     cal = msgspec.structs.replace(
-        CAL, connect_rtts=5.5, dead_dial_s=0.004, protocol_s=0.005, protocol_rtts=2.0
-    )
+        CAL, connect_rtts=5.5, connect_base_s=0.012, dead_dial_s=0.004, protocol_s=0.005,
+        protocol_rtts=2.0,
+    )  # fmt: skip
     m, h = Model(s, cal, placed), 12
     width = CAL.package.hidden_bytes_per_token * h  # type: ignore[union-attr]
     way = m.delay(CLIENT) + CAL.call_s  # the client to the broker
@@ -222,15 +223,32 @@ def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
     assert m.promotion("b") == pytest.approx(
         2 * m.delay("b") + 2 * CAL.call_s + m.stretch("b", 2 * m.end("b", 64))
     )
-    # a set-up over home links: the measured round trips, not the dialer's least time
+    # a set-up over home links: the measured round trips and the ends' work beyond them,
+    # not the dialer's least time
     rtt = 2 * (m.delay(CLIENT) + m.delay("b"))
-    assert m.connect(CLIENT, "b") == pytest.approx(5.5 * rtt)
+    assert m.connect(CLIENT, "b") == pytest.approx(0.012 + 5.5 * rtt)
+    assert 0.012 + 5.5 * rtt > CAL.connect_s
     assert m.first_use(CLIENT, "b") == pytest.approx(0.005 + 2 * rtt)
     # the first chained step after it: b's chain protocol from the client and b's push of
     # the outputs to the client are each a protocol's first use between them
     after = Model(s, cal, promoted(placed, "a"))
     assert after.rechain(m) == pytest.approx(2 * (0.005 + 2 * rtt))
     assert after.rechain(after) == 0.0
+
+
+def test_each_link_s_delay_is_its_configured_one_and_what_the_lab_s_links_add() -> None:
+    """`Calibration.link_extra_s` (a lab link's reading) lengthens every access link's way:
+    a message between two homes crosses two links, one to the broker (on the Internet
+    segment, no link of its own) one."""
+    s = load("fidelity-churn")
+    placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
+    plain = Model(s, CAL, placed)
+    m = Model(s, msgspec.structs.replace(CAL, link_extra_s=0.0004), placed)
+    assert plain.delay("b") == pytest.approx(0.020)  # (b's configured delay)
+    assert m.delay("b") == pytest.approx(0.0204) and m.delay(CLIENT) == pytest.approx(0.0054)
+    assert m.hop(CLIENT, "b", 64) - plain.hop(CLIENT, "b", 64) == pytest.approx(0.0008)
+    assert m.to_broker("b") - plain.to_broker("b") == pytest.approx(0.0004)
+    assert m.token_alone() > plain.token_alone()
 
 
 def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
