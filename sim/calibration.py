@@ -214,6 +214,21 @@ def save(calibration: Calibration, path: Path | str) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(calibration)) + b"\n")
 
 
+def split_reading(cal: Calibration) -> dict[str, Any]:
+    """`cal`'s own reading of its two providers' CPU, as `cli.calibrate_providers.split_costs`
+    answers (empty where it has none): what `with_split_readings` takes."""
+    t = cal.package
+    if t is None or not t.provider_split_token_cpu_s:
+        return {}
+    return {
+        "provider_split_stages": list(t.provider_split_stages),
+        "provider_split_token_cpu_s": list(t.provider_split_token_cpu_s),
+        "provider_split_quota_token_cpu_s": {
+            q: list(v) for q, v in t.provider_split_quota_token_cpu_s.items()
+        },
+    }
+
+
 def with_split_readings(cal: Calibration, readings: list[dict[str, Any]]) -> Calibration:
     """`cal` with its two providers' CPU per token (`PackageTimes.provider_split_*`) the
     median of `readings` (each `cli.calibrate_providers.split_costs`'s answer, taken at

@@ -21,6 +21,7 @@ from sim.calibration import (
     MeasuredProfile,
     PackageTimes,
     quota_factor,
+    split_reading,
     with_split_readings,
 )
 from sim.fidelity import CLIENT, Model, promoted, shared_stretch
@@ -392,6 +393,10 @@ def test_the_providers_cpu_read_again_between_runs_is_taken_figure_by_figure() -
     assert t.provider_split_token_cpu_s == [7e-3, 5e-3]
     assert t.provider_split_quota_token_cpu_s == {"0.3": [8e-3, 6e-3]}
     assert with_split_readings(cal, [{}]) == cal
+    # the calibration's own reading, as a reading (it stands for the run just after it)
+    assert split_reading(cal) == {} and split_reading(CAL) == {}
+    read = with_split_readings(cal, [one])
+    assert split_reading(read) == one and with_split_readings(read, [split_reading(read)]) == read
     with pytest.raises(ValueError, match="different splits"):
         with_split_readings(cal, [one, {**one, "provider_split_stages": [2, 2]}])
 
