@@ -217,4 +217,5 @@ def split_costs(package: Path, profile: bytes, executor: str) -> dict[str, Any]:
         "provider_split_stages": list(split),
         "provider_split_token_cpu_s": [t for t, _ in two[0.0]],
         "provider_split_quota_token_cpu_s": {f"{q:g}": [t for t, _ in two[q]] for q in quotas},
+        "provider_split_session_cpu_s": [g for _, g in two[0.0]],
     }

@@ -102,13 +102,16 @@ class PackageTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider_split_stages: list[Annotated[int, msgspec.Meta(ge=1, le=4096)]] = []
     provider_split_token_cpu_s: list[Seconds] = []
     provider_split_quota_token_cpu_s: dict[str, list[Seconds]] = {}
-    # and the first's CPU per generation beyond its tokens (opening, prompt, closing)
+    # and the first's CPU per generation beyond its tokens (opening, prompt, closing); the
+    # two's, each
     provider_session_cpu_s: Seconds | None = None
+    provider_split_session_cpu_s: list[Seconds] = []
 
     def __post_init__(self) -> None:
         ks, n = self.provider_split_stages, len(self.provider_split_token_cpu_s)
         figures = [n, *(len(v) for v in self.provider_split_quota_token_cpu_s.values())]
-        if any(f != len(ks) for f in figures):
+        sessions = self.provider_split_session_cpu_s
+        if any(f != len(ks) for f in figures) or (sessions and len(sessions) != len(ks)):
             raise ValueError("provider_split_*: one figure for each of provider_split_stages")
         if ks and (len(ks) < 2 or sum(ks) != self.provider_stages):
             raise ValueError("provider_split_stages: two or more providers split provider_stages")
@@ -156,12 +159,15 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         a stage's session beyond its tokens: its opening, prompt and closing), or None if not
         measured. The first two solve k s + 4 e for the two providers measured together (k
         their stages); where they hold as many, for the one holding every stage, measured
-        apart, and their mean. Without the two, each message end costs `call_s`."""
+        apart, and their mean. Without the two, each message end costs `call_s`. A stage's
+        session is the two's CPU per generation beyond its tokens over the stages (read with
+        the rest, and read again with them: `with_split_readings`), else the one's."""
         t = self.package
         if t is None or t.provider_token_cpu_s is None:
             return None
         n, whole = t.provider_stages, t.provider_token_cpu_s
-        session = (t.provider_session_cpu_s or 0.0) / n
+        # (a stage's session: the two's together where measured, read with the rest)
+        session = sum(t.provider_split_session_cpu_s or [t.provider_session_cpu_s or 0.0]) / n
         ks, cpus = t.provider_split_stages, t.provider_split_token_cpu_s
         if not cpus:
             return max(0.0, whole - 4 * self.call_s) / n, self.call_s, {}, session
@@ -226,6 +232,7 @@ def split_reading(cal: Calibration) -> dict[str, Any]:
         "provider_split_quota_token_cpu_s": {
             q: list(v) for q, v in t.provider_split_quota_token_cpu_s.items()
         },
+        "provider_split_session_cpu_s": list(t.provider_split_session_cpu_s),
     }
 
 
@@ -245,6 +252,7 @@ def with_split_readings(cal: Calibration, readings: list[dict[str, Any]]) -> Cal
         return [statistics.median(v) for v in zip(*values, strict=True)]
 
     quotas = taken[0]["provider_split_quota_token_cpu_s"]
+    key = "provider_split_session_cpu_s"  # (readings from before it was read lack it)
     times = msgspec.structs.replace(
         cal.package,
         provider_split_stages=list(taken[0]["provider_split_stages"]),
@@ -252,6 +260,7 @@ def with_split_readings(cal: Calibration, readings: list[dict[str, Any]]) -> Cal
         provider_split_quota_token_cpu_s={
             q: median([r["provider_split_quota_token_cpu_s"][q] for r in taken]) for q in quotas
         },
+        provider_split_session_cpu_s=median([s for r in taken if (s := r.get(key))]),
     )
     return msgspec.structs.replace(cal, package=times)
 

@@ -380,11 +380,16 @@ def test_the_providers_cpu_read_again_between_runs_is_taken_figure_by_figure() -
     empty reading (none measured) counts for nothing."""
     assert CAL.package is not None
     one = {"provider_split_stages": [3, 1], "provider_split_token_cpu_s": [7e-3, 5e-3],
-           "provider_split_quota_token_cpu_s": {"0.3": [8e-3, 6e-3]}}  # fmt: skip
+           "provider_split_quota_token_cpu_s": {"0.3": [8e-3, 6e-3]},
+           "provider_split_session_cpu_s": [9e-3, 4e-3]}  # fmt: skip
     slow = {**one, "provider_split_token_cpu_s": [9e-3, 4e-3],
-            "provider_split_quota_token_cpu_s": {"0.3": [11e-3, 5e-3]}}  # fmt: skip
+            "provider_split_quota_token_cpu_s": {"0.3": [11e-3, 5e-3]},
+            "provider_split_session_cpu_s": [12e-3, 3e-3]}  # fmt: skip
     fast = {**one, "provider_split_token_cpu_s": [6e-3, 6e-3],
-            "provider_split_quota_token_cpu_s": {"0.3": [7e-3, 7e-3]}}  # fmt: skip
+            "provider_split_quota_token_cpu_s": {"0.3": [7e-3, 7e-3]},
+            "provider_split_session_cpu_s": [8e-3, 5e-3]}  # fmt: skip
+    # (a reading from before sessions were read: its other figures count)
+    older = {k: v for k, v in fast.items() if k != "provider_split_session_cpu_s"}
     cal = msgspec.structs.replace(
         CAL, package=msgspec.structs.replace(CAL.package, provider_stages=4)
     )
@@ -392,6 +397,10 @@ def test_the_providers_cpu_read_again_between_runs_is_taken_figure_by_figure() -
     assert t is not None and t.provider_split_stages == [3, 1]
     assert t.provider_split_token_cpu_s == [7e-3, 5e-3]
     assert t.provider_split_quota_token_cpu_s == {"0.3": [8e-3, 6e-3]}
+    assert t.provider_split_session_cpu_s == [9e-3, 4e-3]
+    t = with_split_readings(cal, [one, slow, older]).package
+    assert t is not None and t.provider_split_token_cpu_s == [7e-3, 5e-3]
+    assert t.provider_split_session_cpu_s == pytest.approx([10.5e-3, 3.5e-3])  # (those with it)
     assert with_split_readings(cal, [{}]) == cal
     # the calibration's own reading, as a reading (it stands for the run just after it)
     assert split_reading(cal) == {} and split_reading(CAL) == {}
@@ -428,6 +437,12 @@ def test_provider_costs_solve_the_two_providers_measured_together() -> None:
     )  # fmt: skip
     costs = msgspec.structs.replace(CAL, package=even).provider_costs()
     assert costs is not None and costs[:3] == (pytest.approx(1e-3), pytest.approx(1e-3), {})
+    # a stage's session: the two's together where they were read, over the stages
+    both = msgspec.structs.replace(t, provider_split_session_cpu_s=[12e-3, 4e-3])
+    costs = msgspec.structs.replace(CAL, package=both).provider_costs()
+    assert costs is not None and costs[3] == pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="one figure for each"):
+        msgspec.structs.replace(t, provider_split_session_cpu_s=[12e-3])
     only = msgspec.structs.replace(
         t, provider_split_stages=[], provider_split_token_cpu_s=[],
         provider_split_quota_token_cpu_s={},
