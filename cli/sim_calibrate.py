@@ -381,11 +381,11 @@ def calibrate(
     frame_bytes, connect_s, protocol_s = asyncio.run(_transport(min(count, 200)))
     connect_rtts, protocol_rtts, connect_base_s = asyncio.run(_connect_rtts())
     dead_dial_s = asyncio.run(_dead_dial())
-    link_extra_s = None
+    link_extra_s = link_rate_factor = None
     if lab_link:
-        from lab.topology import link_extra_s as lab_link_extra_s
+        from lab.topology import link_reading
 
-        link_extra_s = lab_link_extra_s()
+        link_extra_s, link_rate_factor = link_reading()
     machine = measure(executor)
     e = machine.executors[0]
     profile = MeasuredProfile(
@@ -415,6 +415,7 @@ def calibrate(
         protocol_rtts=protocol_rtts,
         dead_dial_s=dead_dial_s,
         link_extra_s=link_extra_s,
+        link_rate_factor=link_rate_factor,
         wire_s_per_byte=max(0.0, large_rtt - small_rtt) / (4 * large * 4),
         stage_call_s=statistics.median(_executor_calls(count)),
         small_rtt_s=small_rtt,
@@ -446,7 +447,12 @@ def run(args: argparse.Namespace) -> int:
     out = calibrate(args.count, args.mib, args.executor, package, args.lab_link)
     assert isinstance(out, Calibration)
     save(out, Path(args.out))
-    link = "" if out.link_extra_s is None else f"; a lab link {out.link_extra_s * 1e3:.3f} ms a way"
+    link = ""
+    if out.link_extra_s is not None and out.link_rate_factor is not None:
+        link = (
+            f"; a lab link {out.link_extra_s * 1e3:.3f} ms a way more than its delay, "
+            f"{out.link_rate_factor:.3f} of its rate"
+        )
     print(
         f"{args.out}: call_s {out.call_s * 1e3:.3f} ms a hop's end, "
         f"{out.wire_s_per_byte * 1e9:.3f} ns a byte, an executor call "

@@ -37,7 +37,7 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     p.add_argument(
         "--lab-link",
         action="store_true",
-        help="calibrate: also measure what one of the lab's access links adds to its delay "
+        help="calibrate: also measure one of the lab's access links, its delay and rate "
         "(root, and the lab's tools: see `python -m lab`)",
     )
     p.add_argument(

@@ -303,20 +303,35 @@ table inet nat {
         self.homes.clear()
 
 
-def link_extra_s(delay_ms: float = 10.0, count: int = 100) -> float:
-    """What one of the lab's access links adds to each way beyond its configured delay (its
-    frames forwarded by a process in user space, the router's NAT): half of the UDP round
-    trip from a home's host to the broker, less the link's delay both ways and the round trip
-    between two hosts on the Internet segment alone (the relay host to the broker: the
-    probes' own time); medians of `count` round trips each, in a lab of one home."""
-    with Lab(["cone"], links=[(100.0, delay_ms)]) as lab:
+# bytes on the wire per payload byte of a bulk TCP transfer (Ethernet, IP, TCP with
+# timestamps), as `sim.fidelity` counts a message's
+FRAME = 1514 / 1448
+
+
+def link_reading(
+    delay_ms: float = 10.0, rate_mbit: float = 20.0, count: int = 100, size: int = 4_000_000
+) -> tuple[float, float]:
+    """One of the lab's access links, measured in a lab of one home: (what it adds to each
+    way beyond its configured delay, in seconds; the rate it carries over its configured
+    rate). The first: its frames are forwarded by a process in user space, and the router's
+    NAT; half of the UDP round trip from the home's host to the broker, less the link's delay
+    both ways and the round trip between two hosts on the Internet segment alone (the relay
+    host to the broker: the probes' own time), medians of `count` round trips each. The
+    second: `size` bytes up and then down through it over TCP, in frame bytes, their mean."""
+    with Lab(["cone"], links=[(rate_mbit, delay_ms)]) as lab:
         server = lab.spawn(
             lab.broker, sys.executable, "-m", "lab.probe", "serve", "7003",
             stdout=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
         if server.stdout is None or "ready" not in server.stdout.readline():
             raise LabError("the lab's probe server did not start")
-        probe = (sys.executable, "-m", "lab.probe", "rtt", BROKER_IP, "7003", "-n", str(count))
-        base = json.loads(lab.run(lab.relay, *probe))["median_ms"]
-        home = json.loads(lab.run(lab.homes[0].host, *probe))["median_ms"]
-    return max(0.0, home - 2 * delay_ms - base) / 2 / 1e3
+        probe = (sys.executable, "-m", "lab.probe")
+        rtt = (*probe, "rtt", BROKER_IP, "7003", "-n", str(count))
+        base = json.loads(lab.run(lab.relay, *rtt))["median_ms"]
+        home = json.loads(lab.run(lab.homes[0].host, *rtt))["median_ms"]
+        lab.run(lab.homes[0].host, *probe, "bulk", BROKER_IP, "7003", str(size))
+        up = json.loads(server.stdout.readline())["mbit_s"]  # (as the sink saw it arrive)
+        pull = (*probe, "pull", BROKER_IP, "7003", str(size))
+        down = json.loads(lab.run(lab.homes[0].host, *pull))["mbit_s"]
+    extra = max(0.0, home - 2 * delay_ms - base) / 2 / 1e3
+    return extra, (up + down) / 2 * FRAME / rate_mbit

@@ -21,6 +21,8 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
                       each way beyond its configured delay (UDP round trips through it, less
                       its delay and the probes' own time; the lab's predictions add it to
                       each link's delay)
+    link_rate_factor  and the rate it carries over its configured rate (TCP transfers up
+                      and down it, in frame bytes; the lab's predictions scale each link's)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
                       few MiB, less the small ones')
     stage_call_s      one executor call's fixed time: onnxruntime running a 64 x 64 MatMul
@@ -149,9 +151,11 @@ class Calibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # loopback, and its round trips
     protocol_s: Seconds = 0.0
     protocol_rtts: Annotated[float, msgspec.Meta(ge=0, le=100)] = 0.0
-    # what one of the lab's access links adds to each way beyond its configured delay
-    # (`lab.topology.link_extra_s`; None: not measured, as without root)
+    # what one of the lab's access links adds to each way beyond its configured delay, and
+    # the rate it carries over its configured one (`lab.topology.link_reading`; None: not
+    # measured, as without root)
     link_extra_s: Seconds | None = None
+    link_rate_factor: Annotated[float, msgspec.Meta(gt=0, le=2)] | None = None
 
     def provider_costs(self) -> tuple[float, float, dict[float, float], float] | None:
         """As a provider daemon runs them: (a stage's one-token step, a provider's CPU at

@@ -90,7 +90,10 @@ class Model:
         return link.delay_ms / 1e3 + (self.cal.link_extra_s or 0.0)
 
     def rate(self, x: str) -> float:
-        return (self.s.lab.client if x == CLIENT else self.providers[x].link).bytes_s
+        """`x`'s access link's rate, bytes a second: its configured one, as far as the lab's
+        links were measured to carry it (`Calibration.link_rate_factor`)."""
+        link = self.s.lab.client if x == CLIENT else self.providers[x].link
+        return link.bytes_s * (self.cal.link_rate_factor or 1.0)
 
     def share(self, x: str) -> float:
         """The cores `x` may use: a provider's quota (the client's machine is not capped)."""

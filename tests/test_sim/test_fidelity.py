@@ -237,10 +237,10 @@ def test_a_stall_is_the_client_s_failover_step_by_step() -> None:
     assert after.rechain(after) == 0.0
 
 
-def test_each_link_s_delay_is_its_configured_one_and_what_the_lab_s_links_add() -> None:
+def test_each_link_is_its_configured_shape_as_the_lab_s_links_were_measured() -> None:
     """`Calibration.link_extra_s` (a lab link's reading) lengthens every access link's way:
     a message between two homes crosses two links, one to the broker (on the Internet
-    segment, no link of its own) one."""
+    segment, no link of its own) one; `link_rate_factor` scales every link's rate."""
     s = load("fidelity-churn")
     placed = [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)]
     plain = Model(s, CAL, placed)
@@ -250,6 +250,11 @@ def test_each_link_s_delay_is_its_configured_one_and_what_the_lab_s_links_add() 
     assert m.hop(CLIENT, "b", 64) - plain.hop(CLIENT, "b", 64) == pytest.approx(0.0008)
     assert m.to_broker("b") - plain.to_broker("b") == pytest.approx(0.0004)
     assert m.token_alone() > plain.token_alone()
+    # and the rate a link was measured to carry scales each link's configured one
+    slower = Model(s, msgspec.structs.replace(CAL, link_rate_factor=0.9), placed)
+    assert plain.rate("b") == pytest.approx(20e6 / 8)
+    assert slower.rate("b") == pytest.approx(0.9 * 20e6 / 8)
+    assert slower.rate(CLIENT) == pytest.approx(0.9 * plain.rate(CLIENT))
 
 
 def test_a_kill_promotes_the_victims_backups_for_the_tokens_after_it() -> None:
