@@ -2,9 +2,9 @@
 
     python benchmarks/fidelity.py [--runs 3] [--scenario fidelity-latency ...]
 
-Builds the demo decoder in 4 stages, calibrates (`fusionai sim calibrate --package
---lab-link`: round trips through the p2p stack, this machine's profile, the package's calls
-timed in-process, what one of the lab's links adds to its delay),
+Builds the demo decoder in 4 stages, calibrates (`fusionai sim calibrate --package`: round
+trips through the p2p stack, this machine's profile, the package's calls timed in-process;
+then `python -m lab link --calibration`: one of the lab's links, its delay's extra and rate),
 then for each lab scenario runs it in the lab `--runs` times (`python -m lab scenario`) and
 predicts its figures (`fusionai sim --scenario`); the compute-bound one from the two
 providers' CPU read again before each of its lab runs but the first, which the calibration's
@@ -155,15 +155,17 @@ def main() -> int:
     from cli.sim_calibrate import calibrate
     from cli.sim_lab import compare, prediction, table
     from lab.scenario import run
+    from lab.topology import link_reading
     from sim.calibration import load as load_calibration
-    from sim.calibration import save, split_reading
+    from sim.calibration import save, split_reading, with_link_reading
     from sim.labscenario import load
 
     work = Path(args.work or tempfile.mkdtemp(prefix="fusionai-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     package = build_decoder(work / "story-llama-4", 4)
     cal_path = work / "calibration.json"
-    save(calibrate(400, 4, "ort", package, lab_link=True), cal_path)  # type: ignore[arg-type]
+    cal = calibrate(400, 4, "ort", package)
+    save(with_link_reading(cal, *link_reading()), cal_path)  # type: ignore[arg-type]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     out: dict[str, object] = {"calibration": json.loads(cal_path.read_text())}
     errors: list[float] = []

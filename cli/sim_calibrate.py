@@ -367,11 +367,8 @@ def _package_times(package: Path, count: int) -> PackageTimes:
 
 
 def calibrate(
-    count: int = 400, mib: int = 4, executor: str | None = None, package: Path | None = None,
-    lab_link: bool = False,
-) -> object:  # fmt: skip
-    """The calibration (`sim.calibration.Calibration`); `lab_link`: one of the lab's access
-    links measured too (root, and the lab's tools)."""
+    count: int = 400, mib: int = 4, executor: str | None = None, package: Path | None = None
+) -> object:
     from provider.profile import measure
     from sim.calibration import VERSION, Calibration, MeasuredProfile
 
@@ -381,11 +378,6 @@ def calibrate(
     frame_bytes, connect_s, protocol_s = asyncio.run(_transport(min(count, 200)))
     connect_rtts, protocol_rtts, connect_base_s = asyncio.run(_connect_rtts())
     dead_dial_s = asyncio.run(_dead_dial())
-    link_extra_s = link_rate_factor = None
-    if lab_link:
-        from lab.topology import link_reading
-
-        link_extra_s, link_rate_factor = link_reading()
     machine = measure(executor)
     e = machine.executors[0]
     profile = MeasuredProfile(
@@ -414,8 +406,6 @@ def calibrate(
         protocol_s=protocol_s,
         protocol_rtts=protocol_rtts,
         dead_dial_s=dead_dial_s,
-        link_extra_s=link_extra_s,
-        link_rate_factor=link_rate_factor,
         wire_s_per_byte=max(0.0, large_rtt - small_rtt) / (4 * large * 4),
         stage_call_s=statistics.median(_executor_calls(count)),
         small_rtt_s=small_rtt,
@@ -438,24 +428,12 @@ def run(args: argparse.Namespace) -> int:
     if package is not None and not (package / "manifest.json").is_file():
         print(f"error: {package} is not a model package (no manifest.json)", file=sys.stderr)
         return 2
-    if args.lab_link:
-        from lab.net import missing
-
-        if why := missing():
-            print(f"error: --lab-link: the lab cannot run here: {why}", file=sys.stderr)
-            return 2
-    out = calibrate(args.count, args.mib, args.executor, package, args.lab_link)
+    out = calibrate(args.count, args.mib, args.executor, package)
     assert isinstance(out, Calibration)
     save(out, Path(args.out))
-    link = ""
-    if out.link_extra_s is not None and out.link_rate_factor is not None:
-        link = (
-            f"; a lab link {out.link_extra_s * 1e3:.3f} ms a way more than its delay, "
-            f"{out.link_rate_factor:.3f} of its rate"
-        )
     print(
         f"{args.out}: call_s {out.call_s * 1e3:.3f} ms a hop's end, "
         f"{out.wire_s_per_byte * 1e9:.3f} ns a byte, an executor call "
-        f"{out.stage_call_s * 1e3:.3f} ms ({out.profile.executor} on {out.machine}){link}"
+        f"{out.stage_call_s * 1e3:.3f} ms ({out.profile.executor} on {out.machine})"
     )
     return 0

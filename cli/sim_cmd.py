@@ -35,12 +35,6 @@ def add_parser(sub: Any, dispatch: Any) -> None:
     p.add_argument("--mib", type=int, default=4, help="calibrate: the large payload, MiB")
     p.add_argument("--executor", choices=["ort", "torch"], help="calibrate: profile this one")
     p.add_argument(
-        "--lab-link",
-        action="store_true",
-        help="calibrate: also measure one of the lab's access links, its delay and rate "
-        "(root, and the lab's tools: see `python -m lab`)",
-    )
-    p.add_argument(
         "--package",
         metavar="DIR",
         help="calibrate: also time this package's calls; a lab scenario: the package it serves",

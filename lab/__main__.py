@@ -4,6 +4,7 @@ python -m lab up --kinds cone,symmetric,upnp --rate 20 --delay 25   # prints its
 python -m lab run h1 -- python -m cli.main provider start --broker ...
 python -m lab down            # this lab (the last one brought up); --all: every fl* one
 python -m lab scenario fidelity-latency --package DIR --out lab.json   # a lab scenario, run
+python -m lab link [--calibration cal.json]   # one access link measured (into the calibration)
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     sc.add_argument("--keep", action="store_true", help="keep each run's folder and logs")
     sc.add_argument("--out", help="write the result (JSON) here; default: print it")
+    ln = sub.add_parser("link", help="measure one access link: its delay's extra, its rate")
+    ln.add_argument(
+        "--calibration", help="add the reading to this `fusionai sim calibrate` file "
+        "(`link_extra_s`, `link_rate_factor`: the lab's predictions use them)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -103,6 +109,23 @@ def _scenario(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link(args: argparse.Namespace) -> int:
+    from lab.topology import link_reading
+    from sim.calibration import load, save, with_link_reading
+
+    cal = None
+    if args.calibration:  # (read before the lab is built: a bad file fails at once)
+        try:
+            cal = load(args.calibration)
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+    extra, rate = link_reading()
+    print(json.dumps({"link_extra_s": extra, "link_rate_factor": rate}))
+    if cal is not None:
+        save(with_link_reading(cal, extra, rate), args.calibration)
+    return 0
+
+
 def _layout() -> dict[str, object]:
     if not STATE.is_file():
         raise LabError("no lab is up (python -m lab up)")
@@ -142,6 +165,7 @@ def _status(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "scenario": _scenario,
+    "link": _link,
     "up": _up,
     "run": _run,
     "down": _down,

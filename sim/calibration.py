@@ -17,10 +17,10 @@ of what one run measured on a machine, read back by `fusionai sim --calibration 
     protocol_rtts     and its round trips (as `connect_rtts`: two here)
     dead_dial_s       a request to a peer whose process has gone, made as soon as a stream
                       to it broke, until it fails (on loopback)
-    link_extra_s      with `--lab-link` (root): what one of the lab's access links adds to
-                      each way beyond its configured delay (UDP round trips through it, less
-                      its delay and the probes' own time; the lab's predictions add it to
-                      each link's delay)
+    link_extra_s      added by `python -m lab link --calibration FILE` (root): what one of
+                      the lab's access links adds to each way beyond its configured delay
+                      (UDP round trips through it, less its delay and the probes' own time;
+                      the lab's predictions add it to each link's delay)
     link_rate_factor  and the rate it carries over its configured rate (TCP transfers up
                       and down it, in frame bytes; the lab's predictions scale each link's)
     wire_s_per_byte   and per byte (encode, encrypt, copy, decode: from round trips of a
@@ -222,6 +222,17 @@ def load(path: Path | str) -> Calibration:
 
 def save(calibration: Calibration, path: Path | str) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(calibration)) + b"\n")
+
+
+def with_link_reading(cal: Calibration, extra_s: float, rate_factor: float) -> Calibration:
+    """`cal` with a reading of one of the lab's access links (`python -m lab link`): what it
+    adds to each way beyond its configured delay, and the rate it carries over its configured
+    one. Refused (ValueError) where out of range."""
+    out = msgspec.structs.replace(cal, link_extra_s=extra_s, link_rate_factor=rate_factor)
+    try:  # (replace does not validate)
+        return msgspec.json.decode(msgspec.json.encode(out), type=Calibration)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"a link reading out of range: {exc}") from None
 
 
 def split_reading(cal: Calibration) -> dict[str, Any]:

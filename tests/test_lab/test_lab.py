@@ -51,7 +51,7 @@ def test_a_first_packet_to_a_new_host_waits_for_no_address_resolution() -> None:
 
 
 def test_a_link_s_reading_is_its_shape_and_what_forwarding_adds_to_its_delay() -> None:
-    """The calibration's reading of a lab link (`fusionai sim calibrate --lab-link`): what
+    """The calibration's reading of a lab link (`python -m lab link`): what
     forwarding its frames adds to each way, its configured delay taken out, is the same on a
     link three times as long, and small beside a home's delays (milliseconds to tens); the
     rate it carries is its shape's, within 10 % (a transfer many times the link's bandwidth-

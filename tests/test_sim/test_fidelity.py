@@ -22,6 +22,7 @@ from sim.calibration import (
     PackageTimes,
     quota_factor,
     split_reading,
+    with_link_reading,
     with_split_readings,
 )
 from sim.fidelity import CLIENT, Model, promoted, shared_stretch
@@ -250,6 +251,11 @@ def test_each_link_is_its_configured_shape_as_the_lab_s_links_were_measured() ->
     assert m.hop(CLIENT, "b", 64) - plain.hop(CLIENT, "b", 64) == pytest.approx(0.0008)
     assert m.to_broker("b") - plain.to_broker("b") == pytest.approx(0.0004)
     assert m.token_alone() > plain.token_alone()
+    # (a reading goes into a calibration checked: `python -m lab link --calibration`)
+    read = with_link_reading(CAL, 0.0004, 0.99)
+    assert (read.link_extra_s, read.link_rate_factor) == (0.0004, 0.99)
+    with pytest.raises(ValueError, match="out of range"):
+        with_link_reading(CAL, 0.0004, 3.0)
     # and the rate a link was measured to carry scales each link's configured one
     slower = Model(s, msgspec.structs.replace(CAL, link_rate_factor=0.9), placed)
     assert plain.rate("b") == pytest.approx(20e6 / 8)
