@@ -47,7 +47,7 @@ test-lab: $(STAMP)
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
 # 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet: its
-# figures follow this shared machine's drifting speed, and of this stop's five runs here
+# figures follow this shared machine's drifting speed, and of this stop's six runs here
 # one failed, on the compute scenario's first token, from a calibration taken while the
 # machine was slow (README).
 test-fidelity: $(STAMP)
