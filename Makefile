@@ -47,9 +47,9 @@ test-lab: $(STAMP)
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
 # 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet: its
-# figures follow this shared machine's drifting speed, and of this stop's six runs here
+# figures follow this shared machine's drifting speed, and of this stop's seven runs here
 # one failed, on the compute scenario's first token, from a calibration taken while the
-# machine was slow (README).
+# machine was slow; the four since its fix passed (README).
 test-fidelity: $(STAMP)
 	$(PY) -m pytest -m fidelity --durations=12
 
