@@ -156,23 +156,24 @@ def main() -> int:
     from cli.sim_lab import compare, prediction, table
     from lab.scenario import run
     from lab.topology import link_reading
-    from sim.calibration import load as load_calibration
-    from sim.calibration import save, split_reading, with_link_reading
+    from sim.calibration import Calibration, save, split_reading, with_link_reading
     from sim.labscenario import load
 
     work = Path(args.work or tempfile.mkdtemp(prefix="fusionai-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     package = build_decoder(work / "story-llama-4", 4)
     cal_path = work / "calibration.json"
-    cal = calibrate(400, 4, "ort", package)
-    save(with_link_reading(cal, *link_reading()), cal_path)  # type: ignore[arg-type]
+    measured = calibrate(400, 4, "ort", package)
+    assert isinstance(measured, Calibration)
+    cal = with_link_reading(measured, *link_reading())
+    save(cal, cal_path)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     out: dict[str, object] = {"calibration": json.loads(cal_path.read_text())}
     errors: list[float] = []
     rows = {}
     ours: tuple[dict[str, Any], dict[str, Any]] | None = None  # the contrast's, as placed
     order = args.scenario or SCENARIOS
-    own = split_reading(load_calibration(cal_path))
+    own = split_reading(cal)
     for name in order:
         s = load(name)
         readings: list[dict[str, Any]] = []

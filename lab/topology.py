@@ -303,11 +303,6 @@ table inet nat {
         self.homes.clear()
 
 
-# bytes on the wire per payload byte of a bulk TCP transfer (Ethernet, IP, TCP with
-# timestamps), as `sim.fidelity` counts a message's
-FRAME = 1514 / 1448
-
-
 def link_reading(
     delay_ms: float = 10.0, rate_mbit: float = 20.0, count: int = 100, size: int = 4_000_000
 ) -> tuple[float, float]:
@@ -317,7 +312,8 @@ def link_reading(
     NAT; half of the UDP round trip from the home's host to the broker, less the link's delay
     both ways and the round trip between two hosts on the Internet segment alone (the relay
     host to the broker: the probes' own time), medians of `count` round trips each. The
-    second: `size` bytes up and then down through it over TCP, in frame bytes, their mean."""
+    second: `size` bytes up and then down through it over TCP, in frame bytes (`frame`),
+    their mean."""
     with Lab(["cone"], links=[(rate_mbit, delay_ms)]) as lab:
         server = lab.spawn(
             lab.broker, sys.executable, "-m", "lab.probe", "serve", "7003",
@@ -334,4 +330,12 @@ def link_reading(
         pull = (*probe, "pull", BROKER_IP, "7003", str(size))
         down = json.loads(lab.run(lab.homes[0].host, *pull))["mbit_s"]
     extra = max(0.0, home - 2 * delay_ms - base) / 2 / 1e3
-    return extra, (up + down) / 2 * FRAME / rate_mbit
+    return extra, (up + down) / 2 * frame() / rate_mbit
+
+
+def frame() -> float:
+    """Bytes on the wire per payload byte of a bulk TCP transfer (Ethernet, IP, TCP with
+    timestamps: 1514 a 1448-byte segment), as the simulator counts a message's."""
+    from sim.fidelity import HEADER_BYTES, SEGMENT_BYTES
+
+    return (SEGMENT_BYTES + HEADER_BYTES) / SEGMENT_BYTES

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from lab.net import host_state, ip, namespaces
-from lab.topology import BROKER_IP, RELAY_IP, STUN_IPS, Lab, link_reading
+from lab.topology import BROKER_IP, RELAY_IP, STUN_IPS, Lab, frame, link_reading
 from tests.test_lab.conftest import need_lab, probe, serve
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(180)]
-FRAME = 1514 / 1448  # bytes on the wire (Ethernet, IP, TCP with timestamps) per payload byte
+FRAME = frame()  # bytes on the wire (Ethernet, IP, TCP with timestamps) per payload byte
 
 
 def test_the_lab_leaves_this_machine_as_it_found_it() -> None:
