@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 PARTIAL_MAX_AGE_S = 7 * 24 * 3600.0  # a partial download untouched this long is dropped
 STRAY_AGE_S = 3600.0  # a file not named by its hash, this old, is a crashed write's leftover
+# File times tick coarsely (a kernel tick; 2 s on FAT): a file changed this soon after its
+# recorded time may keep that time, so such an entry proves nothing.
+RACY_S = 2.0
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 T = TypeVar("T")
 
@@ -52,6 +55,19 @@ class ArtifactError(Exception):
 class _Entry(msgspec.Struct):
     size: int
     mtime_ns: int
+    checked_ns: int = 0  # the clock when it was recorded (absent in older indexes: racy)
+
+    def vouches_for(self, st: os.stat_result) -> bool:
+        """Whether this entry shows the file unchanged since it was verified."""
+        return (
+            self.size == st.st_size
+            and self.mtime_ns == st.st_mtime_ns
+            and self.checked_ns - self.mtime_ns >= RACY_S * 1e9
+        )
+
+
+def _entry(st: os.stat_result) -> _Entry:
+    return _Entry(st.st_size, st.st_mtime_ns, time.time_ns())
 
 
 class ArtifactCache:
@@ -101,7 +117,7 @@ class ArtifactCache:
 
     def _record(self, sha: str) -> None:
         st = (self.objects / sha).stat()
-        self._index[sha] = _Entry(st.st_size, st.st_mtime_ns)
+        self._index[sha] = _entry(st)
         self._write_index()
 
     # ---- queries ---------------------------------------------------------------------------
@@ -142,7 +158,7 @@ class ArtifactCache:
                 continue
             st = p.stat()
             entry = self._index.get(name)
-            if entry is not None and entry.size == st.st_size and entry.mtime_ns == st.st_mtime_ns:
+            if entry is not None and entry.vouches_for(st):
                 continue  # verified before and unchanged since
             if sha256_file(p) != name:
                 log.warning("artifact %s fails verification (truncated or altered): dropped", name)
@@ -150,7 +166,7 @@ class ArtifactCache:
                 self._index.pop(name, None)
                 dropped.append(name)
             else:
-                self._index[name] = _Entry(st.st_size, st.st_mtime_ns)
+                self._index[name] = _entry(st)
         for name in list(self._index):
             if not (self.objects / name).is_file():
                 del self._index[name]

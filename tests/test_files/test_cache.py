@@ -128,9 +128,31 @@ async def test_check_drops_altered_files_and_stale_partials(
     stale.write_bytes(b"old")
     old = time.time() - PARTIAL_MAX_AGE_S - 60
     os.utime(stale, (old, old))
-    path.write_bytes(BODY[:10] + b"!" + BODY[11:])  # same size, one byte altered
+    kept = path.stat()
+    path.write_bytes(BODY[:10] + b"!" + BODY[11:])  # same size, one byte altered,
+    os.utime(path, ns=(kept.st_atime_ns, kept.st_mtime_ns))  # in the same clock tick
     assert ArtifactCache(tmp_path, limit_bytes=10_000).check() == [SHA]
     assert not path.exists() and not stale.exists()
+
+
+async def test_check_trusts_its_index_only_for_files_older_than_a_clock_tick(
+    server: tuple[str, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = server
+    path = await ArtifactCache(tmp_path).fetch(SHA, url, len(BODY))
+    hashed: list[Path] = []
+
+    def counted(p: Path) -> str:
+        hashed.append(p)
+        return sha256_file(p)
+
+    monkeypatch.setattr(files.cache, "sha256_file", counted)
+    assert ArtifactCache(tmp_path).check() == []  # recorded as it was written: hashed again
+    assert hashed == [path]
+    old = time.time_ns() - int(files.cache.RACY_S * 3e9)
+    os.utime(path, ns=(old, old))
+    assert ArtifactCache(tmp_path).check() == [] and len(hashed) == 2  # its time changed
+    assert ArtifactCache(tmp_path).check() == [] and len(hashed) == 2  # verified long after
 
 
 async def test_uploads_and_puts_are_kept_only_when_their_bytes_match(tmp_path: Path) -> None:
