@@ -3,6 +3,9 @@
 A default py-libp2p host also accepts `/plaintext/2.0.0`, secio and TLS, and mplex; ours offers
 exactly one security protocol and one muxer, so a dial that asks for anything else is refused
 during negotiation. Imported only by the trio thread, when a host starts.
+
+Its yamux streams return receive credit as go-yamux does: a WINDOW_UPDATE once half the window
+has been read, not one for each read (`batched_release`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from p2p.identity import Identity
 
@@ -26,6 +29,31 @@ from p2p.identity import Identity
 # and every failed dial at ERROR (the p2p layer raises ConnectionLost saying so instead).
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 logging.getLogger("libp2p.transport.tcp.tcp").setLevel(logging.CRITICAL)
+
+
+async def batched_release(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    """After a read of `bytes_read` bytes: send a WINDOW_UPDATE only once what the peer may
+    send has fallen half a window short of the target (go-yamux's `sendWindowUpdate`; the
+    target grows, as before, when updates come within 4 round trips of each other).
+
+    py-libp2p 0.8.1 also sends one for every read below that mark ("partial slack", "release
+    on read"): on a request and its answer of a kilobyte or two, as the chained steps of a
+    generation are, a 30-byte frame each way for each message, as many sends, encryptions and
+    wake-ups as the messages themselves. A peer whose reader stops reading cannot be
+    sent more than the window either way; ours never stops (`p2p._channel`)."""
+    increment = 0
+    async with self.window_lock:
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        owed = self.target_recv_window - (self.recv_window + buffered)
+        if owed > 0 and owed >= self._grow_threshold():
+            increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+            self._pending_recv_release = 0
+    if increment > 0:
+        await self.send_window_update(increment, skip_lock=True)
+
+
+# (libp2p is pinned to the version this was written for: pyproject.toml)
+YamuxStream._auto_tune_and_send_window_update = batched_release
 
 
 def key_pair(identity: Identity) -> KeyPair:

@@ -15,6 +15,7 @@ This module imports neither trio nor libp2p.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
@@ -95,10 +96,17 @@ def _signed_bytes(domain: str, data: bytes) -> bytes:
     return domain.encode() + b"\0" + data
 
 
+@functools.lru_cache(maxsize=4096)
+def _public_key(peer_id: str) -> Ed25519PublicKey:
+    """`peer_id`'s key, kept: a chained step's route is verified at every hop, by the same
+    few origins (a ValueError is not kept)."""
+    return Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(peer_id))
+
+
 def verify(peer_id: str, data: bytes, signature: bytes, *, domain: str) -> bool:
     """True if `signature` is `peer_id`'s signature of `data` in `domain`; never raises."""
     try:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(peer_id))
+        key = _public_key(peer_id)
         key.verify(signature, _signed_bytes(domain, data))
     except (ValueError, InvalidSignature):
         return False

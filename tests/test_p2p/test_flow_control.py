@@ -76,3 +76,34 @@ async def test_requests_survive_a_handler_that_blocks_for_8_s() -> None:
             *(client.request(peer, spec, Echo(n=i, data=b"x" * MB)) for i in range(24))
         )
     assert [a.n for a in answers] == list(range(24))
+
+
+async def test_small_requests_do_not_each_cost_a_window_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A yamux stream returns its receive credit once half its window has been read
+    (`p2p._libp2p.batched_release`), not with every read: 300 requests and answers of 2 KB
+    each way move about 1.2 MB, which needs a handful of WINDOW_UPDATE frames, not one a
+    message (py-libp2p's own release sent 600)."""
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    updates: list[int] = []
+    send_update = YamuxStream.send_window_update
+
+    async def counted(self: YamuxStream, increment: int, skip_lock: bool = False) -> None:
+        updates.append(increment)
+        await send_update(self, increment, skip_lock)
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", counted)
+    spec = ProtocolSpec("/fusionai/test-small/1", Echo, Echo, max_message_bytes=MB)
+
+    async def echo(peer_id: str, msg: Echo) -> Echo:
+        return Echo(n=msg.n, data=msg.data)
+
+    async with Host(LOCAL) as server, Host(LOCAL) as client:
+        server.add_control_handler(spec, echo)
+        peer = await client.connect(server.addrs[0])
+        for i in range(300):  # one after another, as a generation's steps go
+            answer = await client.request(peer, spec, Echo(n=i, data=bytes([i % 256]) * 2048))
+            assert answer.n == i and answer.data == bytes([i % 256]) * 2048
+    assert 1 <= len(updates) <= 20, len(updates)
