@@ -41,9 +41,7 @@ log = logging.getLogger(__name__)
 
 PARTIAL_MAX_AGE_S = 7 * 24 * 3600.0  # a partial download untouched this long is dropped
 STRAY_AGE_S = 3600.0  # a file not named by its hash, this old, is a crashed write's leftover
-# File times tick coarsely (a kernel tick; 2 s on FAT): a file changed this soon after its
-# recorded time may keep that time, so such an entry proves nothing.
-RACY_S = 2.0
+RACY_S = 2.0  # file times tick coarsely (2 s on FAT): a write this soon may keep the time
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 T = TypeVar("T")
 
@@ -57,13 +55,9 @@ class _Entry(msgspec.Struct):
     mtime_ns: int
     checked_ns: int = 0  # the clock when it was recorded (absent in older indexes: racy)
 
-    def vouches_for(self, st: os.stat_result) -> bool:
-        """Whether this entry shows the file unchanged since it was verified."""
-        return (
-            self.size == st.st_size
-            and self.mtime_ns == st.st_mtime_ns
-            and self.checked_ns - self.mtime_ns >= RACY_S * 1e9
-        )
+    def vouches_for(self, st: os.stat_result) -> bool:  # the file unchanged since verified
+        old = self.checked_ns - self.mtime_ns >= RACY_S * 1e9
+        return old and (self.size, self.mtime_ns) == (st.st_size, st.st_mtime_ns)
 
 
 def _entry(st: os.stat_result) -> _Entry:
@@ -86,12 +80,9 @@ class ArtifactCache:
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"the cache limit must be positive, got {limit_bytes} bytes")
         self.root = root
-        self.objects = root / "objects"
-        self.partial = root / "partial"
+        self.objects, self.partial = root / "objects", root / "partial"
         self.limit = limit_bytes if limit_bytes is not None else float("inf")
-        self.attempts = attempts
-        self.backoff_s = backoff_s
-        self.timeout_s = timeout_s
+        self.attempts, self.backoff_s, self.timeout_s = attempts, backoff_s, timeout_s
         self.pinned: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         for folder in (root, self.objects, self.partial):  # (owner-only, as the files)
@@ -116,8 +107,7 @@ class ArtifactCache:
         write_atomic(self.root / "index.json", index, mode=0o600, sync=False)
 
     def _record(self, sha: str) -> None:
-        st = (self.objects / sha).stat()
-        self._index[sha] = _entry(st)
+        self._index[sha] = _entry((self.objects / sha).stat())
         self._write_index()
 
     # ---- queries ---------------------------------------------------------------------------
