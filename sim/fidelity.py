@@ -188,6 +188,20 @@ class Model:
         out.append((CLIENT, route[-1][0], t.accepted_bytes, False))
         return out
 
+    def acked_alone(self) -> list[bool]:
+        """For each of `messages()`: whether its receiver acknowledges it in a segment of its
+        own. TCP delays an acknowledgement (Linux: 40 ms at least) to carry it on the next
+        data back, and a reply sent at once carries it: the client's acceptance of the
+        outputs, and where one provider holds the whole route, its push of the outputs and
+        its answer to the acceptance. The rest wait for the chain's other hops or for the next
+        token (an answer), and go alone."""
+        route = self.route()
+        alone = len(route) > 1
+        out = []
+        for i in range(len(route)):
+            out += [alone or i + 1 < len(route), True]  # the step to hop i, its answer
+        return [*out, False, alone]  # the push of the outputs, the client's acceptance
+
     def token_alone(self) -> float:
         """One decode step of a session alone on the swarm: the chained trip, each
         provider's part of it (its stages, its ends of the step's messages) at its quota."""
@@ -213,14 +227,15 @@ class Model:
 
         for p in self.placed:
             add(p.provider, self.stage(p.provider))
-        for a, b, n, _ in self.messages():
+        for (a, b, n, _), alone in zip(self.messages(), self.acked_alone(), strict=True):
             for x in (a, b):
                 if x != CLIENT:
                     add(x, self.end(x, n))
             add(f"up:{a}", self.on_link(n) / self.rate(a))
             add(f"down:{b}", self.on_link(n) / self.rate(b))
-            add(f"up:{b}", HEADER_BYTES / self.rate(b))
-            add(f"down:{a}", HEADER_BYTES / self.rate(a))
+            if alone:  # (else it rides the reply)
+                add(f"up:{b}", HEADER_BYTES / self.rate(b))
+                add(f"down:{a}", HEADER_BYTES / self.rate(a))
         # a provider serves its CPU demand at its quota's pace
         return {k: self.stretch(k, d) if k in self.providers else d for k, d in out.items()}
 

@@ -51,17 +51,21 @@ def test_a_first_packet_to_a_new_host_waits_for_no_address_resolution() -> None:
 
 
 def test_a_link_s_reading_is_its_shape_and_what_forwarding_adds_to_its_delay() -> None:
-    """The calibration's reading of a lab link (`python -m lab link`): what
-    forwarding its frames adds to each way, its configured delay taken out, is the same on a
-    link three times as long, and small beside a home's delays (milliseconds to tens); the
+    """The calibration's reading of a lab link (`python -m lab link`): what forwarding its
+    frames adds to each way, its configured delay taken out, is small beside a home's delays
+    (milliseconds to tens), on a link three times as long too, not a share of the delay; the
     rate it carries is its shape's, within 10 % (a transfer many times the link's bandwidth-
     delay product, as the calibration's: a short one over a long, fast link reads TCP's
-    slow start instead, 0.58 for 2 MB at 50 Mbit/s and 30 ms)."""
+    slow start instead, 0.58 for 2 MB at 50 Mbit/s and 30 ms).
+
+    The two are not equal to the tenth of a millisecond: a forwarder that waited 30 ms wakes
+    later on this shared machine than one that waited 10 (0.22 to 0.46 ms on a 10 ms link,
+    0.43 to 0.96 on a 30 ms one, in readings of 2026-11-29; a test that held them within
+    0.5 ms of each other failed once in a few runs)."""
     need_lab()
     short, rate = link_reading(delay_ms=10.0, rate_mbit=20.0, count=60, size=2_000_000)
     long, _ = link_reading(delay_ms=30.0, rate_mbit=100.0, count=60, size=100_000)
-    assert 0 < short < 0.003 and 0 < long < 0.003, (short, long)
-    assert long == pytest.approx(short, abs=0.0005), (short, long)
+    assert 0 < short < 0.0015 and 0 < long < 0.0015, (short, long)  # (5 % of 30 ms)
     assert rate == pytest.approx(1.0, abs=0.1), rate
 
 

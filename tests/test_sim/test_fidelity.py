@@ -25,7 +25,7 @@ from sim.calibration import (
     with_link_reading,
     with_split_readings,
 )
-from sim.fidelity import CLIENT, Model, promoted, shared_stretch
+from sim.fidelity import CLIENT, HEADER_BYTES, Model, promoted, shared_stretch
 from sim.labplace import Placed, hardware, place, route, split, stability
 from sim.labpredict import predict
 from sim.labscenario import (
@@ -53,6 +53,24 @@ CAL = Calibration(
         "story-llama", STEP, 1e-5, 5e-5, 512, 1230, 28, 135, 78, 630, 62, 674, 108
     ),
 )  # fmt: skip
+
+
+def test_an_acknowledgement_rides_a_reply_sent_at_once_and_goes_alone_otherwise() -> None:
+    """TCP delays an acknowledgement to carry it on the next data back: one provider holding
+    the route replies at once to all the client sends it (the step: its push of the
+    outputs; their acceptance: its answer), so its uplink carries no acknowledgement of its
+    own, and the client's one a token (for the answer, which the next token's step follows
+    only a token later); on a route of two, every message but the push is acknowledged
+    alone."""
+    s = load("fidelity-churn")
+    one = Model(s, CAL, [Placed(stage, "a", "b") for stage in (1, 2, 3, 4)])
+    assert one.acked_alone() == [False, True, False, False]  # step, answer, push, acceptance
+    two = Model(s, CAL, [Placed(stage, "a" if stage < 3 else "c", None) for stage in (1, 2, 3, 4)])
+    assert two.acked_alone() == [True, True, True, True, False, True]
+    sent = sum(one.on_link(n) for a, _, n, _ in one.messages() if a == "a")
+    assert one.demands()["up:a"] == pytest.approx(sent / one.rate("a"))
+    got = sum(one.on_link(n) for _, b, n, _ in one.messages() if b == "a")
+    assert one.demands()["down:a"] == pytest.approx((got + HEADER_BYTES) / one.rate("a"))
 
 
 def predicted(name: str, sessions: int | None = None) -> tuple[Model, dict[str, object]]:
