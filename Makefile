@@ -46,10 +46,10 @@ test-lab: $(STAMP)
 	$(PY) -m pytest -m lab --durations=12
 
 # The simulator's predictions of four lab scenarios against the lab, three runs each (root;
-# 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet: its
-# figures follow this shared machine's drifting speed, and of this stop's seven runs here
-# one failed, on the compute scenario's first token, from a calibration taken while the
-# machine was slow; the four since its fix passed (README).
+# 13 minutes here): `benchmarks/fidelity.py` and its bounds. Not a `.ci/run` part yet: after
+# five passes in a row on one machine, a machine of the same kind ran the lab 5 to 10 %
+# slower than predicted wherever CPU or latency limits it, and one of its three runs failed
+# the median bound (README); the cause is not found.
 test-fidelity: $(STAMP)
 	$(PY) -m pytest -m fidelity --durations=12
 
