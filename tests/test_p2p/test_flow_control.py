@@ -84,7 +84,7 @@ async def test_small_requests_do_not_each_cost_a_window_update(
     """A yamux stream returns its receive credit once half its window has been read
     (`p2p._libp2p.batched_release`), not with every read: 300 requests and answers of 2 KB
     each way move about 1.2 MB, which needs a handful of WINDOW_UPDATE frames, not one a
-    message (py-libp2p's own release sent 600)."""
+    message (py-libp2p's own release sent 632)."""
     from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
     updates: list[int] = []
