@@ -53,10 +53,10 @@ def test_a_first_packet_to_a_new_host_waits_for_no_address_resolution() -> None:
 def test_a_link_s_reading_is_its_shape_and_what_forwarding_adds_to_its_delay() -> None:
     """The calibration's reading of a lab link (`python -m lab link`): what forwarding its
     frames adds to each way, its configured delay taken out, is small beside a home's delays
-    (milliseconds to tens), on a link three times as long too, not a share of the delay; the
-    rate it carries is its shape's, within 10 % (a transfer many times the link's bandwidth-
-    delay product, as the calibration's: a short one over a long, fast link reads TCP's
-    slow start instead, 0.58 for 2 MB at 50 Mbit/s and 30 ms).
+    (milliseconds to tens), on a link three times as long too; the rate it carries is its
+    shape's, within 10 % (a transfer many times the link's bandwidth-delay product, as the
+    calibration's: a short one over a long, fast link reads TCP's slow start instead, 0.58
+    for 2 MB at 50 Mbit/s and 30 ms).
 
     The two are not equal to the tenth of a millisecond: a forwarder that waited 30 ms wakes
     later on this shared machine than one that waited 10 (0.22 to 0.46 ms on a 10 ms link,
