@@ -155,6 +155,8 @@ def main() -> int:
     from cli.sim_calibrate import calibrate
     from cli.sim_lab import compare, prediction, table
     from lab.scenario import run
+    import msgspec
+
     from lab.topology import link_reading
     from sim.calibration import Calibration, save, split_reading, with_link_reading
     from sim.labscenario import load
@@ -168,7 +170,7 @@ def main() -> int:
     cal = with_link_reading(measured, *link_reading())
     save(cal, cal_path)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    out: dict[str, object] = {"calibration": json.loads(cal_path.read_text())}
+    out: dict[str, object] = {"calibration": msgspec.to_builtins(cal)}
     errors: list[float] = []
     rows = {}
     ours: tuple[dict[str, Any], dict[str, Any]] | None = None  # the contrast's, as placed
