@@ -151,12 +151,12 @@ def main() -> int:
     if why:
         print(json.dumps({"skipped": f"the lab cannot run here: {why}"}))
         return 0
+    import msgspec
+
     from cli.demo_models import build_decoder
     from cli.sim_calibrate import calibrate
     from cli.sim_lab import compare, prediction, table
     from lab.scenario import run
-    import msgspec
-
     from lab.topology import link_reading
     from sim.calibration import Calibration, save, split_reading, with_link_reading
     from sim.labscenario import load
