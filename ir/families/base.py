@@ -192,11 +192,41 @@ class PaddedKeys:
         self.valid = torch.cat([torch.ones_like(self.queries), past_mask, past * 0], dim=1) > 0
 
     @staticmethod
-    def keys(past: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(what the cache keeps: past then new, what attention reads: new, past, zero) of
-        (batch, heads, tokens, dim) keys or values."""
-        zero = torch.zeros_like(new[:, :, :1])
-        return torch.cat([past, new], dim=2), torch.cat([new, past, zero], dim=2)
+    def attend(
+        q: torch.Tensor,
+        keys: tuple[torch.Tensor, torch.Tensor],
+        values: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        scale: float,
+        scores_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the cache's keys, its values: past then new; softmax(q k^T * scale + mask) v) for
+        (batch, heads, tokens, dim) queries and (past, new) keys and values of `kv` heads
+        (grouped-query attention: query head h reads key head h // (heads / kv)).
+
+        Attention reads the keys as `mask` orders them (new, past, zero) without copying the
+        cache into that order or repeating it per query head: the scores of the new keys,
+        the past and the zero key are computed apart and joined (they are a head_dim-th of
+        the cache's size), and the weighted values are the new ones' plus the past's. Each
+        sum thus runs over a row's tokens first and its padding after them, whatever the
+        batch. `scores_fn` transforms the scaled scores before the mask (a soft-cap)."""
+        (past_k, new_k), (past_v, new_v) = keys, values
+        batch, n_heads, q_len, dim = q.shape
+        kv = new_k.shape[1]
+        grouped = q.reshape(batch, kv, -1, dim)  # (batch, kv, heads / kv * q_len, dim)
+        parts = [
+            torch.matmul(grouped, new_k.transpose(-1, -2)),
+            torch.matmul(grouped, past_k.transpose(-1, -2)),
+            torch.zeros_like(grouped[..., :1]),  # the zero key's
+        ]
+        scores = torch.cat(parts, dim=-1) * scale
+        scores = scores.reshape(batch, n_heads, q_len, -1)
+        if scores_fn is not None:
+            scores = scores_fn(scores)
+        probs = torch.softmax(scores + mask, dim=-1).reshape(batch, kv, grouped.shape[2], -1)
+        out = torch.matmul(probs[..., :q_len], new_v) + torch.matmul(probs[..., q_len:-1], past_v)
+        cache = torch.cat([past_k, new_k], dim=2), torch.cat([past_v, new_v], dim=2)
+        return (*cache, out.reshape(batch, n_heads, q_len, dim))
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """(batch, 1, query_len, query_len + past + 1) additive mask over the keys attention

@@ -251,7 +251,8 @@ class Blocks(nn.Module):
         ropes = {k: self._rope(k, position_ids) for k in sorted(self.tables)}
         keys = PaddedKeys(attention_mask, q_len)
         masks = {w: keys.mask(w) for w in set(self.windows)}
-        repeat = self.n_heads // self.n_kv
+        cap = self.attn_cap
+        capped = None if cap is None else lambda scores: softcap(scores, cap)
         presents: list[torch.Tensor] = []
         for i, block in enumerate(cast(Any, self.blocks)):
             layer = self.start + i
@@ -260,19 +261,12 @@ class Blocks(nn.Module):
             cos, sin = ropes[self.kinds[i]]
             rot = self.rot[self.kinds[i]]
             q, k = rotate(q, cos, sin, rot, self.head_dim), rotate(k, cos, sin, rot, self.head_dim)
-            k_cache, k = keys.keys(past[2 * i], k)
-            v_cache, v = keys.keys(past[2 * i + 1], v)
+            k_cache, v_cache, ctx = keys.attend(
+                q, (past[2 * i], k), (past[2 * i + 1], v), masks[self.windows[i]], self.scale,
+                capped,
+            )  # fmt: skip
             presents += [k_cache, v_cache]
-            if repeat > 1:
-                k = torch.repeat_interleave(k, repeat, dim=1)
-                v = torch.repeat_interleave(v, repeat, dim=1)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-            if self.attn_cap is not None:
-                scores = softcap(scores, self.attn_cap)
-            probs = torch.softmax(scores + masks[self.windows[i]], dim=-1)
-            attn = self.lora.apply(
-                sa.o_proj, merge_heads(torch.matmul(probs, v)), layer, "o", adapters
-            )
+            attn = self.lora.apply(sa.o_proj, merge_heads(ctx), layer, "o", adapters)
             if self.spec.sandwich:
                 attn = block.post_attention_layernorm(attn)
             hidden = hidden + attn

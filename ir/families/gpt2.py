@@ -19,7 +19,6 @@ from ir.families.base import (
     LoraSlots,
     PaddedKeys,
     StageModule,
-    attention,
     eos_of,
     head_stage,
     heads,
@@ -80,10 +79,13 @@ class Blocks(nn.Module):
             qkv = self.lora.apply(block.attn.c_attn, h, layer, "qkv", adapters)
             q, k, v = qkv.split(self.hidden, dim=2)
             q = heads(q, self.n_heads, self.head_dim)
-            k_cache, k = keys.keys(past[2 * i], heads(k, self.n_heads, self.head_dim))
-            v_cache, v = keys.keys(past[2 * i + 1], heads(v, self.n_heads, self.head_dim))
+            k = heads(k, self.n_heads, self.head_dim)
+            v = heads(v, self.n_heads, self.head_dim)
+            k_cache, v_cache, ctx = keys.attend(
+                q, (past[2 * i], k), (past[2 * i + 1], v), mask, scale
+            )
             presents += [k_cache, v_cache]
-            ctx = merge_heads(attention(q, k, v, mask, scale))
+            ctx = merge_heads(ctx)
             hidden = hidden + self.lora.apply(block.attn.c_proj, ctx, layer, "o", adapters)
             mlp = block.mlp
             hidden = hidden + mlp.c_proj(mlp.act(mlp.c_fc(block.ln_2(hidden))))

@@ -88,3 +88,21 @@ def test_after_the_prompt_each_step_sends_one_token_of_hidden_state(llama: Any, 
     pipeline.step(np.array([[9]], dtype=np.int64), 3, cache)
     assert seen == [(1, 1, int(manifest.config["hidden_size"]))]
     assert cache[stage.index]["past_key.0"].shape[2] == 4
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_decoder_stage_copies_its_kv_cache_once_a_step(
+    request: pytest.FixtureRequest, build: Any, family: str
+) -> None:
+    """Attention reads the past keys and values where they are: the only node that copies
+    them is the one appending the new token's (`present_*`), and none repeats them per
+    query head (the tiny Llama has 4 query heads on 2 key heads)."""
+    import onnx
+
+    manifest, directory = build(request.getfixturevalue(family), 2)
+    stage = manifest.provider_stages()[0]
+    graph = onnx.load(str(directory / stage.file), load_external_data=False).graph
+    pasts = {i.name for i in stage.inputs if i.name.startswith("past_")}
+    readers = {p: [n.op_type for n in graph.node if p in n.input] for p in sorted(pasts)}
+    assert pasts and all(ops.count("Concat") == 1 for ops in readers.values()), readers
+    assert not {"Tile", "Expand"} & {n.op_type for n in graph.node}
