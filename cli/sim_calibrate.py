@@ -222,7 +222,8 @@ def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, Any]:
     messages, with real peer ids, session ids and signature): the step sent to each hop
     with no addresses in its route, what each address in it adds, a hop's answer back
     and what each further hop's record adds to it, the last hop's push of the outputs and
-    the client's acceptance (`client.chained`, `provider.stepchain`)."""
+    the client's acceptance (`client.chained`, `provider.stepchain`). The step carries a
+    tag a hop, the open the client's key for its provider."""
     import uuid
 
     from p2p.codec import encode_message
@@ -230,11 +231,13 @@ def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, Any]:
     from p2p.tensor import encode
     from proto.forward import ChainAccepted, ForwardResult, HopDone
     from proto.session import (
+        ROUTE_KEY_BYTES,
         ChainStep,
         ChainStepResult,
         SessionOpen,
         SessionStep,
         StepHop,
+        route_tag,
         step_route_bytes,
     )
 
@@ -251,8 +254,9 @@ def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, Any]:
         ]
         signed = step_route_bytes(chain, route, 7, expires)
         sig = ids[-1].sign(signed, domain="calibrate")
+        tags = [route_tag(bytes(ROUTE_KEY_BYTES), signed)] * hops
         return len(encode_message(ChainStep(chain, ids[-1].peer_id, route, 0, 7, inputs,
-                                            expires, sig)))  # fmt: skip
+                                            expires, sig, tags=tags)))  # fmt: skip
 
     def answer(n: int) -> int:
         done = [HopDone(ids[0].peer_id, f"{package_name}/1", 1.234) for _ in range(n)]
@@ -269,7 +273,9 @@ def _chain_bytes(package_name: str, hops: int, width: int) -> dict[str, Any]:
         ),
         "accepted_bytes": len(encode_message(ChainAccepted(chain))),
         "star_bytes": len(encode_message(SessionStep(f"{chain}.1", key, inputs, 7))),
-        "open_bytes": len(encode_message(SessionOpen(f"{chain}.1", key))),
+        "open_bytes": len(
+            encode_message(SessionOpen(f"{chain}.1", key, route_key=bytes(ROUTE_KEY_BYTES)))
+        ),
     }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 import weakref
@@ -38,6 +39,7 @@ from proto.forward import (
 )
 from proto.session import (
     MAX_STEPS,
+    ROUTE_KEY_BYTES,
     SESSION,
     SESSION_CHAIN,
     SESSION_RESULT,
@@ -51,6 +53,7 @@ from proto.session import (
     SessionOutput,
     StepHop,
     hop_addrs,
+    route_tag,
     step_route_bytes,
     steps_route_bytes,
 )
@@ -86,7 +89,20 @@ class ChainInbox:
         self.batched = 0  # ChainSteps sent (for figures and tests)
         self._pending: dict[tuple[Any, ...], list[_Asked]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._keys: dict[str, bytes] = {}  # provider -> the key its sessions are opened with
         host.add_control_handler(SESSION_RESULT, self._arrived)
+
+    def key_for(self, peer: str) -> bytes:
+        """This host's key for `peer`'s chained-step tags (`proto.session.route_tag`): given
+        to it with each session opened there, so that it checks a step's tag, not the
+        route's signature."""
+        key = self._keys.get(peer)
+        if key is None:
+            key = self._keys[peer] = secrets.token_bytes(ROUTE_KEY_BYTES)
+        return key
+
+    def _tags(self, route: list[StepHop], signed: bytes) -> list[bytes]:
+        return [route_tag(self.key_for(h.peer), signed) for h in route]
 
     async def _arrived(self, peer: str, msg: ChainStepResult | ChainStepsResult) -> ChainAccepted:
         waiting = self.waiting.get(msg.chain)
@@ -146,6 +162,7 @@ class ChainInbox:
                 chain=chain, origin=self.host.peer_id, route=a.route, hop=0, past=a.past,
                 inputs=a.inputs, expires=expires,
                 signature=sign(signed, domain=STEP_ROUTE_DOMAIN),
+                tags=self._tags(a.route, signed),
             )  # fmt: skip
         route = [StepHop(h.peer, h.stage, "", h.addrs) for h in asked[0].route]
         rows = [ChainRow([h.session for h in a.route], a.past, a.inputs) for a in asked]
@@ -154,6 +171,7 @@ class ChainInbox:
         return ChainSteps(
             chain=chain, origin=self.host.peer_id, route=route, rows=rows, hop=0,
             expires=expires, signature=sign(signed, domain=STEP_ROUTE_DOMAIN),
+            tags=self._tags(route, signed),
         )  # fmt: skip
 
     async def _send(

@@ -272,7 +272,7 @@ class GenerationSession:
         replacement); only a session whose replay succeeded is used."""
         stage.opens += 1
         sid = f"{self.id}.{stage.opens}"
-        opened = await self._call(peer, self._opening(stage, sid))
+        opened = await self._call(peer, self._opening(stage, sid, peer))
         if isinstance(opened, SessionOpened):
             stage.idle_timeout_s = opened.idle_timeout_s
         self.commitments.opened(sid, peer, stage.key)
@@ -288,15 +288,17 @@ class GenerationSession:
             raise
         stage.sid = sid
 
-    def _opening(self, stage: _Stage, sid: str, check: bool = False) -> SessionOpen:
-        """The open of session `sid` on a stage, with the session's adapter."""
+    def _opening(self, stage: _Stage, sid: str, peer: str, check: bool = False) -> SessionOpen:
+        """The open of session `sid` on a stage on `peer`, with the session's adapter and,
+        where its steps may chain, this host's key for the peer's tags of them."""
         mine = {
             name: Tensor.from_numpy(self.adapters[name])
             for a in stage.info.adapters
             for name in (a.a_input, a.b_input)
             if name in self.adapters
         }
-        return SessionOpen(session=sid, stage=stage.key, adapters=mine, check=check)
+        key = self.chains.key_for(peer) if self.chains is not None and not check else b""
+        return SessionOpen(session=sid, stage=stage.key, adapters=mine, check=check, route_key=key)
 
     async def _request(
         self,

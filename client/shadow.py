@@ -84,7 +84,7 @@ async def _shadow_step(
                 return None
             stage.opens += 1
             sid = f"{session.id}.{stage.opens}"
-            await session._call(peer, session._opening(stage, sid, check=True))
+            await session._call(peer, session._opening(stage, sid, peer, check=True))
             stage.shadow = (peer, sid)
             if stage.history:
                 await session._request(stage, peer, joined(stage.history), sid, past=0)

@@ -91,6 +91,7 @@ class Session:
     counted: int = 0  # bytes counted against the KV budget for its cache (a shared row's
     # padding included) and trail, as its last step left them (server's lock)
     shared: tuple[SharedRows, int] | None = None  # (the run's arrays, its row): see above
+    route_key: bytes = b""  # the key its owner tags its chained steps with (or none)
 
     @property
     def cache(self) -> dict[str, Array]:

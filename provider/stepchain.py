@@ -11,7 +11,10 @@ back to plain steps after a broken chain finds every hop that ran it answering i
 
 from __future__ import annotations
 
+import hmac
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -33,17 +36,25 @@ from proto.session import (
     SessionOutput,
     SessionStep,
     StepHop,
+    route_tag,
     step_route_bytes,
     steps_route_bytes,
 )
-from provider.stage import LoadedStage
+from provider.stage import LoadedStage, Session
 
 MAX_ROUTE_S = 3600.0  # a route may not be valid for longer than this
 
 
-def check_step_route(request: ChainStep | ChainSteps, peer: str, me: str) -> None:
+def check_step_route(
+    request: ChainStep | ChainSteps,
+    peer: str,
+    me: str,
+    session_of: Callable[[str, str], Session | None] = lambda stage, sid: None,
+) -> None:
     """Refuse (`Refused`) a chained step that is not ours to run: a bad hop, the wrong
-    sender, an expired route, bad rows, or one its origin did not sign."""
+    sender, an expired route, bad rows, or one its origin did not ask for: this hop's tag
+    checks with the key its sessions (`session_of(stage, session)`, the origin's) were
+    opened with, or else the origin's signature of the route checks."""
     route, i = request.route, request.hop
     if len(route) > MAX_HOPS or not 0 <= i < len(route):
         raise Refused(ErrorCode.REFUSED, f"a route has 1 to {MAX_HOPS} hops, hop within it")
@@ -68,6 +79,17 @@ def check_step_route(request: ChainStep | ChainSteps, peer: str, me: str) -> Non
         if request.past < 0:
             raise Refused(ErrorCode.REFUSED, "a chained step says how many tokens come before it")
         signed = step_route_bytes(request.chain, route, request.past, request.expires)
+    if len(request.tags) == len(route):
+        sids = (
+            [r.sessions[i] for r in request.rows]
+            if isinstance(request, ChainSteps)
+            else [route[i].session]
+        )
+        sessions = [session_of(route[i].stage, sid) for sid in sids]
+        keys = {s.route_key if s is not None else b"" for s in sessions}
+        key = keys.pop() if len(keys) == 1 else b""
+        if key and hmac.compare_digest(request.tags[i], route_tag(key, signed)):
+            return
     if not verify(request.origin, signed, request.signature, domain=STEP_ROUTE_DOMAIN):
         raise Refused(ErrorCode.REFUSED, "the route is not signed by its origin")
 
@@ -77,6 +99,8 @@ class StepChains:
 
     if TYPE_CHECKING:  # provided by Server
         peer_id: str
+        _lock: threading.Lock
+        sessions: dict[tuple[str, str, str], Session]
 
         def _stage(self, key: str, check: bool = False) -> LoadedStage: ...
         def _run_steps(
@@ -92,11 +116,20 @@ class StepChains:
             nxt: StepHop | None,
         ) -> Relay: ...
 
+    def _owned(self, origin: str) -> Callable[[str, str], Session | None]:
+        """`origin`'s session on a stage here, by stage and session id (or None)."""
+
+        def session_of(stage: str, sid: str) -> Session | None:
+            with self._lock:
+                return self.sessions.get((origin, stage, sid))
+
+        return session_of
+
     def chain_step(self, peer: str, request: ChainStep | ChainSteps) -> Relay:
         """Run this hop (and the next ones while they are ours) on the origin's sessions
         (one step, or a row's each as one batch), then send the hidden states to the next
         hop, or the outputs to the origin."""
-        check_step_route(request, peer, self.peer_id)
+        check_step_route(request, peer, self.peer_id, self._owned(request.origin))
         route, i = request.route, request.hop
         if isinstance(request, ChainSteps):
             rows = [(r.sessions, r.past, dict(r.inputs)) for r in request.rows]

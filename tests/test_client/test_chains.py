@@ -7,6 +7,7 @@ what the provider kept."""
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from client.stages import ClientStages
 from client.stepmux import StepMux
 from ir.executors.ort import OrtExecutor
 from ir.package import load_package
-from p2p import ErrorCode, Identity, RemoteError, Tensor
+from p2p import ErrorCode, Identity, Refused, RemoteError, Tensor
 from p2p.testing import MemoryHost, MemoryNetwork
 from proto.session import (
     SESSION,
@@ -36,11 +37,14 @@ from proto.session import (
     SessionOutput,
     SessionStep,
     StepHop,
+    route_tag,
     step_route_bytes,
     steps_route_bytes,
 )
+from provider import stepchain
 from provider.serving import Server
-from provider.stage import LoadedStage
+from provider.stage import LoadedStage, Session
+from provider.stepchain import check_step_route
 from tests.tiny_models import greedy_with_gaps, same_as_alone
 
 pytestmark = pytest.mark.timeout(120)
@@ -346,6 +350,77 @@ async def test_forged_and_repeated_chained_steps(swarm: Swarm) -> None:
         with pytest.raises(RemoteError, match="holds 1 tokens, not the step's 5") as info:
             await client.request(peers[0], SESSION, SessionStep(**{**_fields(one), "past": 5}))
         assert info.value.code == ErrorCode.NOT_FOUND
+
+
+async def test_hops_check_a_tag_made_with_their_key_not_the_signature(
+    swarm: Swarm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client gives each provider a key with the sessions it opens there; a chained step
+    carries a tag a hop made with it, which each hop checks instead of the route's Ed25519
+    signature."""
+    verified: list[str] = []
+    real = stepchain.verify
+
+    def counted(origin: str, *args: Any, **kwargs: Any) -> bool:
+        verified.append(origin)
+        return real(origin, *args, **kwargs)
+
+    monkeypatch.setattr(stepchain, "verify", counted)
+    want, gaps = greedy_with_gaps(swarm.package, PROMPT, NEW_TOKENS)
+    async with swarm.net.host() as client:
+        session = await _generate(swarm, client, ChainInbox(client))
+    assert same_as_alone(session.tokens, want, gaps)  # type: ignore[attr-defined]
+    assert session.chained == NEW_TOKENS - 1 and verified == []
+
+
+def test_a_tag_stands_for_the_signature_only_with_the_hops_own_key() -> None:
+    origin, stranger = Identity.ephemeral(), Identity.ephemeral()
+    me, nxt = Identity.ephemeral().peer_id, Identity.ephemeral().peer_id
+    mine, theirs = secrets.token_bytes(32), secrets.token_bytes(32)
+    opened = {
+        ("m/1", "s"): Session(origin.peer_id, "m/1", 1, {}, route_key=mine),
+        ("m/1", "t"): Session(origin.peer_id, "m/1", 1, {}, route_key=theirs),
+        ("m/1", "u"): Session(origin.peer_id, "m/1", 1, {}),  # opened without a key
+    }
+    route = [StepHop(me, "m/1", "s"), StepHop(nxt, "m/2", "s")]
+    inputs = {"hidden_states": Tensor.from_numpy(np.zeros((1, 1, 4), dtype=np.float32))}
+
+    def step(signer: Identity, keys: list[bytes], sid: str = "s") -> ChainStep:
+        hops = [StepHop(h.peer, h.stage, sid) for h in route]
+        chain, expires = uuid.uuid4().hex, time.time() + 30
+        signed = step_route_bytes(chain, hops, 0, expires)
+        return ChainStep(
+            chain=chain, origin=origin.peer_id, route=hops, hop=0, past=0, inputs=inputs,
+            expires=expires, signature=signer.sign(signed, domain=STEP_ROUTE_DOMAIN),
+            tags=[route_tag(k, signed) for k in keys],
+        )  # fmt: skip
+
+    def steps(signer: Identity, keys: list[bytes], sids: list[str]) -> ChainSteps:
+        hops = [StepHop(h.peer, h.stage, "") for h in route]
+        rows = [ChainRow([sid] * len(hops), 0, inputs) for sid in sids]
+        chain, expires = uuid.uuid4().hex, time.time() + 30
+        signed = steps_route_bytes(chain, hops, rows, expires)
+        return ChainSteps(
+            chain=chain, origin=origin.peer_id, route=hops, rows=rows, hop=0, expires=expires,
+            signature=signer.sign(signed, domain=STEP_ROUTE_DOMAIN),
+            tags=[route_tag(k, signed) for k in keys],
+        )  # fmt: skip
+
+    def check(request: ChainStep | ChainSteps) -> None:
+        check_step_route(request, origin.peer_id, me, lambda st, sid: opened.get((st, sid)))
+
+    check(step(stranger, [mine, theirs]))  # the tag holds: no signature needed
+    check(steps(stranger, [mine, theirs], ["s"]))
+    check(step(origin, [theirs, mine]))  # a bad tag, a good signature
+    for bad in [
+        step(stranger, [theirs, theirs]),  # made with another hop's key
+        step(stranger, [theirs, mine]),  # the next hop's tag in this hop's place
+        step(stranger, [mine]),  # too few
+        step(stranger, [mine, mine], sid="u"),  # the session has no key
+        steps(stranger, [mine, mine], ["s", "t"]),  # its sessions' keys differ
+    ]:
+        with pytest.raises(Refused, match="not signed by its origin"):
+            check(bad)
 
 
 def _fields(msg: Any) -> dict[str, Any]:
