@@ -70,6 +70,10 @@ class SessionOpen(Message, frozen=True, tag="SessionOpen/1"):
     # instead of the route's signature (an HMAC, not an Ed25519 verification a hop)
     route_key: bytes = b""
 
+    def __post_init__(self) -> None:
+        if len(self.route_key) not in (0, ROUTE_KEY_BYTES):
+            raise ValueError(f"a route key has {ROUTE_KEY_BYTES} bytes")
+
 
 class SessionStep(Message, frozen=True, tag="SessionStep/1"):
     session: str

@@ -26,7 +26,6 @@ from p2p import ErrorCode, Refused, Tensor
 from p2p.tensor import encode
 from proto.session import (
     MAX_STEPS,
-    ROUTE_KEY_BYTES,
     Commitment,
     SessionClose,
     SessionClosed,
@@ -125,8 +124,6 @@ class SessionServing:
             raise Refused(ErrorCode.REFUSED, f"stage {request.stage!r} keeps no KV cache")
         if not 1 <= request.batch <= 1024:
             raise Refused(ErrorCode.REFUSED, f"batch must be 1 to 1024, got {request.batch}")
-        if len(request.route_key) not in (0, ROUTE_KEY_BYTES):
-            raise Refused(ErrorCode.REFUSED, f"a route key has {ROUTE_KEY_BYTES} bytes")
         adapters = arrays(request.adapters)
         if adapters:
             try:
@@ -158,9 +155,9 @@ class SessionServing:
             if key in self.sessions:
                 raise Refused(ErrorCode.REFUSED, f"session {request.session!r} is already open")
             self.sessions[key] = Session(
-                peer, request.stage, request.batch, cache, adapters, check=request.check,
-                route_key=request.route_key,
-            )  # fmt: skip
+                peer, request.stage, request.batch, cache, adapters, check=request.check
+            )
+            self.sessions[key].route_key = request.route_key  # (checked: `SessionOpen`)
             if request.batch == 1 and not request.check and self.sign is not None:  # (a check's
                 # session, a shadow step's or the broker's probe, is a check already)
                 self.sessions[key].ledger = Ledger(

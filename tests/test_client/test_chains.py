@@ -24,7 +24,8 @@ from client.stages import ClientStages
 from client.stepmux import StepMux
 from ir.executors.ort import OrtExecutor
 from ir.package import load_package
-from p2p import ErrorCode, Identity, Refused, RemoteError, Tensor
+from p2p import ErrorCode, FrameError, Identity, Refused, RemoteError, Tensor
+from p2p.codec import encode_message
 from p2p.testing import MemoryHost, MemoryNetwork
 from proto.session import (
     SESSION,
@@ -421,6 +422,9 @@ def test_a_tag_stands_for_the_signature_only_with_the_hops_own_key() -> None:
     ]:
         with pytest.raises(Refused, match="not signed by its origin"):
             check(bad)
+    with pytest.raises(FrameError, match="a route key has 32 bytes"):
+        SESSION.decode_request(encode_message(SessionOpen(session="s", stage="m/1")).replace(
+            b"\xa9route_key\xc4\x00", b"\xa9route_key\xc4\x05short"))  # fmt: skip
 
 
 def _fields(msg: Any) -> dict[str, Any]:
