@@ -203,7 +203,8 @@ def route_tag(key: bytes, signed: bytes) -> bytes:
     HMAC-SHA256 with the key the origin gave that hop's provider when it opened its sessions
     there (`SessionOpen.route_key`, sent over their authenticated, encrypted connection).
     Only the two of them hold the key, so the tag proves the origin asked for the step as
-    its signature does, at a hundredth of an Ed25519 verification's cost."""
+    its signature does (2 us to make or check here, where an Ed25519 verification takes
+    about 100)."""
     return hmac.digest(key, STEP_ROUTE_DOMAIN.encode() + b"\0" + signed, "sha256")
 
 
