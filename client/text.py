@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 PREFIX_TOKENS = 4  # prompt tokens decoded ahead of the answer (see TextStream)
+HOLD_TOKENS = 4  # tokens a piece waits at most for the rest of a character (UTF-8: 4 bytes)
 
 
 class TextStream:
@@ -13,56 +16,73 @@ class TextStream:
     any tail that may be the start of a stop string; once a stop string appears, the text ends
     just before it and `stopped` is set.
 
-    The answer is decoded after the last few prompt tokens (`prefix`), and their text is cut
-    off again: decoders such as SentencePiece's drop a leading space at the start of a text,
-    which would glue the answer's first word to the prompt."""
+    The tokenizers library's `DecodeStream` decodes each token in a short window after the
+    tokens before it, whose text it cuts off again (a token's text can depend on its
+    neighbours: SentencePiece's decoder drops a text's leading space), starting after the
+    last few prompt tokens (`prefix`). Decoding everything so far at each token, as this
+    class once did, cost a long answer time in proportion to its length at every token
+    (2,000 tokens: 1.3 ms a token here). A piece whose text ends in an unfinished character
+    waits for the next token, at most `HOLD_TOKENS` of them: a character's bytes end within
+    4 tokens even of one byte each, so past that they are not valid UTF-8 and go out
+    replaced, as decoding everything would have replaced them."""
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), prefix: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.prefix = list(prefix)[-PREFIX_TOKENS:]
-        self.prefix_text = self._decode(self.prefix) if self.prefix else ""
-        self.tokens: list[int] = []
+        self._recent: list[int] = list(prefix)[-PREFIX_TOKENS:]  # the last tokens
+        self._stream = DecodeStream(list(self._recent), skip_special_tokens=True)
+        self._held = 0  # the last tokens, whose text has not come out yet
         self.text = ""  # all text so far (up to a stop string)
         self.sent = 0  # characters of `text` handed out
         self.stopped = False
-
-    def _decode(self, tokens: list[int]) -> str:
-        text: str = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return text
-
-    def _answer(self) -> str:
-        if not self.prefix:
-            return self._decode(self.tokens)
-        full = self._decode(self.prefix + self.tokens)
-        if full.startswith(self.prefix_text):
-            return full[len(self.prefix_text) :]
-        return self._decode(self.tokens)
 
     def push(self, token: int) -> str:
         """Add a token; returns the text that is now final (possibly "")."""
         if self.stopped:
             return ""
-        self.tokens.append(token)
-        return self._update(final=False)
+        self._recent.append(token)
+        del self._recent[: -(PREFIX_TOKENS + HOLD_TOKENS)]
+        piece = self._stream.step(self.tokenizer, token)
+        if piece is None:
+            self._held += 1
+            if self._held < HOLD_TOKENS:
+                return ""
+            piece = self._release()
+        self._held = 0
+        return self._update(piece, final=False)
 
     def finish(self) -> str:
         """The rest of the text, held back until now."""
         if self.stopped:
             return ""
-        return self._update(final=True)
+        return self._update(self._release() if self._held else "", final=True)
 
-    def _update(self, final: bool) -> str:
-        text = self._answer()
-        if text.endswith("\ufffd") and not final:  # part of a character: wait for the rest
-            return ""
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+    def _release(self) -> str:
+        """The held tokens' text as it is (its unfinished character replaced); the stream
+        starts again after them."""
+        held = self._recent[-self._held :]
+        before = self._recent[: -self._held][-PREFIX_TOKENS:]
+        seen = self._decode(before)
+        window = self._decode(before + held)
+        self._stream = DecodeStream(self._recent[-PREFIX_TOKENS:], skip_special_tokens=True)
+        self._held = 0
+        return window[len(seen) :] if window.startswith(seen) else self._decode(held)
+
+    def _decode(self, tokens: list[int]) -> str:
+        text: str = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return text
+
+    def _update(self, piece: str, final: bool) -> str:
+        before = len(self.text)
+        self.text += piece
+        longest = max((len(s) for s in self.stop), default=0)
+        since = max(0, before - longest + 1)  # (a stop string may end in the new piece)
+        cut = min((i for i in (self.text.find(s, since) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
-            self.text, self.stopped = text[:cut], True
+            self.text, self.stopped = self.text[:cut], True
             return self._take(cut)
-        self.text = text
-        hold = 0 if final else max((_overlap(text, s) for s in self.stop), default=0)
-        return self._take(len(text) - hold)
+        hold = 0 if final else max((_overlap(self.text, s) for s in self.stop), default=0)
+        return self._take(len(self.text) - hold)
 
     def _take(self, upto: int) -> str:
         piece = self.text[self.sent : max(self.sent, upto)]
