@@ -42,7 +42,11 @@ class TextStream:
             return ""
         self._recent.append(token)
         del self._recent[: -(PREFIX_TOKENS + HOLD_TOKENS)]
-        piece = self._stream.step(self.tokenizer, token)
+        try:
+            piece = self._stream.step(self.tokenizer, token)
+        except Exception:  # (the library refuses a window that decodes otherwise than the
+            self._held += 1  # one before it did: this token's text as it is, then afresh)
+            piece = self._release()
         if piece is None:
             self._held += 1
             if self._held < HOLD_TOKENS:
