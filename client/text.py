@@ -29,6 +29,7 @@ class TextStream:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), prefix: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self._longest = max((len(s) for s in self.stop), default=0)
         self._recent: list[int] = list(prefix)[-PREFIX_TOKENS:]  # the last tokens
         self._stream = DecodeStream(list(self._recent), skip_special_tokens=True)
         self._held = 0  # the last tokens, whose text has not come out yet
@@ -79,8 +80,7 @@ class TextStream:
     def _update(self, piece: str, final: bool) -> str:
         before = len(self.text)
         self.text += piece
-        longest = max((len(s) for s in self.stop), default=0)
-        since = max(0, before - longest + 1)  # (a stop string may end in the new piece)
+        since = max(0, before - self._longest + 1)  # (a stop string may end in the new piece)
         cut = min((i for i in (self.text.find(s, since) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = self.text[:cut], True

@@ -49,7 +49,7 @@ def check_step_route(
     request: ChainStep | ChainSteps,
     peer: str,
     me: str,
-    session_of: Callable[[str, str], Session | None] = lambda stage, sid: None,
+    session_of: Callable[[str, str], Session | None],
 ) -> None:
     """Refuse (`Refused`) a chained step that is not ours to run: a bad hop, the wrong
     sender, an expired route, bad rows, or one its origin did not ask for: this hop's tag
