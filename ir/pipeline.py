@@ -46,6 +46,84 @@ def key_mask(stage: StageInfo, batch: int, total: int) -> dict[str, Array]:
     return {KEY_MASK: np.ones((batch, total), dtype=np.int64)}
 
 
+NEW_KV = "new_"  # a decoder stage's outputs of its new tokens' keys and values: `new_key.N`
+PRESENT_KV = "present_"  # those of packages split before: the whole cache again, `present_key.N`
+CACHE_OUTPUTS = (NEW_KV, PRESENT_KV)  # (prefixes: what a session's answer leaves out)
+KV_ROOM = 32  # a grown cache has room for this many more tokens at least (or an eighth more)
+
+
+def appends(stage: StageInfo) -> bool:
+    """Whether a decoder stage outputs only its new tokens' keys and values (`new_*`), which
+    the caller writes into its cache (`next_cache`); packages split before output the whole
+    cache again (`present_*`: a copy of it every step)."""
+    return any(o.name.startswith(NEW_KV) for o in stage.outputs)
+
+
+def room(tokens: int) -> int:
+    """The width a cache is given when it must grow to hold `tokens`: room for `KV_ROOM` more
+    tokens, or an eighth more, whichever is more (a copy every 32 tokens at most)."""
+    return tokens + max(KV_ROOM, tokens // 8)
+
+
+def cache_mask(lengths: Sequence[int], width: int, new: int) -> Array:
+    """`attention_mask` for rows holding `lengths[i]` tokens at the start of a cache `width`
+    long (padding after them), and `new` tokens each after it."""
+    mask = np.zeros((len(lengths), width + new), dtype=np.int64)
+    mask[:, width:] = 1
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    return mask
+
+
+def cache_feeds(
+    stage: StageInfo, cache: Mapping[str, Array], lengths: Sequence[int], new: int
+) -> dict[str, Array]:
+    """A decoder stage's cache inputs and, if it takes one, its mask: row i of `cache`
+    (past_* -> (rows, kv heads, width, head_dim)) holds `lengths[i]` tokens, then padding."""
+    feeds = dict(cache)
+    if batchable(stage):
+        width = next(iter(cache.values())).shape[2] if cache else 0
+        feeds[KEY_MASK] = cache_mask(lengths, width, new)
+    return feeds
+
+
+def next_cache(
+    cache: Mapping[str, Array], lengths: Sequence[int], outputs: Mapping[str, Array]
+) -> tuple[dict[str, Array], int] | None:
+    """The cache after a step, and the tokens its longest row then holds (None: `outputs`
+    has no cache). A stage's `new_*` outputs are written after each row's `lengths[i]`
+    tokens: in place where the arrays have room (nothing before a row's end changes, so a
+    step refused after this leaves its cache as it was), else into grown copies. An older
+    stage's `present_*` outputs are the whole new cache, unpadded."""
+    present = _renamed(outputs, PRESENT_KV)
+    if present:
+        return present, int(next(iter(present.values())).shape[2])
+    new = _renamed(outputs, NEW_KV)
+    if not new:
+        return None
+    count = int(next(iter(new.values())).shape[2])
+    need = max(lengths) + count
+    grown: dict[str, Array] = {}
+    for name, tokens in new.items():
+        old = cache[name]
+        if old.shape[2] < need or not old.flags.writeable:
+            array = np.zeros((*old.shape[:2], room(need), old.shape[3]), dtype=old.dtype)
+            array[:, :, : need - count] = old[:, :, : need - count]
+            old = array
+        if min(lengths) == need - count:  # every row as long: one copy for them all
+            old[:, :, need - count : need] = tokens
+        else:
+            for row, n in enumerate(lengths):
+                old[row, :, n : n + count] = tokens[row]
+        grown[name] = old
+    return grown, need
+
+
+def _renamed(outputs: Mapping[str, Array], prefix: str) -> dict[str, Array]:
+    """The outputs named `prefix`..., under their cache inputs' names (`past_`...)."""
+    return {"past_" + k.removeprefix(prefix): v for k, v in outputs.items() if k.startswith(prefix)}
+
+
 class LocalPipeline:
     """A package's stages, each with an executor, run in order.
 
@@ -127,18 +205,17 @@ class LocalPipeline:
             feeds["position_ids"] = positions
         hidden = embed.run(feeds)["hidden_states"]
         for stage, executor in self._middle():
-            feeds = {"hidden_states": self.hop(hidden), **cache[stage.index]}
+            lengths = [past_len] * input_ids.shape[0]
+            feeds = {"hidden_states": self.hop(hidden)}
+            feeds.update(cache_feeds(stage, cache[stage.index], lengths, seq))
             if any(i.name == "position_ids" for i in stage.inputs):
                 feeds["position_ids"] = positions
-            feeds.update(key_mask(stage, input_ids.shape[0], past_len + seq))
             feeds.update(self.adapters.get(stage.index, {}))
             out = executor.run(feeds)
             hidden = out["hidden_states_out"]
-            cache[stage.index] = {
-                name.replace("present_", "past_"): value
-                for name, value in out.items()
-                if name.startswith("present_")
-            }
+            kept = next_cache(cache[stage.index], lengths, out)
+            if kept is not None:
+                cache[stage.index] = kept[0]
         head = self.manifest.stages[-1]
         dtype = next((i.dtype for i in head.inputs if i.name == "hidden_states"), "float32")
         hidden = self.hop(hidden).astype(dtype, copy=False)

@@ -6,13 +6,14 @@ stepped lately), or while the stage's previous run computes, run together: up to
 sessions in one executor call. Each session keeps its own KV cache; a run pads the caches
 at their end to the longest (`pad`), the stage graph's `attention_mask` marks the padding
 (`ir.families.base.PaddedKeys`), so a session's answers are what they would be alone, bit for
-bit on onnxruntime's CPU kernels. The run's new caches stay batched (`split`): each row's new
-token is moved next to its tokens (the padding stays after them), and each session's cache is
-its row of those arrays (`stage.SharedRows`). The next run of the same sessions, the common
-case of sessions generating together, feeds those arrays as they are: no cache is copied in
-or out, where padding and cutting each cache back out copied every session's whole cache
-twice a step. A session that runs otherwise (alone, or with other sessions) takes its row out
-first.
+bit on onnxruntime's CPU kernels. The run's caches stay batched (`split`): the stage outputs
+each row's new keys and values, written after the row's tokens in the arrays the run was fed
+(which have room for them: `ir.pipeline.next_cache`), and each session's cache is its row of
+those arrays (`stage.SharedRows`). The next run of the same sessions, the common case of
+sessions generating together, feeds those arrays as they are: no cache is copied in or out,
+nor inside the stage. A session that runs otherwise (alone, or with other sessions) takes its
+row out first. (Packages split before output the whole cache again, `present_*`: each row's
+new token is then moved next to its tokens in those arrays.)
 
 Only one-token steps of batch-1 sessions without an adapter, on stages whose graph takes the
 mask, are batched (`batchable`); prompts, replays and adapters run alone, as do packages
@@ -34,7 +35,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ir.pipeline import KEY_MASK
+from ir.pipeline import (
+    CACHE_OUTPUTS,
+    KEY_MASK,
+    NEW_KV,
+    PRESENT_KV,
+    appends,
+    cache_feeds,
+    cache_mask,
+    next_cache,
+    room,
+)
 from ir.pipeline import batchable as graph_takes_mask
 from provider.events import event
 from provider.gate import ComputeGate, Priority
@@ -51,8 +62,8 @@ class Step:
 
     session: Session
     feeds: dict[str, Array]  # its inputs but the cache and mask (hidden states, positions)
-    outputs: dict[str, Array] | None = None  # once run: its row (present_*: its own cache,
-    # when run alone; in a batch, its new cache is `shared`)
+    outputs: dict[str, Array] | None = None  # once run: its row (with its new keys and
+    # values when run alone; in a batch, its new cache is `shared`, or cut out: `present_*`)
     shared: tuple[SharedRows, int] | None = None  # run in a batch: its new cache, a row
     error: BaseException | None = None
     done: bool = False
@@ -82,24 +93,21 @@ def batchable(stage: LoadedStage, session: Session, feeds: dict[str, Array]) -> 
     )
 
 
-def pad(steps: list[Step]) -> dict[str, Array]:
+def pad(steps: list[Step], extra: int = 0) -> dict[str, Array]:
     """One run's feeds: the steps' inputs stacked, their caches padded at the end to the
-    longest, and the mask saying which keys hold tokens (each row's past, then its new one)."""
+    longest (and `extra` more columns, for the new tokens of a stage that appends them), and
+    the mask saying which keys hold tokens (each row's past, then its new one)."""
     lengths = [s.session.past_len for s in steps]
-    longest = max(lengths)
+    width = max(lengths) + extra
     feeds = {name: np.concatenate([s.feeds[name] for s in steps]) for name in steps[0].feeds}
-    mask = np.zeros((len(steps), longest + 1), dtype=np.int64)
-    mask[:, longest] = 1
     caches = [s.session.peek() for s in steps]
     for name, first in caches[0].items():
         _, heads, _, dim = first.shape
-        padded = np.zeros((len(steps), heads, longest, dim), dtype=first.dtype)
+        padded = np.zeros((len(steps), heads, width, dim), dtype=first.dtype)
         for row, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
-            padded[row, :, :length] = cache[name][0]
+            padded[row, :, :length] = cache[name][0, :, :length]
         feeds[name] = padded
-    for row, length in enumerate(lengths):
-        mask[row, :length] = 1
-    feeds[KEY_MASK] = mask
+    feeds[KEY_MASK] = cache_mask(lengths, width, 1)
     return feeds
 
 
@@ -119,13 +127,9 @@ def shared_feeds(steps: list[Step]) -> dict[str, Array] | None:
     if len(steps) != len(rows.lengths):
         return None
     feeds = {name: np.concatenate([s.feeds[name] for s in steps]) for name in steps[0].feeds}
-    longest = next(iter(rows.arrays.values())).shape[2]
-    mask = np.zeros((len(steps), longest + 1), dtype=np.int64)
-    mask[:, longest] = 1
-    for row, length in enumerate(rows.lengths):
-        mask[row, :length] = 1
+    width = next(iter(rows.arrays.values())).shape[2]
     feeds.update(rows.arrays)
-    feeds[KEY_MASK] = mask
+    feeds[KEY_MASK] = cache_mask(rows.lengths, width, 1)
     return feeds
 
 
@@ -135,16 +139,51 @@ def order(steps: list[Step]) -> None:
     steps.sort(key=lambda s: s.session.shared[1] if s.session.shared is not None else -1)
 
 
-def split(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]]:
-    """Each step's row of a run's outputs. The new caches (`present_*`) stay batched, each
-    row's new token moved next to its tokens, and each step gets its row (`Step.shared`);
-    unless padding would be more than `MAX_PADDING` of the arrays (sessions of very different
-    lengths): then each row's cache is cut out (a copy) into its outputs. Call with the
-    sessions' `past_len` as the run found them."""
+def split(
+    outputs: dict[str, Array], steps: list[Step], feeds: dict[str, Array]
+) -> list[dict[str, Array]]:
+    """Each step's row of a run's outputs. The new caches stay batched: a stage's new keys
+    and values are written after each row's tokens in the arrays the run was fed (`feeds`),
+    in place where they have room; an older stage's `present_*` arrays get each row's new
+    token moved next to its tokens. Each step gets its row (`Step.shared`), unless padding
+    would be more than `MAX_PADDING` of the rows' tokens (sessions of very different
+    lengths): then each row's cache is cut out (a copy) into its outputs, as `present_*`.
+    Call with the sessions' `past_len` as the run found them."""
     lengths = [s.session.past_len for s in steps]
+    rest = [
+        {k: v[i : i + 1].copy() for k, v in outputs.items() if not k.startswith(CACHE_OUTPUTS)}
+        for i in range(len(steps))
+    ]
+    if any(k.startswith(NEW_KV) for k in outputs):
+        past = {k: v for k, v in feeds.items() if k.startswith("past_")}
+        kept = next_cache(past, lengths, outputs)
+        arrays = kept[0] if kept is not None else {}
+    else:
+        arrays = _moved(outputs, lengths)
+    if not arrays:
+        return rest
+    if len(steps) * (max(lengths) + 1) > (1 + MAX_PADDING) * sum(n + 1 for n in lengths):
+        for row, (mine, n) in enumerate(zip(rest, lengths, strict=True)):
+            mine.update(
+                {
+                    PRESENT_KV + k.removeprefix("past_"): v[row : row + 1, :, : n + 1].copy()
+                    for k, v in arrays.items()
+                }
+            )
+        return rest
+    row_bytes = sum(v[0].nbytes for v in arrays.values())
+    shared = SharedRows(arrays, [n + 1 for n in lengths], row_bytes)
+    for row, step in enumerate(steps):
+        step.shared = (shared, row)
+    return rest
+
+
+def _moved(outputs: dict[str, Array], lengths: list[int]) -> dict[str, Array]:
+    """An older stage's `present_*` caches (past_* names), each row's new token (after the
+    longest past) moved next to its tokens."""
     arrays: dict[str, Array] = {}
     for name, value in outputs.items():
-        if not name.startswith("present_"):
+        if not name.startswith(PRESENT_KV):
             continue
         if not value.flags.writeable:
             value = value.copy()
@@ -152,24 +191,8 @@ def split(outputs: dict[str, Array], steps: list[Step]) -> list[dict[str, Array]
         for row, length in enumerate(lengths):
             if length < end:
                 value[row, :, length] = value[row, :, end]
-        arrays[name] = value
-    rest = [
-        {k: v[i : i + 1].copy() for k, v in outputs.items() if k not in arrays}
-        for i in range(len(steps))
-    ]
-    if not arrays:
-        return rest
-    width = next(iter(arrays.values())).shape[2]
-    if len(steps) * width > (1 + MAX_PADDING) * sum(n + 1 for n in lengths):
-        for row, (mine, n) in enumerate(zip(rest, lengths, strict=True)):
-            mine.update({k: v[row : row + 1, :, : n + 1].copy() for k, v in arrays.items()})
-        return rest
-    row_bytes = sum(v[0].nbytes for v in arrays.values())
-    past = {k.replace("present_", "past_", 1): v for k, v in arrays.items()}
-    shared = SharedRows(past, [n + 1 for n in lengths], row_bytes)
-    for row, step in enumerate(steps):
-        step.shared = (shared, row)
-    return rest
+        arrays["past_" + name.removeprefix(PRESENT_KV)] = value
+    return arrays
 
 
 class Batcher:
@@ -284,17 +307,19 @@ class Batcher:
             self._report(key, len(batch))
 
     def _execute(self, stage: LoadedStage, batch: list[Step]) -> None:
-        if len(batch) == 1:  # alone: its cache as it is, a mask of ones
+        if len(batch) == 1:  # alone: its cache as it is
             step = batch[0]
-            feeds = {**step.feeds, **step.session.cache}
-            total = step.session.past_len + 1
-            feeds[KEY_MASK] = np.ones((1, total), dtype=np.int64)
-            step.outputs = self._run(stage, feeds)
+            session = step.session
+            cache = cache_feeds(stage.info, session.cache, [session.past_len], 1)
+            step.outputs = self._run(stage, {**step.feeds, **cache})
             return
         order(batch)
-        shared = shared_feeds(batch)
-        outputs = self._run(stage, shared if shared is not None else pad(batch))
-        for step, row in zip(batch, split(outputs, batch), strict=True):
+        feeds = shared_feeds(batch)
+        if feeds is None:
+            longest = max(s.session.past_len for s in batch)
+            feeds = pad(batch, room(longest + 1) - longest if appends(stage.info) else 0)
+        outputs = self._run(stage, feeds)
+        for step, row in zip(batch, split(outputs, batch, feeds), strict=True):
             step.outputs = row
 
     def _report(self, key: str, size: int) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ir.errors import ExecutorError
 from ir.executors.base import check_feeds
-from ir.pipeline import KEY_MASK, key_mask
+from ir.pipeline import CACHE_OUTPUTS, KEY_MASK, cache_feeds, next_cache
 from ir.training import TrainingError, check_adapters
 from p2p import ErrorCode, Refused, Tensor
 from p2p.tensor import encode
@@ -255,7 +255,7 @@ class SessionServing:
             raise step.error
         assert step.outputs is not None
         session, before = step.session, step.session.past_len
-        visible = {k: v for k, v in step.outputs.items() if not k.startswith("present_")}
+        visible = {k: v for k, v in step.outputs.items() if not k.startswith(CACHE_OUTPUTS)}
         outputs = self._outputs(visible, wire_of(request.inputs))
         hidden = outputs.get("hidden_states_out")
         try:
@@ -275,9 +275,8 @@ class SessionServing:
         self, stage: LoadedStage, session: Session, inputs: dict[str, Array]
     ) -> dict[str, Array]:
         """A step in a run of its own (a prompt, a replay, an adapter, an older package)."""
-        feeds = {**inputs, **session.cache}
-        new = _tokens(inputs)
-        feeds.update(key_mask(stage.info, session.batch, session.past_len + new))
+        lengths = [session.past_len] * session.batch
+        feeds = {**inputs, **cache_feeds(stage.info, session.cache, lengths, _tokens(inputs))}
         stage.with_adapters(feeds, session.adapters)
         with self.gate.slot(Priority.SESSION):
             start = time.perf_counter()
@@ -300,14 +299,13 @@ class SessionServing:
         trail: list[Tensor],
         shared: tuple[SharedRows, int] | None = None,
     ) -> None:
-        """The step's new cache (its `present_*` outputs, or its row of a batched run's
-        `shared` caches) becomes the session's, and its `trail` of outputs grows, if the KV
-        budget has room for them."""
-        new_cache = {
-            name.replace("present_", "past_", 1): value
-            for name, value in outputs.items()
-            if name.startswith("present_")
-        }
+        """The step's new cache (its cache outputs with the cache it ran on, or its row of a
+        batched run's `shared` caches) becomes the session's, and its `trail` of outputs
+        grows, if the KV budget has room for them."""
+        kept = None
+        if shared is None:
+            kept = next_cache(session.peek(), [session.past_len] * session.batch, outputs)
+        new_cache = kept[0] if kept is not None else {}
         trail_bytes = session.trail_bytes + sum(t.nbytes for t in trail)
         if shared is not None:
             new_bytes = shared[0].row_bytes + trail_bytes
@@ -325,10 +323,8 @@ class SessionServing:
             if shared is not None:
                 session.kv, session.shared = {}, shared
                 session.past_len = shared[0].lengths[shared[1]]
-            else:
-                session.cache = new_cache
-                if new_cache:  # (batch, heads, tokens, head_dim)
-                    session.past_len = int(next(iter(new_cache.values())).shape[2])
+            elif kept is not None:
+                session.cache, session.past_len = kept
             session.trail_bytes, session.counted = trail_bytes, new_bytes
             session.trail.extend(trail)
             if counted:

@@ -46,9 +46,10 @@ class LoadedStage:
 class SharedRows:
     """The KV caches of the sessions of one batched run, left batched for their next run
     (`provider/batching.py`): row i holds its session's `lengths[i]` tokens first, then
-    padding (whatever the layout fix left there; the attention mask hides it)."""
+    padding (zeros, or whatever earlier steps left there; the attention mask hides it),
+    where the next run writes its new tokens in place if there is room."""
 
-    arrays: dict[str, Array]  # past_* name -> (rows, heads, longest, head_dim)
+    arrays: dict[str, Array]  # past_* name -> (rows, heads, width, head_dim)
     lengths: list[int]
     row_bytes: int  # bytes a row takes in all of `arrays`, padding included (what each
     # session's cache is counted as against the KV budget)
@@ -59,8 +60,8 @@ class SharedRows:
         return {k: v[i : i + 1, :, :n] for k, v in self.arrays.items()}
 
     def row(self, i: int) -> dict[str, Array]:
-        """Row `i`'s cache on its own (contiguous copies)."""
-        return {k: np.ascontiguousarray(v) for k, v in self.view(i).items()}
+        """Row `i`'s cache on its own (copies: a step may write into its own cache)."""
+        return {k: v.copy() for k, v in self.view(i).items()}
 
 
 @dataclass

@@ -177,7 +177,10 @@ class PaddedKeys:
     masked: a row's tokens come first and its padding after them, so a row sums the same
     terms in the same order whatever the batch and its result is what it would be alone
     (onnxruntime's CPU kernels add trailing zero terms exactly, whereas padding between tokens
-    changes the rounding). The cache (`present_*`) keeps the order past, then new.
+    changes the rounding). The stage outputs only the new tokens' keys and values
+    (`new_*`): the caller writes them after the row's tokens in its cache
+    (`ir.pipeline.next_cache`), in place where the cache has room, so that no step copies
+    the whole cache.
     """
 
     def __init__(self, attention_mask: torch.Tensor, query_len: Any) -> None:
@@ -200,7 +203,7 @@ class PaddedKeys:
         scale: float,
         scores_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the cache's keys, its values: past then new; softmax(q k^T * scale + mask) v) for
+        """(the new keys, the new values, softmax(q k^T * scale + mask) v) for
         (batch, heads, tokens, dim) queries and (past, new) keys and values of `kv` heads
         (grouped-query attention: query head h reads key head h // (heads / kv)).
 
@@ -225,8 +228,7 @@ class PaddedKeys:
             scores = scores_fn(scores)
         probs = torch.softmax(scores + mask, dim=-1).reshape(batch, kv, grouped.shape[2], -1)
         out = torch.matmul(probs[..., :q_len], new_v) + torch.matmul(probs[..., q_len:-1], past_v)
-        cache = torch.cat([past_k, new_k], dim=2), torch.cat([past_v, new_v], dim=2)
-        return (*cache, out.reshape(batch, n_heads, q_len, dim))
+        return new_k, new_v, out.reshape(batch, n_heads, q_len, dim)
 
     def mask(self, window: int | None = None) -> torch.Tensor:
         """(batch, 1, query_len, query_len + past + 1) additive mask over the keys attention

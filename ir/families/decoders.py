@@ -10,7 +10,8 @@ sliding-window masks, soft-caps, partial and per-layer-type RoPE, longrope's swi
 embed | blocks with KV cache ... | norm + lm_head (+ soft-cap). Block stages take
 `position_ids` and `attention_mask` (which cached and new keys hold tokens: a batch of
 sessions pads its caches, `PaddedKeys`) besides hidden states and past keys/values of shape
-(batch, kv_heads, past, head_dim). The cache keeps every past position also on sliding-window
+(batch, kv_heads, past, head_dim), and return this step's keys and values (`new_*`: the
+caller writes them into its cache). The cache keeps every past position also on sliding-window
 layers; the window is a mask, which is what transformers' smaller cache computes too.
 """
 
@@ -253,7 +254,7 @@ class Blocks(nn.Module):
         masks = {w: keys.mask(w) for w in set(self.windows)}
         cap = self.attn_cap
         capped = None if cap is None else lambda scores: softcap(scores, cap)
-        presents: list[torch.Tensor] = []
+        new_kv: list[torch.Tensor] = []  # each block's new keys and values
         for i, block in enumerate(cast(Any, self.blocks)):
             layer = self.start + i
             sa = block.self_attn
@@ -261,11 +262,11 @@ class Blocks(nn.Module):
             cos, sin = ropes[self.kinds[i]]
             rot = self.rot[self.kinds[i]]
             q, k = rotate(q, cos, sin, rot, self.head_dim), rotate(k, cos, sin, rot, self.head_dim)
-            k_cache, v_cache, ctx = keys.attend(
+            new_k, new_v, ctx = keys.attend(
                 q, (past[2 * i], k), (past[2 * i + 1], v), masks[self.windows[i]], self.scale,
                 capped,
             )  # fmt: skip
-            presents += [k_cache, v_cache]
+            new_kv += [new_k, new_v]
             attn = self.lora.apply(sa.o_proj, merge_heads(ctx), layer, "o", adapters)
             if self.spec.sandwich:
                 attn = block.post_attention_layernorm(attn)
@@ -277,7 +278,7 @@ class Blocks(nn.Module):
             else:
                 mlp = self._mlp(block.mlp, block.post_attention_layernorm(hidden), layer, adapters)
             hidden = hidden + mlp
-        return (hidden, *presents)
+        return (hidden, *new_kv)
 
 
 def config_of(model: Any, spec: Decoder) -> dict[str, int | float | str]:

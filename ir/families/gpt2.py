@@ -2,8 +2,9 @@
 
 A block stage takes hidden states, an attention mask over the past and new keys (padding
 for batches of sessions of different lengths, `PaddedKeys`) and, per block, the past keys and
-values (batch, heads, past, head_dim); it returns new hidden states and the present keys and
-values (past + this step), so after the prompt each step sends one token's hidden state.
+values (batch, heads, past, head_dim); it returns new hidden states and this step's keys and
+values (`new_*`, which the caller writes into its cache), so after the prompt each step sends
+one token's hidden state.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Blocks(nn.Module):
         keys = PaddedKeys(attention_mask, hidden.shape[1])
         mask = keys.mask()
         scale = 1.0 / math.sqrt(self.head_dim)
-        presents: list[torch.Tensor] = []
+        new_kv: list[torch.Tensor] = []  # each block's new keys and values
         for i, block in enumerate(cast(Any, self.blocks)):
             layer = self.start + i
             h = block.ln_1(hidden)
@@ -81,21 +82,19 @@ class Blocks(nn.Module):
             q = heads(q, self.n_heads, self.head_dim)
             k = heads(k, self.n_heads, self.head_dim)
             v = heads(v, self.n_heads, self.head_dim)
-            k_cache, v_cache, ctx = keys.attend(
-                q, (past[2 * i], k), (past[2 * i + 1], v), mask, scale
-            )
-            presents += [k_cache, v_cache]
+            new_k, new_v, ctx = keys.attend(q, (past[2 * i], k), (past[2 * i + 1], v), mask, scale)
+            new_kv += [new_k, new_v]
             ctx = merge_heads(ctx)
             hidden = hidden + self.lora.apply(block.attn.c_proj, ctx, layer, "o", adapters)
             mlp = block.mlp
             hidden = hidden + mlp.c_proj(mlp.act(mlp.c_fc(block.ln_2(hidden))))
-        return (hidden, *presents)
+        return (hidden, *new_kv)
 
 
 def kv_names(layers: range) -> tuple[list[str], list[str]]:
     past = [f"past_{kind}.{i}" for i in layers for kind in ("key", "value")]
-    present = [f"present_{kind}.{i}" for i in layers for kind in ("key", "value")]
-    return past, present
+    new = [f"new_{kind}.{i}" for i in layers for kind in ("key", "value")]  # the new tokens'
+    return past, new
 
 
 def decoder_stages(
@@ -125,13 +124,13 @@ def decoder_stages(
     stages = []
     for start, end in split_layers(n_layers, n_stages):
         lora = LoraSlots(adapters, range(start, end), lora_shapes)
-        past_names, present_names = kv_names(range(start, end))
+        past_names, new_names = kv_names(range(start, end))
         past = tuple(torch.randn(batch, kv_heads, past_len, head_dim) for _ in past_names)
         axes: dict[str, dict[int, str]] = {
             "hidden_states": {0: BATCH, 1: SEQ},
             "hidden_states_out": {0: BATCH, 1: SEQ},
             **{n: {0: BATCH, 2: PAST} for n in past_names},
-            **{n: {0: BATCH, 2: TOTAL} for n in present_names},
+            **{n: {0: BATCH, 2: SEQ} for n in new_names},
             **{name: ax for name, _, ax in extra_inputs},
             **lora.dynamic_axes(),
         }
@@ -146,7 +145,7 @@ def decoder_stages(
                     *past_names,
                     *lora.input_names,
                 ],
-                output_names=["hidden_states_out", *present_names],
+                output_names=["hidden_states_out", *new_names],
                 example_inputs=(
                     hidden,
                     *[t for _, t, _ in extra_inputs],

@@ -12,7 +12,7 @@ import torch
 from ir.executors import OrtExecutor
 from ir.manifest import ModelManifest
 from ir.package import load_package
-from ir.pipeline import LocalPipeline
+from ir.pipeline import LocalPipeline, room
 from p2p.tensor import through_wire
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,23 +80,26 @@ def test_after_the_prompt_each_step_sends_one_token_of_hidden_state(llama: Any, 
     cache = pipeline.new_cache()
     pipeline.step(np.array([[5, 17, 42]], dtype=np.int64), 0, cache)
     stage = manifest.provider_stages()[0]
-    assert cache[stage.index]["past_key.0"].shape[2] == 3
+    key = cache[stage.index]["past_key.0"]
+    assert key.shape[2] == room(3)  # its 3 tokens, and room for more after them
     seen: list[tuple[int, ...]] = []
     executor = pipeline.executors[stage.index]
     original = executor.run
     executor.run = lambda feeds: (seen.append(feeds["hidden_states"].shape), original(feeds))[1]  # type: ignore[method-assign]
     pipeline.step(np.array([[9]], dtype=np.int64), 3, cache)
     assert seen == [(1, 1, int(manifest.config["hidden_size"]))]
-    assert cache[stage.index]["past_key.0"].shape[2] == 4
+    assert cache[stage.index]["past_key.0"] is key  # the 4th token's written in place
+    assert not key[:, :, 4:].any()  # (and nothing after it)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_decoder_stage_copies_its_kv_cache_once_a_step(
+def test_a_decoder_stage_copies_no_kv_cache(
     request: pytest.FixtureRequest, build: Any, family: str
 ) -> None:
-    """Attention reads the past keys and values where they are: the only node that copies
-    them is the one appending the new token's (`present_*`), and none repeats them per
-    query head (the tiny Llama has 4 query heads on 2 key heads)."""
+    """Attention reads the past keys and values where they are: no node joins them to the
+    new token's (the stage outputs only the new tokens' keys and values, `new_*`, which its
+    caller writes into the cache in place), and none repeats them per query head (the tiny
+    Llama has 4 query heads on 2 key heads)."""
     import onnx
 
     manifest, directory = build(request.getfixturevalue(family), 2)
@@ -104,5 +107,8 @@ def test_a_decoder_stage_copies_its_kv_cache_once_a_step(
     graph = onnx.load(str(directory / stage.file), load_external_data=False).graph
     pasts = {i.name for i in stage.inputs if i.name.startswith("past_")}
     readers = {p: [n.op_type for n in graph.node if p in n.input] for p in sorted(pasts)}
-    assert pasts and all(ops.count("Concat") == 1 for ops in readers.values()), readers
+    assert pasts and all("Concat" not in ops for ops in readers.values()), readers
+    news = {o.name for o in stage.outputs if o.name.startswith("new_")}
+    assert news == {p.replace("past_", "new_") for p in pasts}
+    assert all(o.shape[2] == "sequence" for o in stage.outputs if o.name in news)
     assert not {"Tile", "Expand"} & {n.op_type for n in graph.node}

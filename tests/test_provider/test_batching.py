@@ -9,12 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
+import onnx
 import pytest
 
 from ir.executors.ort import OrtExecutor
+from ir.manifest import StageInfo
 from ir.package import load_package
-from ir.pipeline import LocalPipeline
+from ir.pipeline import LocalPipeline, appends
 from p2p import ErrorCode, Refused, Tensor
 from proto.session import (
     SessionClose,
@@ -107,21 +110,7 @@ def test_sixteen_concurrent_sessions_share_runs_and_keep_their_solo_tokens(
     prompts = [[int(t) for t in rng.integers(1, 512, size=3 + i)] for i in range(SESSIONS)]
     solo = [greedy_with_gaps(package, p, NEW_TOKENS) for p in prompts]
     servers = _servers(package, max_batch=SESSIONS, batch_window_s=0.005)
-    got: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            got[i] = _generate(pipe, servers, f"s{i}", prompts[i])
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(SESSIONS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
+    got = _concurrently(pipe, servers, prompts)
     for i, (tokens, gaps) in enumerate(solo):
         assert same_as_alone(got[i], tokens, gaps, ROUNDING[precision]), (
             precision,
@@ -133,6 +122,90 @@ def test_sixteen_concurrent_sessions_share_runs_and_keep_their_solo_tokens(
     assert {e["stage"] for e in runs} == {_key(s) for s in servers}
     assert max(e["largest"] for e in runs) > 1, runs  # runs held several sessions
     assert all(s.kv_bytes() == 0 and not s.sessions for s in servers)
+
+
+def _concurrently(
+    pipe: LocalPipeline, servers: list[Server], prompts: list[list[int]]
+) -> dict[int, list[int]]:
+    """Each prompt's generation, all at once (a thread each)."""
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            got[i] = _generate(pipe, servers, f"s{i}", prompts[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    return got
+
+
+def test_stages_that_output_their_whole_cache_still_generate_alone_and_batched(
+    llama3_packages: dict[str, Path], events: list[dict[str, Any]]
+) -> None:
+    """Packages split before stages output only their new keys and values output the whole
+    cache again (`present_*`): the provider and the local pipeline still run them, alone and
+    in batches, to the same tokens."""
+    loaded = load_package(llama3_packages["fp32"])
+    manifest = loaded.manifest
+    runs = [OrtExecutor(loaded.models[s.index], threads=1) for s in manifest.stages]
+    stages = [
+        manifest.stages[0],
+        *(_whole_cache(loaded.models[s.index], s)[1] for s in manifest.stages[1:-1]),
+        manifest.stages[-1],
+    ]
+    old = msgspec.structs.replace(manifest, stages=stages)
+    old_runs = [
+        runs[0],
+        *(
+            OrtExecutor(_whole_cache(loaded.models[s.index], s)[0], threads=1)
+            for s in manifest.stages[1:-1]
+        ),
+        runs[-1],
+    ]
+    assert all(not appends(s) for s in stages[1:-1])
+    prompts = [[5, 17, 42, 7], [9, 3], [100, 200, 300, 400, 500, 11, 12]]
+    want = [LocalPipeline(manifest, runs).generate_greedy(p, NEW_TOKENS) for p in prompts]
+    assert [LocalPipeline(old, old_runs).generate_greedy(p, NEW_TOKENS) for p in prompts] == want
+    servers = []
+    for info, executor in zip(stages[1:-1], old_runs[1:-1], strict=True):
+        server = Server(max_batch=4, batch_window_s=0.005)
+        server.add(LoadedStage(f"m/{info.index}", info, executor, "active"))
+        server.batcher.report_s = 0.0
+        servers.append(server)
+    got = _concurrently(LocalPipeline(manifest, runs), servers, prompts)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert max(e["largest"] for e in events if e["event"] == "batches") > 1
+    assert all(s.kv_bytes() == 0 and not s.sessions for s in servers)
+
+
+def _whole_cache(model: onnx.ModelProto, info: StageInfo) -> tuple[onnx.ModelProto, StageInfo]:
+    """A decoder stage as packages split before built it: each block's cache output is its
+    whole cache again, past then new (`present_*`)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for out in model.graph.output:
+        if out.name.startswith("new_"):
+            past, present = out.name.replace("new_", "past_"), out.name.replace("new_", "present_")
+            model.graph.node.append(
+                onnx.helper.make_node("Concat", [past, out.name], [present], axis=2)
+            )
+            out.name = present
+            out.type.tensor_type.shape.dim[2].dim_param = "total"
+    outputs = [
+        msgspec.structs.replace(
+            o, name=o.name.replace("new_", "present_"), shape=[*o.shape[:2], "total", *o.shape[3:]]
+        )
+        if o.name.startswith("new_")
+        else o
+        for o in info.outputs
+    ]
+    return model, msgspec.structs.replace(info, outputs=outputs)
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -163,35 +236,51 @@ def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
             }
             steps.append(Step(session, feeds))
         for second in (False, True):
-            alone = [executor.run(pad([step])) for step in steps]  # (reads a shared row)
+            want = [_alone(executor, step) for step in steps]  # (reads a shared row)
             feeds = shared_feeds(steps)
             assert (feeds is not None) == (second and kept)  # then it copies no cache
-            batched = split(executor.run(feeds if feeds is not None else pad(steps)), steps)
-            for step, row, want in zip(steps, batched, alone, strict=True):
+            if feeds is None:
+                feeds = pad(steps, extra=40)
+            arrays = {k: v for k, v in feeds.items() if k.startswith("past_")}
+            batched = split(executor.run(feeds), steps, feeds)
+            for step, row, (outputs, cache) in zip(steps, batched, want, strict=True):
                 session = step.session
                 if kept:
                     assert step.shared is not None
                     rows, i = step.shared
-                    row = {
-                        **row,
-                        **{n.replace("past_", "present_"): v for n, v in rows.row(i).items()},
-                    }
+                    assert all(rows.arrays[k] is v for k, v in arrays.items())  # in place
+                    got = rows.row(i)
                     session.kv, session.shared = {}, step.shared  # as the server keeps it
                 else:
                     assert step.shared is None
-                    session.cache = {
+                    got = {
                         n.replace("present_", "past_"): v
                         for n, v in row.items()
                         if n.startswith("present_")
                     }
-                assert want.keys() == row.keys()
-                for name, value in want.items():
-                    assert np.array_equal(value, row[name]), (package.name, session.past_len)
+                    session.cache = got
+                row = {n: v for n, v in row.items() if not n.startswith("present_")}
+                assert outputs.keys() == row.keys() and cache.keys() == got.keys()
+                for name, value in [*outputs.items(), *cache.items()]:
+                    mine = row.get(name, got.get(name))
+                    assert np.array_equal(value, mine), (package.name, session.past_len, name)
                 session.past_len += 1
                 step.feeds = {
                     "hidden_states": rng.standard_normal((1, 1, 128)).astype(dtype),
                     "position_ids": np.array([[session.past_len]]),
                 }
+
+
+def _alone(executor: OrtExecutor, step: Step) -> tuple[dict[str, Array], dict[str, Array]]:
+    """A step's outputs run alone, unpadded, but its new keys and values; and its cache
+    after it (the new ones after its tokens)."""
+    n = step.session.past_len
+    outputs = executor.run(pad([step]))
+    cache = {
+        name: np.concatenate([value[:, :, :n], outputs[name.replace("past_", "new_")]], axis=2)
+        for name, value in step.session.peek().items()
+    }
+    return {k: v for k, v in outputs.items() if not k.startswith("new_")}, cache
 
 
 def test_steps_are_checked_one_at_a_time_per_session_and_bad_ones_fail_alone(
