@@ -112,6 +112,8 @@ def next_cache(
             old = array
         if min(lengths) == need - count:  # every row as long: one copy for them all
             old[:, :, need - count : need] = tokens
+        elif count == 1:  # a batch's step: each row's token after its own, in one write
+            old[np.arange(len(lengths)), :, np.asarray(lengths)] = tokens[:, :, 0]
         else:
             for row, n in enumerate(lengths):
                 old[row, :, n : n + count] = tokens[row]

@@ -12,7 +12,7 @@ import torch
 from ir.executors import OrtExecutor
 from ir.manifest import ModelManifest
 from ir.package import load_package
-from ir.pipeline import LocalPipeline, room
+from ir.pipeline import LocalPipeline, next_cache, room
 from p2p.tensor import through_wire
 
 pytestmark = pytest.mark.timeout(300)
@@ -112,3 +112,33 @@ def test_a_decoder_stage_copies_no_kv_cache(
     assert news == {p.replace("past_", "new_") for p in pasts}
     assert all(o.shape[2] == "sequence" for o in stage.outputs if o.name in news)
     assert not {"Tile", "Expand"} & {n.op_type for n in graph.node}
+
+
+def test_new_keys_are_written_after_each_rows_tokens_in_place_or_in_a_grown_copy() -> None:
+    rng = np.random.default_rng(0)
+    cache = {"past_key.0": rng.standard_normal((3, 2, 10, 4)).astype(np.float32)}
+    before = cache["past_key.0"].copy()
+    new = rng.standard_normal((3, 2, 1, 4)).astype(np.float32)
+    kept = next_cache(cache, [3, 9, 5], {"new_key.0": new, "hidden_states_out": new})
+    assert kept is not None
+    arrays, longest = kept
+    assert longest == 10 and arrays["past_key.0"] is cache["past_key.0"]  # room: in place
+    for row, n in enumerate([3, 9, 5]):
+        got, want = arrays["past_key.0"][row], before[row].copy()
+        want[:, n] = new[row, :, 0]
+        assert np.array_equal(got, want)  # its token after its own, nothing else changed
+    # two more tokens for every row: the longest has no room, so a copy with room grows
+    two = rng.standard_normal((3, 2, 2, 4)).astype(np.float32)
+    kept = next_cache(arrays, [4, 10, 6], {"new_key.0": two})
+    assert kept is not None
+    grown, longest = kept
+    assert longest == 12 and grown["past_key.0"].shape == (3, 2, room(12), 4) == (3, 2, 44, 4)
+    assert np.array_equal(grown["past_key.0"][1, :, :10], arrays["past_key.0"][1])
+    assert np.array_equal(grown["past_key.0"][1, :, 10:12], two[1])
+    assert np.array_equal(grown["past_key.0"][0, :, 4:6], two[0])
+    assert not grown["past_key.0"][1, :, 12:].any()
+    # a stage split before gives its whole cache again: that is the cache
+    whole = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    assert next_cache({}, [4], {"present_key.0": whole}) == ({"past_key.0": whole}, 5)
+    assert next_cache(cache, [3], {"hidden_states_out": new}) is None
+    assert room(1000) == 1125  # long caches grow by an eighth
