@@ -71,6 +71,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/http_api.py
 	$(PY) benchmarks/e2e.py
 	$(PY) benchmarks/concurrency.py
+	$(PY) benchmarks/kv_cache.py
 	$(PY) benchmarks/gateways.py
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/pretrain.py

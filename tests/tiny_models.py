@@ -327,3 +327,30 @@ def tokenizer_of(package: Path) -> Path:
 
     name = json.loads((package / "manifest.json").read_text())["tokenizer"]
     return package / name
+
+
+def whole_cache_stage(model: Any, info: Any) -> tuple[Any, Any]:
+    """A decoder stage (`onnx.ModelProto`, `StageInfo`) as packages split before stages output
+    only their new keys and values built it: each block's cache output is its whole cache
+    again, past then new (`present_*`: a copy of the cache every step)."""
+    import msgspec
+    import onnx
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for out in model.graph.output:
+        if out.name.startswith("new_"):
+            past, present = out.name.replace("new_", "past_"), out.name.replace("new_", "present_")
+            model.graph.node.append(
+                onnx.helper.make_node("Concat", [past, out.name], [present], axis=2)
+            )
+            out.name = present
+            out.type.tensor_type.shape.dim[2].dim_param = "total"
+    outputs = [
+        msgspec.structs.replace(
+            o, name=o.name.replace("new_", "present_"), shape=[*o.shape[:2], "total", *o.shape[3:]]
+        )
+        if o.name.startswith("new_")
+        else o
+        for o in info.outputs
+    ]
+    return model, msgspec.structs.replace(info, outputs=outputs)

@@ -11,11 +11,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import onnx
 import pytest
 
 from ir.executors.ort import OrtExecutor
-from ir.manifest import StageInfo
 from ir.package import load_package
 from ir.pipeline import LocalPipeline, appends
 from p2p import ErrorCode, Refused, Tensor
@@ -33,7 +31,7 @@ from provider.events import add_event_sink, remove_event_sink
 from provider.gate import ComputeGate
 from provider.serving import Server
 from provider.stage import LoadedStage, Session
-from tests.tiny_models import ROUNDING, greedy_with_gaps, same_as_alone
+from tests.tiny_models import ROUNDING, greedy_with_gaps, same_as_alone, whole_cache_stage
 
 pytestmark = pytest.mark.timeout(120)
 Array = np.ndarray[Any, Any]
@@ -155,20 +153,10 @@ def test_stages_that_output_their_whole_cache_still_generate_alone_and_batched(
     loaded = load_package(llama3_packages["fp32"])
     manifest = loaded.manifest
     runs = [OrtExecutor(loaded.models[s.index], threads=1) for s in manifest.stages]
-    stages = [
-        manifest.stages[0],
-        *(_whole_cache(loaded.models[s.index], s)[1] for s in manifest.stages[1:-1]),
-        manifest.stages[-1],
-    ]
+    olds = [whole_cache_stage(loaded.models[s.index], s) for s in manifest.stages[1:-1]]
+    stages = [manifest.stages[0], *(info for _, info in olds), manifest.stages[-1]]
     old = msgspec.structs.replace(manifest, stages=stages)
-    old_runs = [
-        runs[0],
-        *(
-            OrtExecutor(_whole_cache(loaded.models[s.index], s)[0], threads=1)
-            for s in manifest.stages[1:-1]
-        ),
-        runs[-1],
-    ]
+    old_runs = [runs[0], *(OrtExecutor(m, threads=1) for m, _ in olds), runs[-1]]
     assert all(not appends(s) for s in stages[1:-1])
     prompts = [[5, 17, 42, 7], [9, 3], [100, 200, 300, 400, 500, 11, 12]]
     want = [LocalPipeline(manifest, runs).generate_greedy(p, NEW_TOKENS) for p in prompts]
@@ -183,29 +171,6 @@ def test_stages_that_output_their_whole_cache_still_generate_alone_and_batched(
     assert [got[i] for i in range(len(prompts))] == want
     assert max(e["largest"] for e in events if e["event"] == "batches") > 1
     assert all(s.kv_bytes() == 0 and not s.sessions for s in servers)
-
-
-def _whole_cache(model: onnx.ModelProto, info: StageInfo) -> tuple[onnx.ModelProto, StageInfo]:
-    """A decoder stage as packages split before built it: each block's cache output is its
-    whole cache again, past then new (`present_*`)."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    for out in model.graph.output:
-        if out.name.startswith("new_"):
-            past, present = out.name.replace("new_", "past_"), out.name.replace("new_", "present_")
-            model.graph.node.append(
-                onnx.helper.make_node("Concat", [past, out.name], [present], axis=2)
-            )
-            out.name = present
-            out.type.tensor_type.shape.dim[2].dim_param = "total"
-    outputs = [
-        msgspec.structs.replace(
-            o, name=o.name.replace("new_", "present_"), shape=[*o.shape[:2], "total", *o.shape[3:]]
-        )
-        if o.name.startswith("new_")
-        else o
-        for o in info.outputs
-    ]
-    return model, msgspec.structs.replace(info, outputs=outputs)
 
 
 @pytest.mark.parametrize("kept", [True, False])
