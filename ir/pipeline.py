@@ -107,8 +107,10 @@ def next_cache(
     for name, tokens in new.items():
         old = cache[name]
         if old.shape[2] < need or not old.flags.writeable:
-            array = np.zeros((*old.shape[:2], room(need), old.shape[3]), dtype=old.dtype)
-            array[:, :, : need - count] = old[:, :, : need - count]
+            rows, heads, _, dim = tokens.shape  # (an empty cache may be given as one row)
+            array = np.zeros((rows, heads, room(need), dim), dtype=old.dtype)
+            if need > count:
+                array[:, :, : need - count] = old[:, :, : need - count]
             old = array
         if min(lengths) == need - count:  # every row as long: one copy for them all
             old[:, :, need - count : need] = tokens

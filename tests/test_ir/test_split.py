@@ -142,3 +142,17 @@ def test_new_keys_are_written_after_each_rows_tokens_in_place_or_in_a_grown_copy
     assert next_cache({}, [4], {"present_key.0": whole}) == ({"past_key.0": whole}, 5)
     assert next_cache(cache, [3], {"hidden_states_out": new}) is None
     assert room(1000) == 1125  # long caches grow by an eighth
+
+
+def test_an_empty_cache_of_one_row_takes_a_prompt_of_several(llama: Any, build: Any) -> None:
+    """`new_cache()` (one row) for a step of two rows: the cache after it has both rows, and
+    their logits are each row's alone."""
+    _, directory = build(llama, 2)
+    pipeline = ort_pipeline(directory)
+    rows = np.array([[5, 17, 42], [9, 8, 7]], dtype=np.int64)
+    cache = pipeline.new_cache()
+    logits = pipeline.step(rows, 0, cache)
+    assert all(a.shape[0] == 2 for c in cache.values() for a in c.values())
+    for i in range(2):
+        alone = pipeline.step(rows[i : i + 1], 0, pipeline.new_cache())
+        assert np.allclose(alone, logits[i : i + 1], atol=1e-5)
