@@ -237,8 +237,8 @@ def test_a_padded_batch_computes_each_row_as_alone_bit_for_bit(
 
 
 def _alone(executor: OrtExecutor, step: Step) -> tuple[dict[str, Array], dict[str, Array]]:
-    """A step's outputs run alone, unpadded, but its new keys and values; and its cache
-    after it (the new ones after its tokens)."""
+    """A step run alone, unpadded: its outputs but its new keys and values, and its cache
+    after it (its tokens, then the new ones)."""
     n = step.session.past_len
     outputs = executor.run(pad([step]))
     cache = {
