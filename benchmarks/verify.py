@@ -239,7 +239,9 @@ def swarm_latency(
                 )  # (no StepMux: it would hold each session's step for the other's)
                 if not on:  # (a check's sessions: the providers commit to nothing)
                     opening = s._opening
-                    s._opening = lambda stage, sid, check=False: opening(stage, sid, True)  # type: ignore[method-assign]
+                    s._opening = lambda stage, sid, peer, check=False: opening(  # type: ignore[method-assign]
+                        stage, sid, peer, True
+                    )
                 return s
 
             for r in range(rounds):
