@@ -43,7 +43,7 @@ def key_mask(stage: StageInfo, batch: int, total: int) -> dict[str, Array]:
     plus new), if it takes one."""
     if not batchable(stage):
         return {}
-    return {KEY_MASK: np.ones((batch, total), dtype=np.int64)}
+    return {KEY_MASK: cache_mask([0] * batch, 0, total)}
 
 
 NEW_KV = "new_"  # a decoder stage's outputs of its new tokens' keys and values: `new_key.N`
@@ -68,10 +68,8 @@ def room(tokens: int) -> int:
 def cache_mask(lengths: Sequence[int], width: int, new: int) -> Array:
     """`attention_mask` for rows holding `lengths[i]` tokens at the start of a cache `width`
     long (padding after them), and `new` tokens each after it."""
-    mask = np.zeros((len(lengths), width + new), dtype=np.int64)
-    mask[:, width:] = 1
-    for row, n in enumerate(lengths):
-        mask[row, :n] = 1
+    mask = np.ones((len(lengths), width + new), dtype=np.int64)
+    mask[:, :width] = np.arange(width) < np.asarray(lengths)[:, None]
     return mask
 
 
