@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import warnings
@@ -11,6 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.procs import Proc
+
+# One OpenMP thread per process (torch's intra-op pool; set before torch is imported, and
+# inherited by the processes tests start). The suite runs a worker per core, each starting
+# processes of its own: torch's default (a thread per core, spinning while it waits) then
+# fights the other worker for both cores. Training the demo's decoder took 99 s beside one
+# busy process with 2 threads and 7.8 s with 1 (8.6 s with 1 thread alone, 9.5 with 2).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
