@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/e2e.py
 	$(PY) benchmarks/concurrency.py
 	$(PY) benchmarks/kv_cache.py
+	$(PY) benchmarks/sampling.py
 	$(PY) benchmarks/gateways.py
 	$(PY) benchmarks/finetune.py
 	$(PY) benchmarks/pretrain.py

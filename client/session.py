@@ -420,7 +420,12 @@ async def generate(
         raise ClientStageError("the prompt has no tokens")
     logits = await session.feed(prompt)
     for i in range(max_new_tokens):
-        token = sampler.pick(logits)
+        if session.mux is not None:  # (with the other sessions' picks, off the loop)
+            token = await session.mux.sample(sampler, logits)
+        elif sampler.greedy:
+            token = sampler.pick(logits)
+        else:  # (a temperature over a large vocabulary: milliseconds)
+            token = await asyncio.to_thread(sampler.pick, logits)
         yield token
         if token in stops or i + 1 == max_new_tokens:
             return

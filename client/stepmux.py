@@ -15,11 +15,13 @@ Likewise one-token embeddings and heads of a model run as one batch (`embed`, `h
 a batch come out as they would alone (the stages' matrix products compute each row on its
 own; an embedding is a lookup). An embedding waits a few milliseconds at most for the model's
 other active sessions, so that sessions that fell out of step (their prompts differ in
-length) come back in step and their steps travel together from then on. A batch runs in a
-worker thread, off the event loop, unless the last run of its kind took under `INLINE_S` a
-row times its rows: then it runs on the loop, where a small model's one-token embedding or
-head takes less time than the hand-off to a thread and back (two wake-ups, about half a
-millisecond of a token's time on a busy machine).
+length) come back in step and their steps travel together from then on. The sessions'
+sampled tokens are then picked together too (`sample`; each with its own sampler, so each
+gets what it would alone): a temperature over a large vocabulary takes milliseconds a row.
+A batch runs in a worker thread, off the event loop, unless the last run of its kind took
+under `INLINE_S` a row times its rows: then it runs on the loop, where a small model's
+one-token embedding or head takes less time than the hand-off to a thread and back (two
+wake-ups, about half a millisecond of a token's time on a busy machine).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from client.sampling import Sampler
 from client.stages import ClientStages
 from p2p import ErrorCode, Host, RemoteError
 from proto.session import (
@@ -50,13 +53,37 @@ ACTIVE_S = 1.0  # a session that asked this recently is expected back, seconds
 INLINE_S = 0.0005  # a run expected to take less than this runs on the event loop, seconds
 
 
+Rows = list[tuple[Any, ...]]  # each row's arguments
+
+
 @dataclass
 class _Run:
-    """Client stage rows gathering for one run."""
+    """Rows gathering for one run: `fn` gives each row's result, or the exception it raised."""
 
-    fn: Callable[..., Array]
-    rows: list[tuple[tuple[Array, ...], asyncio.Future[Array]]] = field(default_factory=list)
+    fn: Callable[[Rows], list[Any]]
+    rows: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = field(default_factory=list)
     timer: asyncio.TimerHandle | None = None
+
+
+def _stacked(fn: Callable[..., Array]) -> Callable[[Rows], list[Any]]:
+    """A client stage run on rows stacked into one batch, cut back into rows."""
+
+    def run(rows: Rows) -> list[Any]:
+        out = fn(*[np.concatenate(c) for c in zip(*rows, strict=True)])
+        return [out[i : i + 1] for i in range(len(rows))]
+
+    return run
+
+
+def _picks(rows: Rows) -> list[Any]:
+    """Each row's sampler's token from its logits (or why it has none: that row's alone)."""
+    out: list[Any] = []
+    for sampler, logits in rows:
+        try:
+            out.append(sampler.pick(logits))
+        except Exception as exc:
+            out.append(exc)
+    return out
 
 
 @dataclass
@@ -74,7 +101,8 @@ class StepMux:
         self._pending: dict[str, _Pending] = {}
         self._single: set[str] = set()  # providers that take one step a message
         self._tasks: set[asyncio.Task[None]] = set()
-        self._runs: dict[tuple[int, str], _Run] = {}  # (id(stages), "embed" or "head")
+        self._runs: dict[tuple[int, str], _Run] = {}  # (id(stages), "embed" or "head"),
+        # or (0, "sample")
         self._active: dict[int, dict[str, float]] = {}  # id(stages) -> session -> last embed
         self._row_s: dict[tuple[int, str], float] = {}  # a run's seconds a row, the last run
         # of each kind (none yet: the first runs in a thread)
@@ -99,6 +127,14 @@ class StepMux:
 
         return await self._batched(stages, "head", 1, head, hidden)
 
+    async def sample(self, sampler: Sampler, logits: Array) -> int:
+        """`sampler.pick(logits)`, with the other sessions' picks of this turn (see the
+        module); a greedy pick (an argmax) at once."""
+        if sampler.greedy:
+            return sampler.pick(logits)
+        token: int = await self._gather((0, "sample"), 1, _picks, sampler, logits)
+        return token
+
     def forget(self, stages: ClientStages, who: str) -> None:
         """A session that ended is not waited for."""
         self._active.get(id(stages), {}).pop(who, None)
@@ -113,9 +149,16 @@ class StepMux:
     ) -> Array:
         if args[0].shape[:2] != (1, 1):  # a prompt: alone
             return await asyncio.to_thread(fn, *args)
+        out: Array = await self._gather((id(stages), kind), expected, _stacked(fn), *args)
+        return out
+
+    async def _gather(
+        self, key: tuple[int, str], expected: int, fn: Callable[[Rows], list[Any]], *args: Any
+    ) -> Any:
+        """`args`' row's result of a run of `fn` on the rows gathered under `key`: at the end
+        of this turn once `expected` rows are in, else after `GATHER_S`."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Array] = loop.create_future()
-        key = (id(stages), kind)
+        future: asyncio.Future[Any] = loop.create_future()
         run = self._runs.get(key)
         if run is None:
             run = self._runs[key] = _Run(fn)
@@ -133,45 +176,44 @@ class StepMux:
             return
         rows, fn = gathered.rows, gathered.fn
 
-        def timed(*columns: Array) -> Array:
+        def timed() -> list[Any]:
             start = time.perf_counter()
-            out = fn(*columns)
+            out = fn([a for a, _ in rows])
             self._row_s[key] = (time.perf_counter() - start) / len(rows)
             return out
 
-        def deliver(out: Array | None, exc: BaseException | None) -> None:
+        def deliver(out: list[Any] | BaseException) -> None:  # (the run's failure: every row's)
             for i, (_, future) in enumerate(rows):
+                result = out if isinstance(out, BaseException) else out[i]
                 if future.done():
                     continue
-                if exc is not None:
-                    future.set_exception(exc if isinstance(exc, Exception) else RuntimeError())
+                if isinstance(result, BaseException):
+                    future.set_exception(
+                        result if isinstance(result, Exception) else RuntimeError()
+                    )
                 else:
-                    assert out is not None
-                    future.set_result(out[i : i + 1])
-
-        def columns() -> list[Array]:
-            return [np.concatenate(c) for c in zip(*(a for a, _ in rows), strict=True)]
+                    future.set_result(result)
 
         row_s = self._row_s.get(key)
         if row_s is not None and row_s * len(rows) < INLINE_S:  # quicker than a thread
             self.inline += 1
             try:
-                out = timed(*columns())
+                out = timed()
             except Exception as exc:
-                deliver(None, exc)
+                deliver(exc)
             else:
-                deliver(out, None)
+                deliver(out)
             return
 
         async def run() -> None:
             try:
-                out = await asyncio.to_thread(timed, *columns())
+                out = await asyncio.to_thread(timed)
             except BaseException as exc:
-                deliver(None, exc)
+                deliver(exc)
                 if not isinstance(exc, Exception):
                     raise
                 return
-            deliver(out, None)
+            deliver(out)
 
         task = asyncio.ensure_future(run())
         self._tasks.add(task)
