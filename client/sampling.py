@@ -35,8 +35,12 @@ class Sampler:
         if self.greedy:
             return int(np.argmax(logits))
         z = np.asarray(logits, dtype=np.float64) / self.temperature
-        p = np.exp(z - z.max())
-        p /= p.sum()
+        with np.errstate(invalid="ignore"):  # (inf - inf: NaN, refused below)
+            p = np.exp(z - z.max())
+        total = p.sum()
+        if not np.isfinite(total):
+            raise ValueError("the logits hold NaN or infinity: no token can be sampled")
+        p /= total
         if self.top_p < 1.0:  # (drawn among the nucleus only: the rest have no chance)
             kept = nucleus(p, self.top_p)
             q = p[kept]

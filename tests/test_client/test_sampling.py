@@ -62,6 +62,11 @@ def test_tokens_are_drawn_from_the_nucleus_at_its_probabilities_and_repeat_with_
     big = np.random.default_rng(1).standard_normal(32_000) * 4
     assert [again[0].pick(big) for _ in range(20)] == [again[1].pick(big) for _ in range(20)]
     assert Sampler(0.0).pick(big) == Sampler(0.5, 0.0).pick(big) == int(np.argmax(big))
+    masked = np.array([0.0, -np.inf, 1.0, -np.inf])  # (tokens ruled out: never drawn)
+    assert {Sampler(1.0, 0.99, seed=s).pick(masked) for s in range(50)} == {0, 2}
+    for bad in (np.array([1.0, np.nan, 0.0]), np.array([1.0, np.inf, 0.0])):
+        with pytest.raises(ValueError, match="NaN or infinity"):
+            Sampler(1.0, 0.9, seed=0).pick(bad)
 
 
 async def test_concurrent_sessions_picks_run_together_each_as_alone(
