@@ -13,11 +13,12 @@ import pytest
 
 from tests.procs import Proc
 
-# One OpenMP thread per process (torch's intra-op pool; set before torch is imported, and
-# inherited by the processes tests start). The suite runs a worker per core, each starting
-# processes of its own: torch's default (a thread per core, spinning while it waits) then
-# fights the other worker for both cores. Training the demo's decoder took 99 s beside one
-# busy process with 2 threads and 7.8 s with 1 (8.6 s with 1 thread alone, 9.5 with 2).
+# One thread per process for torch's OpenMP pool and numpy's OpenBLAS (both read it; set
+# before either is imported, and inherited by the processes tests start). The suite runs a
+# worker per core, each starting processes of its own: their default (a thread per core,
+# spinning while it waits) then fights the other worker for both cores. Training the demo's
+# decoder took 99 s beside one busy process with 2 threads and 7.8 s with 1 (8.6 s with 1
+# thread alone, 9.5 with 2).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
